@@ -1,0 +1,40 @@
+# tmt: every target sets itself up on a fresh machine (a virtual environment in .venv).
+# TORCH is the pip requirement installed before the package: the default is the local CPU wheel;
+# a GPU machine passes e.g. TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-slow lint format demo bench clean
+
+install: $(STAMP)
+
+# torch first and pinned: an open torch requirement resolved by pip would pull CUDA packages.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+demo: install
+	$(BIN)/tmt train --dry-run
+
+bench: install
+	$(BIN)/python scripts/bench_data.py
+
+clean:
+	rm -rf runs/ .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny config, a tiny generated parallel corpus, isolated caches, no network."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import tempfile
+from pathlib import Path
+
+# Before anything imports datasets: no hub access, and caches inside a throwaway directory.
+_SCRATCH = Path(tempfile.mkdtemp(prefix="tmt-tests-"))
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HOME"] = str(_SCRATCH / "hf")
+os.environ["HF_DATASETS_CACHE"] = str(_SCRATCH / "hf" / "datasets")
+os.environ["TMT_CACHE"] = str(_SCRATCH / "tmt-cache")
+
+import pytest  # noqa: E402
+
+from transformer_mt.config import Config, load_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = [
+    "ka",
+    "lo",
+    "mi",
+    "nu",
+    "pe",
+    "ri",
+    "so",
+    "tu",
+    "va",
+    "we",
+    "xi",
+    "yo",
+    "za",
+    "be",
+    "co",
+    "du",
+    "fa",
+    "gi",
+]
+
+
+def reverse_pairs(n: int, seed: int) -> list[tuple[str, str]]:
+    """A reverse task: the target is the source's words in reverse order."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) + rng.choice(WORDS) for _ in range(rng.randint(2, 7))]
+        pairs.append((" ".join(words), " ".join(reversed(words))))
+    return pairs
+
+
+def write_parallel(
+    prefix: Path, pairs: list[tuple[str, str]], src: str = "de", tgt: str = "en"
+) -> Path:
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{prefix}.{src}").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
+    Path(f"{prefix}.{tgt}").write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
+    return prefix
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Prefixes of a 300-pair train and 40-pair valid reverse-task corpus (files source, de→en)."""
+    root = tmp_path_factory.mktemp("tiny_corpus")
+    return {
+        "train": write_parallel(root / "train", reverse_pairs(300, seed=1)),
+        "valid": write_parallel(root / "valid", reverse_pairs(40, seed=2)),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tiny_corpus: dict[str, Path]) -> Config:
+    """configs/tiny.yaml on the tiny corpus, with a vocabulary that corpus can fill."""
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(
+            cfg.data,
+            source="files",
+            train=str(tiny_corpus["train"]),
+            valid=str(tiny_corpus["valid"]),
+        ),
+        tokenizer=dataclasses.replace(cfg.tokenizer, vocab_size=64, byte_fallback=False),
+    )
+
+
+def with_data(cfg: Config, **changes: object) -> Config:
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **changes))

@@ -1,0 +1,100 @@
+"""The command line: help, the dry run's report, one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from transformer_mt.cli import app
+
+REPO = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def tiny_args(tiny_corpus: dict[str, Path]) -> list[str]:
+    return [
+        "--config", "tiny",
+        "--set", "data.source=files",
+        "--set", f"data.train={tiny_corpus['train']}",
+        "--set", f"data.valid={tiny_corpus['valid']}",
+        "--set", "tokenizer.vocab_size=64",
+        "--set", "tokenizer.byte_fallback=false",
+    ]  # fmt: skip
+
+
+def test_help_lists_commands() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    assert "train" in result.output
+    result = runner.invoke(app, ["train", "--help"])
+    assert result.exit_code == 0
+    assert "--dry-run" in result.output and "--set" in result.output
+
+
+def test_help_is_instant_no_heavy_imports() -> None:
+    code = "import sys, transformer_mt.cli; print(sorted(m for m in ('torch', 'datasets', 'sentencepiece') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_module_entry_point_for_torchrun() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "transformer_mt", "--help"], capture_output=True, text=True, cwd=REPO
+    )
+    assert out.returncode == 0 and "train" in out.stdout
+
+
+def test_dry_run_reports_and_ends_with_json(tiny_corpus: dict[str, Path]) -> None:
+    result = runner.invoke(app, ["train", *tiny_args(tiny_corpus), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["pairs"] == 300 and summary["valid_pairs"] == 40
+    assert summary["vocab_size"] == 64
+    assert summary["batches"] >= 1
+    assert 0.5 < summary["padding_efficiency"] <= 1.0
+    assert summary["filters"]["train"]["read"] == 300
+    assert "# resolved config" in result.stdout and "vocab_size: 64" in result.stdout
+    assert (
+        f"train: {tiny_corpus['train']}" in result.stdout
+    )  # the resolved config shows the overrides
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "optim.warmup_step=1"], "unknown key optim.warmup_step; valid keys in optim:"),
+        (["--config", "nope.yaml"], "config 'nope.yaml': no such file or preset"),
+        (
+            ["--set", "data.source=files", "--set", "data.train=/nonexistent/x"],
+            "data.train: neither /nonexistent/x.de",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["train", *args, "--dry-run"])
+    assert result.exit_code == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tmt: error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_real_process_bad_input_has_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  d_model: [\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "transformer_mt", "train", "-c", str(bad), "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"tmt: error: {bad}:")

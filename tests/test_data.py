@@ -1,0 +1,255 @@
+"""Batches: sampler properties, collate shift and padding, filter counts, the encoded cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import reverse_pairs, with_data, write_parallel
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transformer_mt import corpus
+from transformer_mt.config import Config, TmtError
+from transformer_mt.data import TokenBucketSampler, collate, padding_efficiency, prepare_data
+
+# --- TokenBucketSampler ------------------------------------------------------------------------
+
+lengths_strategy = st.lists(
+    st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=300
+)
+
+
+def make(
+    lengths: list[tuple[int, int]], max_tokens: int, seed: int, rank: int = 0, world: int = 1
+) -> TokenBucketSampler:
+    src, tgt = np.array(lengths).T
+    return TokenBucketSampler(src, tgt, max_tokens, seed, rank, world)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=lengths_strategy,
+    max_tokens=st.integers(40, 400),
+    seed=st.integers(0, 9),
+    world=st.integers(1, 4),
+    epoch=st.integers(0, 5),
+)
+def test_every_example_exactly_once_per_epoch_across_ranks(
+    lengths, max_tokens, seed, world, epoch
+) -> None:
+    if len(lengths) < world:
+        return
+    per_rank = [
+        make(lengths, max_tokens, seed, r, world).epoch_batches(epoch) for r in range(world)
+    ]
+    seen = np.concatenate([b for batches in per_rank for b in batches])
+    assert sorted(seen.tolist()) == list(range(len(lengths)))
+    assert len({len(batches) for batches in per_rank}) == 1  # equal batch counts per rank
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=lengths_strategy, max_tokens=st.integers(40, 400), seed=st.integers(0, 9))
+def test_every_batch_fits_the_token_budget(lengths, max_tokens, seed) -> None:
+    sampler = make(lengths, max_tokens, seed)
+    for batch in sampler.epoch_batches(0):
+        longest = max(sampler.src_lengths[batch].max(), sampler.tgt_lengths[batch].max())
+        assert 0 < len(batch) * longest <= max_tokens
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=lengths_strategy, seed=st.integers(0, 9), start=st.integers(0, 50))
+def test_deterministic_per_seed_epoch_and_resumable(lengths, seed, start) -> None:
+    a, b = make(lengths, 120, seed), make(lengths, 120, seed)
+    for epoch in (0, 1):
+        first, again = a.epoch_batches(epoch), b.epoch_batches(epoch)
+        assert [x.tolist() for x in first] == [x.tolist() for x in again]
+        resumed = list(b.iter_epoch(epoch, start))
+        assert [x.tolist() for x in resumed] == [x.tolist() for x in first[start:]]
+
+
+def test_epochs_and_seeds_shuffle_differently() -> None:
+    lengths = [(i % 17 + 1, i % 13 + 1) for i in range(500)]
+    sampler = make(lengths, 100, seed=1)
+    order = lambda batches: np.concatenate(batches).tolist()  # noqa: E731
+    assert order(sampler.epoch_batches(0)) != order(sampler.epoch_batches(1))
+    assert order(sampler.epoch_batches(0)) != order(make(lengths, 100, seed=2).epoch_batches(0))
+
+
+def test_batches_group_similar_lengths() -> None:
+    rng = np.random.default_rng(0)
+    src = rng.integers(1, 60, 5000)
+    tgt = np.clip(src + rng.integers(-3, 4, 5000), 1, None)
+    sampler = TokenBucketSampler(src, tgt, 1000, seed=0)
+    assert padding_efficiency(sampler.epoch_batches(0), src, tgt) > 0.9
+
+
+def test_batch_count_is_split_to_a_multiple_of_world_size() -> None:
+    # 3 pairs of 10 tokens under a 30-token budget pack into one batch; 2 ranks need it split.
+    rank0, rank1 = (make([(10, 10)] * 3, 30, 0, r, 2).epoch_batches(0) for r in (0, 1))
+    assert len(rank0) == len(rank1) == 1
+    assert sorted(np.concatenate(rank0 + rank1).tolist()) == [0, 1, 2]
+
+
+def test_fewer_pairs_than_ranks_is_an_error() -> None:
+    with pytest.raises(TmtError, match="1 pairs cannot be shared by 2 ranks"):
+        make([(3, 3)], 30, 0, 0, 2)
+
+
+def test_unsorted_validation_order_is_stable() -> None:
+    src = np.array([5, 1, 3, 1]), np.array([2, 2, 2, 2])
+    sampler = TokenBucketSampler(*src, max_tokens=100, seed=0, shuffle=False)
+    assert [b.tolist() for b in sampler.epoch_batches(0)] == [[1, 3, 2, 0]]
+    assert [b.tolist() for b in sampler.epoch_batches(0)] == [
+        b.tolist() for b in sampler.epoch_batches(7)
+    ]
+
+
+def test_padding_efficiency_golden() -> None:
+    src, tgt = np.array([2, 4, 3]), np.array([3, 3, 1])
+    # batch [0, 1]: real 2+4+3+3 = 12 of 2*4 + 2*3 = 14; batch [2]: 3+1 of 3+1.
+    assert padding_efficiency([np.array([0, 1]), np.array([2])], src, tgt) == pytest.approx(16 / 18)
+
+
+# --- collate -----------------------------------------------------------------------------------
+
+
+def test_collate_shifts_targets_and_pads() -> None:
+    pad, bos, eos = 0, 2, 3
+    batch = collate([[10, 11, 12], [13]], [[20], [21, 22]], pad, bos, eos)
+    assert batch.src.tolist() == [[10, 11, 12, 3], [13, 3, 0, 0]]
+    assert batch.tgt_in.tolist() == [[2, 20, 0], [2, 21, 22]]
+    assert batch.tgt_out.tolist() == [[20, 3, 0], [21, 22, 3]]
+    assert batch.src.dtype == torch.int64
+    assert batch.n_tokens == 5
+    # tgt_in[t + 1] == tgt_out[t] wherever both are real tokens: the shift is exactly one.
+    assert torch.equal(
+        batch.tgt_in[:, 1:][batch.tgt_in[:, 1:] != pad],
+        batch.tgt_out[:, :-1][batch.tgt_in[:, 1:] != pad],
+    )
+
+
+# --- prepare_data: filters, counts, cache ------------------------------------------------------
+
+
+def test_encoded_batches_decode_to_the_original_text(tiny_cfg: Config) -> None:
+    data = prepare_data(tiny_cfg)
+    sampler = data.train.sampler(tiny_cfg.data.max_tokens, seed=1)
+    positions = sampler.epoch_batches(0)[0]
+    batch = data.train.batch(positions, data.tokenizer)
+    texts = dict(reverse_pairs(300, seed=1))  # source -> target
+    for src_row, tgt_row in zip(batch.src.tolist(), batch.tgt_out.tolist()):
+        source = data.tokenizer.decode([[i for i in src_row if i != data.tokenizer.pad_id]])[0]
+        target = data.tokenizer.decode([[i for i in tgt_row if i != data.tokenizer.pad_id]])[0]
+        assert texts[source] == target
+
+
+def test_filters_are_counted_per_filter(tmp_path: Path, tiny_cfg: Config) -> None:
+    good = reverse_pairs(30, seed=5)
+    bad = [
+        ("", "kalo"),  # empty source
+        ("   ", "kalo"),  # whitespace-only source
+        ("kalo", "\t "),  # whitespace-only target
+        (" ".join(["kalo"] * 60), " ".join(["kalo"] * 60)),  # too long (> max_len tokens)
+        ("ka", " ".join(["loka mi"] * 6)),  # length ratio
+    ]
+    prefix = write_parallel(tmp_path / "train", good + bad)
+    cfg = with_data(tiny_cfg, train=str(prefix), max_len=40, max_len_ratio=3.0)
+    counts = prepare_data(cfg).counts["data.train"]
+    assert (counts.read, counts.empty, counts.too_long, counts.ratio, counts.kept) == (
+        35,
+        3,
+        1,
+        1,
+        30,
+    )
+    assert counts.invalid_utf8 == counts.replaced == 0
+
+
+def test_encoding_policies_are_counted(tmp_path: Path, tiny_cfg: Config) -> None:
+    prefix = write_parallel(tmp_path / "train", reverse_pairs(30, seed=5))
+    Path(f"{prefix}.de").write_bytes(Path(f"{prefix}.de").read_bytes().replace(b"ka", b"k\xff", 1))
+    skip = prepare_data(with_data(tiny_cfg, train=str(prefix), encoding_errors="skip")).counts[
+        "data.train"
+    ]
+    assert (skip.invalid_utf8, skip.kept, skip.replaced) == (1, 29, 0)
+    replace = prepare_data(
+        with_data(tiny_cfg, train=str(prefix), encoding_errors="replace")
+    ).counts["data.train"]
+    assert (replace.invalid_utf8, replace.kept, replace.replaced) == (0, 30, 1)
+    with pytest.raises(TmtError, match=r"train.de:\d+: invalid UTF-8"):
+        prepare_data(with_data(tiny_cfg, train=str(prefix)))
+
+
+def test_nothing_left_after_filtering_names_the_filters(tmp_path: Path, tiny_cfg: Config) -> None:
+    prepare_data(tiny_cfg).tokenizer.save(tmp_path / "spm.model")
+    cfg = dataclasses.replace(
+        tiny_cfg,
+        tokenizer=dataclasses.replace(tiny_cfg.tokenizer, model_path=str(tmp_path / "spm.model")),
+    )
+    prefix = write_parallel(tmp_path / "train", [(" ".join(["kalo"] * 60), "mi")] * 3 + [("", "x")])
+    with pytest.raises(TmtError) as err:
+        prepare_data(with_data(cfg, train=str(prefix), max_len=40))
+    message = str(err.value)
+    assert "no pairs left after filtering" in message
+    assert "4 read" in message and "1 empty" in message and "3 over data.max_len" in message
+
+
+def test_second_run_reuses_tokenizer_and_encoding(
+    tiny_cfg: Config, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cfg = with_data(tiny_cfg, cache_dir=str(tmp_path / "cache"))
+    first = prepare_data(cfg)
+
+    def no_reading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a warm cache must not read or encode the corpus again")
+
+    monkeypatch.setattr(corpus.RawSplit, "load", no_reading)
+    second = prepare_data(cfg)
+    assert second.tokenizer.sha256 == first.tokenizer.sha256
+    assert np.array_equal(second.train.src_lengths, first.train.src_lengths)
+    # A filter change is applied to the cached lengths: still no re-encoding, new counts.
+    stricter = prepare_data(with_data(cfg, max_len=6))
+    assert stricter.counts["data.train"].too_long > 0
+    assert len(stricter.train) < len(first.train)
+    assert not list((tmp_path / "cache").glob(".work.*"))  # scratch space is cleaned up
+
+
+def test_a_different_tokenizer_re_encodes(tiny_cfg: Config, tmp_path: Path) -> None:
+    cfg = with_data(tiny_cfg, cache_dir=str(tmp_path / "cache"))
+    prepare_data(cfg)
+    bigger = dataclasses.replace(cfg, tokenizer=dataclasses.replace(cfg.tokenizer, vocab_size=80))
+    data = prepare_data(bigger)
+    assert data.tokenizer.vocab_size == 80
+    assert (
+        len(list((tmp_path / "cache" / "encoded").iterdir())) == 4
+    )  # (train, valid) × 2 tokenizers
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+
+
+def test_parallel_encoding_matches_serial(tiny_cfg: Config, tmp_path: Path) -> None:
+    serial = prepare_data(with_data(tiny_cfg, cache_dir=str(tmp_path / "a")))
+    parallel = prepare_data(with_data(tiny_cfg, cache_dir=str(tmp_path / "b"), num_proc=2))
+    positions = np.arange(len(serial.train))
+    assert (
+        serial.train.ids(positions)[0][5].tolist() == parallel.train.ids(positions)[0][5].tolist()
+    )
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(serial.train.ids(positions)[1], parallel.train.ids(positions)[1])
+    )
+
+
+def test_given_tokenizer_model_path_is_used(tiny_cfg: Config, tmp_path: Path) -> None:
+    trained = prepare_data(tiny_cfg).tokenizer
+    trained.save(tmp_path / "mine.model")
+    cfg = dataclasses.replace(
+        tiny_cfg,
+        tokenizer=dataclasses.replace(
+            tiny_cfg.tokenizer, model_path=str(tmp_path / "mine.model"), vocab_size=999
+        ),
+    )
+    assert prepare_data(cfg).tokenizer.sha256 == trained.sha256

@@ -1,0 +1,323 @@
+"""One frozen config tree with the paper's names and defaults (Vaswani et al., 2017).
+
+Precedence: dataclass defaults < YAML file < `--set section.key=value` overrides. Unknown keys are
+errors that list the valid ones; values are coerced to each field's type (PyYAML reads `1e-9` as a
+string). Derived values (vocab size, special ids, world size) are never written back: they are
+arguments of the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class TmtError(Exception):
+    """Bad user input (config, data, checkpoint): the CLI prints it on one line and exits 2."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 512  # §3.1 width of every sublayer output and embedding
+    d_ff: int = 2048  # §3.3 inner width of the position-wise feed-forward network
+    n_heads: int = 8  # §3.2.2 h, parallel attention heads
+    n_encoder_layers: int = 6  # §3.1 N, encoder stack depth
+    n_decoder_layers: int = 6  # §3.1 N, decoder stack depth
+    dropout: float = 0.1  # §5.4 P_drop on sublayer outputs and embedding+position sums
+    attention_dropout: float = 0.0  # departure (fairseq/t2t option): dropout on attention weights
+    max_positions: int = (
+        1024  # rows of the sinusoidal table (§3.5): longest sequence, specials included
+    )
+    pre_norm: bool = (
+        False  # departure: LayerNorm before each sublayer (+ final norms); paper is post-norm
+    )
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    vocab_size: int = 37000  # §5.1 shared source-target vocabulary of about 37000 tokens (EN-DE)
+    model_type: Literal["bpe", "unigram"] = "bpe"  # §5.1 byte-pair encoding
+    character_coverage: float = 0.9995  # sentencepiece: share of characters kept as pieces
+    byte_fallback: bool = True  # rare characters become byte pieces instead of <unk>
+    max_sentences: int = 2_000_000  # sampling cap: at most this many sentences train the model
+    model_path: str = ""  # an existing sentencepiece .model to use instead of training one
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # Where the parallel text comes from:
+    #   multi30k  the corpus bundled with tmt (splits train, val, test_2016_flickr; en, de, fr)
+    #   files     a plain or .gz text file per language: PREFIX.{lang} or PREFIX.{lang}.gz
+    #   tsv       one file, tab-separated columns (see src_field)
+    #   jsonl     one JSON object per line (see src_field)
+    #   hf        datasets.load_dataset(path, hf_config, split=...): a hub name or a local directory
+    #   hf_disk   datasets.load_from_disk(path): a DatasetDict written by save_to_disk
+    source: Literal["multi30k", "files", "tsv", "jsonl", "hf", "hf_disk"] = "multi30k"
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    path: str = ""  # hf: dataset name or directory; hf_disk: the saved DatasetDict's directory
+    hf_config: str = ""  # hf: configuration name, e.g. "de-en" for wmt14
+    # Splits: a split name (multi30k, hf, hf_disk), a path prefix (files) or a file (tsv, jsonl).
+    train: str = "train"
+    valid: str = "val"
+    test: str = "test_2016_flickr"
+    # tsv: "" reads columns 0 and 1 with no header; names pick columns of a header line; digits pick
+    # columns by index. jsonl/hf: "" reads record["translation"][lang]; names read top-level fields.
+    src_field: str = ""
+    tgt_field: str = ""
+    encoding_errors: Literal["strict", "replace", "skip"] = "strict"  # invalid UTF-8 policy
+    max_len: int = 256  # training pairs with more subword tokens on either side are filtered
+    max_len_ratio: float = (
+        3.0  # ... and pairs whose longer side exceeds this multiple of the shorter
+    )
+    max_tokens: int = 4096  # batch budget per rank: sentences × padded length of the longer side
+    num_proc: int = 1  # processes that encode the corpus (datasets.map)
+    cache_dir: str = ""  # tokenized-corpus cache; "" = $TMT_CACHE or ~/.cache/transformer_mt
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr_scale: float = 1.0  # §5.3 multiplier of d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)
+    warmup_steps: int = 4000  # §5.3
+    beta1: float = 0.9  # §5.3 Adam β1
+    beta2: float = 0.98  # §5.3 Adam β2
+    eps: float = 1e-9  # §5.3 Adam ε
+    label_smoothing: float = 0.1  # §5.4 ε_ls
+    clip_norm: float = 0.0  # departure: clip the global gradient norm to this value (0 = off)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out_dir: str = "runs/default"  # run directory: config, metrics, tokenizer, checkpoints
+    seed: int = 1
+    max_steps: int = 100_000  # §5.2 base model: 100K steps; whichever budget ends first stops
+    max_epochs: int = 0  # 0 = no epoch budget
+    max_minutes: float = 0.0  # wall-clock budget; 0 = none
+    update_freq: int = 1  # micro-batches accumulated per optimizer step
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    compile: bool = False  # torch.compile the model
+    log_every: int = 100  # steps between metrics.jsonl records
+    valid_every: int = 1000  # steps between validation loss measurements
+    save_every: int = 1000  # steps between checkpoints (0 = off)
+    save_every_minutes: float = 10.0  # §6.1 checkpoints written at 10-minute intervals (0 = off)
+    keep_last: int = 5  # checkpoints kept besides the best; §6.1 averages the last 5 (base)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    beam_size: int = 4  # §6.1
+    length_penalty: float = 0.6  # §6.1 α
+    max_len_a: float = 1.0  # §6.1 maximum output length a · input length + b
+    max_len_b: int = 50
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (
+                self.model.d_model % self.model.n_heads == 0,
+                "model.d_model must be divisible by model.n_heads",
+            ),
+            (
+                self.data.src_lang != self.data.tgt_lang,
+                "data.src_lang and data.tgt_lang must differ",
+            ),
+            # A pair that passes the length filter must fit a batch and the positions (+1: eos).
+            (
+                self.data.max_len + 1 <= self.data.max_tokens,
+                "data.max_len + 1 must be <= data.max_tokens",
+            ),
+            (
+                self.data.max_len + 1 <= self.model.max_positions,
+                "data.max_len + 1 must be <= model.max_positions",
+            ),
+            (self.data.max_len_ratio >= 1.0, "data.max_len_ratio must be >= 1"),
+            (self.tokenizer.vocab_size >= 8, "tokenizer.vocab_size must be >= 8"),
+            (self.train.update_freq >= 1, "train.update_freq must be >= 1"),
+            (self.decode.beam_size >= 1, "decode.beam_size must be >= 1"),
+            (self.data.num_proc >= 1, "data.num_proc must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise TmtError(message)
+
+
+_SECTION_TYPES: dict[str, type] = typing.get_type_hints(Config)  # section name -> dataclass
+SECTIONS = list(_SECTION_TYPES)
+
+
+def presets() -> dict[str, Path]:
+    """The YAML configs shipped with tmt, by name (installed from the repository's configs/)."""
+    root = Path(str(resources.files("transformer_mt") / "configs"))
+    return {path.stem: path for path in sorted(root.glob("*.yaml"))}
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A path to a YAML file, or the name of a shipped preset (`base`, `multi30k`, ...)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = presets()
+    if path.suffix == "" and str(path) in shipped:
+        return shipped[str(path)]
+    raise TmtError(
+        f"config {str(path)!r}: no such file or preset (presets: {', '.join(sorted(shipped))})"
+    )
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, then the YAML file (a path or a preset name), then each `section.key=value`."""
+    tree: dict[str, dict[str, Any]] = {}
+    origin = "defaults"
+    if path is not None:
+        file = resolve_config_path(path)
+        origin = str(file)
+        tree = _read_yaml(file)
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        tree.setdefault(section, {})[key] = value
+    return config_from_dict(tree, origin=origin)
+
+
+def config_from_dict(tree: Mapping[str, Any], origin: str = "config") -> Config:
+    """A Config from a nested mapping (YAML, a checkpoint's copy), checking every key and type."""
+    if not isinstance(tree, Mapping):
+        raise TmtError(f"{origin}: expected a mapping of sections, got {type(tree).__name__}")
+    unknown = sorted(set(tree) - set(SECTIONS))
+    if unknown:
+        raise TmtError(
+            f"{origin}: unknown section {unknown[0]!r}; valid sections: {', '.join(SECTIONS)}"
+        )
+    sections = {}
+    for name, cls in _SECTION_TYPES.items():
+        values = tree.get(name) or {}
+        if not isinstance(values, Mapping):
+            raise TmtError(f"{origin}: section {name!r} must be a mapping of key: value")
+        hints = typing.get_type_hints(cls)
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in hints:
+                raise TmtError(
+                    f"{origin}: unknown key {name}.{key}; valid keys in {name}: {', '.join(valid)}"
+                )
+        sections[name] = cls(
+            **{k: _coerce(v, hints[k], f"{name}.{k}", origin) for k, v in values.items()}
+        )
+    return Config(**sections)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_hash(cfg: Config) -> str:
+    """SHA-256 of the resolved config in canonical JSON."""
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
+
+
+class _Text(str):
+    """A `--set` value: kept as typed for str fields, parsed as YAML for every other type."""
+
+
+def _parse_override(item: str) -> tuple[str, str, _Text]:
+    key, sep, value = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not name:
+        raise TmtError(f"--set {item!r}: expected section.key=value, e.g. optim.warmup_steps=8000")
+    return section, name, _Text(value.strip())
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise TmtError(f"{path}{where}: invalid YAML: {problem}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise TmtError(f"{path}: cannot read: {err}") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise TmtError(f"{path}: expected a mapping of sections at the top level")
+    return tree
+
+
+def _coerce(value: Any, kind: Any, key: str, origin: str) -> Any:
+    """Convert `value` to the field type `kind`, or raise a TmtError naming the key."""
+    if isinstance(value, _Text):
+        if kind is str:
+            return str(value)
+        with contextlib.suppress(
+            yaml.YAMLError
+        ):  # unparsable text is reported as a bad value below
+            value = yaml.safe_load(value) if value != "" else ""
+    bad = TmtError(f"{origin}: {key} = {value!r}: expected {_type_name(kind)}")
+    if typing.get_origin(kind) is Literal:
+        if value not in typing.get_args(kind):
+            raise bad
+        return value
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if kind is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        number = _as_float(value)
+        if number is None or not number.is_integer():
+            raise bad
+        return int(number)
+    if kind is float:
+        number = _as_float(value)
+        if number is None or isinstance(value, bool):
+            raise bad
+        return number
+    if kind is str:
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            # YAML 1.1 reads bare yes/no/on/off as booleans: the user must quote them.
+            raise TmtError(f"{origin}: {key} = {value!r}: expected a string (quote it in YAML)")
+        return str(value)
+    raise TypeError(f"unsupported config field type {kind!r} for {key}")  # a bug in this module
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)  # "1e-9": PyYAML 1.1 needs a dot to read it as a float
+        except ValueError:
+            return None
+    return None
+
+
+def _type_name(kind: Any) -> str:
+    if typing.get_origin(kind) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(kind))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]

@@ -1,0 +1,460 @@
+"""From raw parallel text to batches: joint tokenizer, encoded cache, filters, token-bucket batches.
+
+Encoding happens once per (data, tokenizer) and is cached as Arrow files that are memory-mapped on
+later runs; filters are applied to the cached lengths (milliseconds), so changing a filter never
+re-encodes. Every pair a filter removes is counted under that filter's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from transformer_mt import corpus
+from transformer_mt.config import Config, DataConfig, TmtError, TokenizerConfig
+from transformer_mt.tokenizer import Tokenizer, train_tokenizer
+
+logger = logging.getLogger(__name__)
+
+ENCODING_VERSION = 1  # bump when the encoded layout changes: old caches are then ignored
+
+
+# --- the pipeline ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FilterCounts:
+    """What happened to each pair of a split, in filter order (a pair counts in the first hit)."""
+
+    read: int  # pairs read from the source
+    invalid_utf8: int  # dropped: invalid UTF-8 under encoding_errors=skip
+    empty: int  # dropped: a side is empty or whitespace-only (no subword tokens)
+    too_long: int  # dropped: a side has more than data.max_len tokens
+    ratio: int  # dropped: the longer side exceeds data.max_len_ratio × the shorter
+    kept: int
+    replaced: int  # kept, with invalid UTF-8 replaced by U+FFFD (encoding_errors=replace)
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    tokenizer: Tokenizer
+    train: EncodedSplit
+    valid: EncodedSplit
+    counts: dict[str, FilterCounts]  # by config key: "data.train", "data.valid"
+
+
+def prepare_data(cfg: Config, tokenizer: Tokenizer | None = None) -> PreparedData:
+    """Read, tokenize (training the joint model unless one is given), encode, filter the splits."""
+    cache = cache_root(cfg.data)
+    splits = {key: corpus.open_split(cfg.data, key) for key in ("data.train", "data.valid")}
+    with _work_dir(cache) as work:
+        raw: dict[str, Any] = {}  # raw Arrow datasets, built only on a cold cache
+
+        def load(key: str) -> Any:
+            if key not in raw:
+                _quiet_datasets()
+                logger.info("reading %s (%s)", key, splits[key].origin)
+                raw[key] = splits[key].load(work / key)
+            return raw[key]
+
+        if tokenizer is None:
+            tokenizer = load_or_train_tokenizer(cfg.tokenizer, splits["data.train"], load, cache)
+        encoded = {}
+        counts = {}
+        for key, split in splits.items():
+            table = _encoded_table(split, tokenizer, load, cache, cfg.data.num_proc)
+            encoded[key], counts[key] = _filtered(table, cfg.data, training=key == "data.train")
+    if counts["data.train"].kept == 0:
+        raise TmtError(
+            f"data.train ({splits['data.train'].origin}): no pairs left after filtering: "
+            + _describe(counts["data.train"])
+        )
+    return PreparedData(tokenizer, encoded["data.train"], encoded["data.valid"], counts)
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir)
+    if os.environ.get("TMT_CACHE"):
+        return Path(os.environ["TMT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transformer_mt"
+
+
+def load_or_train_tokenizer(
+    cfg: TokenizerConfig, train_split: corpus.RawSplit, load: Any, cache: Path
+) -> Tokenizer:
+    """The configured model_path, else the cached model for this data and config, else train one."""
+    if cfg.model_path:
+        return Tokenizer.from_file(cfg.model_path)
+    settings = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    key = hashlib.sha256(f"{train_split.fingerprint}|{settings}".encode()).hexdigest()[:32]
+    path = cache / "tokenizers" / f"{key}.model"
+    if path.is_file():
+        logger.info("tokenizer: cached %s", path)
+        return Tokenizer.from_file(path)
+    dataset = load(train_split.key)
+    logger.info("tokenizer: training %s, %d pieces", cfg.model_type, cfg.vocab_size)
+    tokenizer = train_tokenizer(_sample_sentences(dataset, cfg.max_sentences), cfg)
+    _atomic_write(path, tokenizer.model_bytes)
+    return tokenizer
+
+
+def _sample_sentences(dataset: Any, max_sentences: int) -> Iterator[str]:
+    """Source and target sentences; a seeded uniform sample of pairs when there are too many."""
+    pairs = len(dataset)
+    if 2 * pairs > max_sentences:
+        rng = np.random.default_rng(0)  # fixed: the tokenizer depends on data and config only
+        dataset = dataset.select(np.sort(rng.choice(pairs, max_sentences // 2, replace=False)))
+    for batch in dataset.select_columns(["src", "tgt"]).iter(batch_size=10_000):
+        yield from batch["src"]
+        yield from batch["tgt"]
+
+
+class _Encoder:
+    """datasets.map function: text columns -> subword id columns (pickled to map workers)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        src = [text or "" for text in batch["src"]]
+        tgt = [text or "" for text in batch["tgt"]]
+        invalid = batch.get("invalid") or [False] * len(src)
+        return {
+            "src_ids": self.tokenizer.encode(src),
+            "tgt_ids": self.tokenizer.encode(tgt),
+            "invalid": invalid,
+        }
+
+
+def _encoded_table(
+    split: corpus.RawSplit, tokenizer: Tokenizer, load: Any, cache: Path, num_proc: int
+) -> pa.Table:
+    """The split's ids as a memory-mapped Arrow table, encoding it first on a cold cache."""
+    key = hashlib.sha256(
+        f"{split.fingerprint}|{tokenizer.sha256}|{ENCODING_VERSION}".encode()
+    ).hexdigest()[:32]
+    final = cache / "encoded" / key
+    meta_path = final / "meta.json"  # written last: its presence marks a complete entry
+    if not meta_path.is_file():
+        import datasets
+
+        dataset = load(split.key)
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=_mkdir(cache / "encoded")))
+        logger.info("encoding %s: %d pairs", split.key, len(dataset))
+        features = datasets.Features(
+            {
+                "src_ids": datasets.Sequence(datasets.Value("int32")),
+                "tgt_ids": datasets.Sequence(datasets.Value("int32")),
+                "invalid": datasets.Value("bool"),
+            }
+        )
+        encoded = dataset.map(
+            _Encoder(tokenizer),
+            batched=True,
+            batch_size=1000,
+            num_proc=num_proc if num_proc > 1 else None,
+            remove_columns=dataset.column_names,
+            features=features,
+            cache_file_name=str(staging / "ids.arrow"),
+            new_fingerprint=key,
+        )
+        files = [Path(f["filename"]).name for f in encoded.cache_files]
+        meta = {
+            "origin": split.origin,
+            "pairs": len(encoded),
+            "files": files,
+            "tokenizer": tokenizer.sha256,
+        }
+        del encoded
+        _atomic_write(staging / "meta.json", json.dumps(meta).encode())
+        try:
+            os.replace(staging, final)
+        except OSError:  # another process finished the same entry first: use theirs
+            shutil.rmtree(staging, ignore_errors=True)
+    # A warm cache needs pyarrow only: the Arrow streams that datasets.map wrote, memory-mapped.
+    meta = json.loads(meta_path.read_text())
+    parts = [
+        pa.ipc.open_stream(pa.memory_map(str(final / name))).read_all() for name in meta["files"]
+    ]
+    return pa.concat_tables(parts)
+
+
+def _filtered(
+    table: pa.Table, cfg: DataConfig, training: bool
+) -> tuple[EncodedSplit, FilterCounts]:
+    """Apply the filters to the cached lengths; count each removed pair under its first filter."""
+    src_len = _int64_numpy(pc.list_value_length(table.column("src_ids")))
+    tgt_len = _int64_numpy(pc.list_value_length(table.column("tgt_ids")))
+    invalid = _int64_numpy(table.column("invalid")).astype(bool)
+    removed = np.zeros(len(src_len), dtype=bool)
+    counts = {}
+
+    def apply(name: str, hit: np.ndarray) -> None:
+        counts[name] = int((hit & ~removed).sum())
+        removed[:] |= hit
+
+    longer, shorter = np.maximum(src_len, tgt_len), np.minimum(src_len, tgt_len)
+    apply("invalid_utf8", invalid if cfg.encoding_errors == "skip" else np.zeros_like(removed))
+    apply("empty", shorter == 0)
+    apply("too_long", longer > cfg.max_len)
+    # The ratio filter cleans training data only: validation pairs are kept as they are.
+    apply("ratio", (longer > cfg.max_len_ratio * shorter) if training else np.zeros_like(removed))
+    rows = np.flatnonzero(~removed)
+    replaced = int((invalid & ~removed).sum()) if cfg.encoding_errors == "replace" else 0
+    split = EncodedSplit(table, rows, src_len[rows], tgt_len[rows])
+    return split, FilterCounts(read=len(src_len), **counts, kept=len(rows), replaced=replaced)
+
+
+def _int64_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A null-free numeric or bool Arrow column as int64, read from its buffers: pyarrow's own
+    to_numpy imports pandas, 0.3 s of a 0.05 s warm start."""
+    parts = [np.zeros(0, dtype=np.int64)]
+    for chunk in column.chunks if isinstance(column, pa.ChunkedArray) else [column]:
+        chunk = pc.cast(chunk, pa.int64())
+        parts.append(np.frombuffer(chunk.buffers()[1], np.int64, len(chunk), chunk.offset * 8))
+    return np.concatenate(parts)
+
+
+def _describe(counts: FilterCounts) -> str:
+    return (
+        f"{counts.read} read, {counts.invalid_utf8} invalid UTF-8 (data.encoding_errors),"
+        f" {counts.empty} empty, {counts.too_long} over data.max_len,"
+        f" {counts.ratio} over data.max_len_ratio"
+    )
+
+
+# --- encoded splits and batches ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One padded batch. The shift between decoder input and output happens in `collate` only."""
+
+    src: torch.Tensor  # (B, S) source ids + eos, right-padded
+    tgt_in: torch.Tensor  # (B, T) bos + target ids: the decoder's input
+    tgt_out: torch.Tensor  # (B, T) target ids + eos: what the decoder predicts
+    pad_id: int
+
+    @property
+    def n_tokens(self) -> int:
+        """Non-pad target tokens: the loss normaliser."""
+        return int((self.tgt_out != self.pad_id).sum())
+
+    def to(self, device: torch.device | str) -> Batch:
+        move = {"non_blocking": True}
+        return Batch(
+            self.src.to(device, **move),
+            self.tgt_in.to(device, **move),
+            self.tgt_out.to(device, **move),
+            self.pad_id,
+        )
+
+
+def collate(
+    src_seqs: Sequence[Sequence[int]],
+    tgt_seqs: Sequence[Sequence[int]],
+    pad_id: int,
+    bos_id: int,
+    eos_id: int,
+) -> Batch:
+    """src = x + eos; tgt_in = bos + y; tgt_out = y + eos; all right-padded with pad_id."""
+    n = len(src_seqs)
+    src = np.full((n, max(map(len, src_seqs)) + 1), pad_id, dtype=np.int64)
+    tgt_in = np.full((n, max(map(len, tgt_seqs)) + 1), pad_id, dtype=np.int64)
+    tgt_out = tgt_in.copy()
+    for i, (x, y) in enumerate(zip(src_seqs, tgt_seqs, strict=True)):
+        src[i, : len(x)] = x
+        src[i, len(x)] = eos_id
+        tgt_in[i, 0] = bos_id
+        tgt_in[i, 1 : len(y) + 1] = y
+        tgt_out[i, : len(y)] = y
+        tgt_out[i, len(y)] = eos_id
+    return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), pad_id)
+
+
+class EncodedSplit:
+    """The kept pairs of a split: lengths in memory, ids memory-mapped from the Arrow cache."""
+
+    def __init__(
+        self, table: pa.Table, rows: np.ndarray, src_lengths: np.ndarray, tgt_lengths: np.ndarray
+    ):
+        self._src = table.column("src_ids")
+        self._tgt = table.column("tgt_ids")
+        self.rows = rows  # (N,) Arrow row of each kept pair
+        self.src_lengths = src_lengths  # (N,) subword tokens, specials excluded
+        self.tgt_lengths = tgt_lengths
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def ids(
+        self, positions: Sequence[int] | np.ndarray
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Source and target ids of the pairs at `positions` (indices into the kept pairs)."""
+        rows = np.ascontiguousarray(self.rows[np.asarray(positions)], dtype=np.int64)
+        take = pa.Array.from_buffers(pa.int64(), len(rows), [None, pa.py_buffer(rows)])
+        return _split_lists(self._src.take(take)), _split_lists(self._tgt.take(take))
+
+    def batch(self, positions: Sequence[int] | np.ndarray, tokenizer: Tokenizer) -> Batch:
+        src, tgt = self.ids(positions)
+        return collate(src, tgt, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
+
+    def sampler(
+        self, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1, shuffle: bool = True
+    ) -> TokenBucketSampler:
+        """Batches over this split; +1 per side for eos (source, target) and bos (decoder input)."""
+        return TokenBucketSampler(
+            self.src_lengths + 1, self.tgt_lengths + 1, max_tokens, seed, rank, world_size, shuffle
+        )
+
+
+def _split_lists(column: pa.ChunkedArray) -> list[np.ndarray]:
+    array = column.combine_chunks()
+    offsets = _int64_numpy(array.offsets)
+    return np.split(_int64_numpy(array.flatten()), offsets[1:-1] - offsets[0])
+
+
+class TokenBucketSampler:
+    """Length-bucketed batches under a token budget, shuffled per (seed, epoch), sharded by rank.
+
+    A batch's cost is its sentence count × its longest padded length on either side, at most
+    max_tokens. Pairs are sorted by (source, target) length after a seeded shuffle that breaks ties,
+    packed greedily, and the batch order is shuffled. Batches are split until their count divides
+    world_size, so every rank gets the same number and each pair appears exactly once per epoch.
+    Pure numpy: no torch, no state besides the arguments, so (epoch, index) resumes exactly.
+    """
+
+    def __init__(
+        self,
+        src_lengths: np.ndarray,
+        tgt_lengths: np.ndarray,
+        max_tokens: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+    ) -> None:
+        self.src_lengths = np.asarray(src_lengths, dtype=np.int64)
+        self.tgt_lengths = np.asarray(tgt_lengths, dtype=np.int64)
+        self.longest = np.maximum(self.src_lengths, self.tgt_lengths)
+        if len(self.longest) and self.longest.max() > max_tokens:
+            raise ValueError(
+                f"a pair of {self.longest.max()} tokens exceeds max_tokens={max_tokens}"
+            )
+        if len(self.longest) < world_size:
+            raise TmtError(f"{len(self.longest)} pairs cannot be shared by {world_size} ranks")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.max_tokens, self.seed, self.shuffle = max_tokens, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """This rank's batches for `epoch`, in order: arrays of example indices."""
+        rng = np.random.default_rng((self.seed, epoch))
+        order = rng.permutation(len(self.longest)) if self.shuffle else np.arange(len(self.longest))
+        order = order[np.lexsort((self.tgt_lengths[order], self.src_lengths[order]))]  # stable
+        batches = _split_until_divisible(
+            _pack(order, self.longest, self.max_tokens), self.world_size
+        )
+        if self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        return batches[self.rank :: self.world_size]
+
+    def iter_epoch(self, epoch: int, start: int = 0) -> Iterator[np.ndarray]:
+        """Resume inside an epoch: the batches from index `start` on."""
+        yield from self.epoch_batches(epoch)[start:]
+
+
+def _pack(order: np.ndarray, longest: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Greedy packing of sorted indices: extend a batch while count × max length fits."""
+    batches, start, batch_max = [], 0, 0
+    for i, length in enumerate(longest[order].tolist()):
+        batch_max = max(batch_max, length)
+        if (i - start + 1) * batch_max > max_tokens:
+            batches.append(order[start:i])
+            start, batch_max = i, length
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
+
+
+def _split_until_divisible(batches: list[np.ndarray], world_size: int) -> list[np.ndarray]:
+    """Halve the largest batches until the count is a multiple of world_size (no pair dropped)."""
+    while len(batches) % world_size:
+        largest = max(range(len(batches)), key=lambda i: len(batches[i]))
+        batch = batches.pop(largest)
+        half = len(batch) // 2
+        batches[largest:largest] = [batch[:half], batch[half:]]
+    return batches
+
+
+def padding_efficiency(
+    batches: Sequence[np.ndarray], src_lengths: np.ndarray, tgt_lengths: np.ndarray
+) -> float:
+    """Non-pad tokens / all tokens of source and target tensors over the given batches."""
+    real = padded = 0
+    for batch in batches:
+        src, tgt = src_lengths[batch], tgt_lengths[batch]
+        real += int(src.sum() + tgt.sum())
+        padded += len(batch) * int(src.max() + tgt.max())
+    return real / padded if padded else 0.0
+
+
+# --- files -------------------------------------------------------------------------------------
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _atomic_write(path: Path, payload: bytes) -> None:
+    """Write to a temporary file beside `path`, fsync, rename: readers never see a partial file."""
+    _mkdir(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _work_dir(cache: Path) -> Iterator[Path]:
+    """A scratch directory for raw Arrow files, removed afterwards (also after an error)."""
+    path = Path(tempfile.mkdtemp(prefix=".work.", dir=_mkdir(cache)))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _quiet_datasets() -> None:
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()

@@ -1,0 +1,116 @@
+"""The joint sentencepiece vocabulary (§5.1): trained on source + target, carried as model bytes.
+
+The model bytes travel with every run and checkpoint, so one file turns raw text into ids and back.
+Special ids (pad, unk, bos, eos) are read from the model, never assumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+from transformer_mt.config import TmtError, TokenizerConfig
+
+
+class Tokenizer:
+    """A sentencepiece model: batch encode/decode and the special ids."""
+
+    def __init__(self, model_bytes: bytes, origin: str = "tokenizer") -> None:
+        self.model_bytes = bytes(model_bytes)
+        self._sp = _load_processor(self.model_bytes, origin)
+        self.vocab_size: int = self._sp.get_piece_size()
+        self.pad_id: int = self._sp.pad_id()
+        self.unk_id: int = self._sp.unk_id()
+        self.bos_id: int = self._sp.bos_id()
+        self.eos_id: int = self._sp.eos_id()
+        for name in ("pad", "bos", "eos"):
+            if getattr(self, f"{name}_id") < 0:
+                missing = (
+                    f"the sentencepiece model has no <{name}> piece (train it with --{name}_id)"
+                )
+                raise TmtError(f"{origin}: {missing}")
+        self.sha256: str = hashlib.sha256(self.model_bytes).hexdigest()
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        try:
+            return cls(Path(path).read_bytes(), origin=str(path))
+        except OSError as err:
+            raise TmtError(f"{path}: cannot read tokenizer: {err.strerror or err}") from None
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Subword ids of each text, without bos/eos."""
+        return self._sp.encode(list(texts))
+
+    def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        """Detokenized text of each id sequence (special ids are dropped)."""
+        return self._sp.decode([list(map(int, seq)) for seq in ids])
+
+    def pieces(self, text: str) -> list[str]:
+        return self._sp.encode(text, out_type=str)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_bytes(self.model_bytes)
+
+    # Workers of datasets.map(num_proc > 1) receive the tokenizer pickled: send the bytes only.
+    def __getstate__(self) -> dict[str, object]:
+        return {"model_bytes": self.model_bytes}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(state["model_bytes"])  # type: ignore[misc, arg-type]
+
+
+def train_tokenizer(sentences: Iterable[str], cfg: TokenizerConfig) -> Tokenizer:
+    """Train the joint model on an iterator of sentences (already sampled to cfg.max_sentences)."""
+    buffer = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=(s for s in sentences if s and not s.isspace()),
+            model_writer=buffer,
+            vocab_size=cfg.vocab_size,
+            model_type=cfg.model_type,
+            character_coverage=cfg.character_coverage,
+            byte_fallback=cfg.byte_fallback,
+            # The one place ids are chosen; everything else reads them from the model.
+            pad_id=0,
+            unk_id=1,
+            bos_id=2,
+            eos_id=3,
+            input_sentence_size=cfg.max_sentences,
+            shuffle_input_sentence=False,  # the caller samples deterministically
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+        )
+    except RuntimeError as err:
+        raise TmtError(_explain_training_error(str(err), cfg)) from None
+    return Tokenizer(buffer.getvalue())
+
+
+def _explain_training_error(message: str, cfg: TokenizerConfig) -> str:
+    limit = re.search(
+        r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", message
+    )
+    if limit:
+        return (
+            f"tokenizer.vocab_size={cfg.vocab_size} is too large for this corpus:"
+            f" sentencepiece can build at most {limit.group(2)} pieces from it"
+        )
+    if "sentences_.empty()" in message or "no sentences" in message.lower():
+        return "tokenizer: no training sentences (the training split is empty after filtering)"
+    detail = message.strip().splitlines()[-1] if message.strip() else "unknown error"
+    return f"tokenizer: sentencepiece training failed: {detail}"
+
+
+def _load_processor(model_bytes: bytes, origin: str) -> spm.SentencePieceProcessor:
+    processor = spm.SentencePieceProcessor()
+    try:
+        processor.LoadFromSerializedProto(model_bytes)
+    except (RuntimeError, TypeError) as err:
+        raise TmtError(f"{origin}: not a sentencepiece model ({err})") from None
+    return processor
