@@ -253,3 +253,25 @@ def test_given_tokenizer_model_path_is_used(tiny_cfg: Config, tmp_path: Path) ->
         ),
     )
     assert prepare_data(cfg).tokenizer.sha256 == trained.sha256
+
+
+def test_leftovers_of_killed_runs_are_removed(tiny_cfg: Config, tmp_path: Path) -> None:
+    import os
+
+    cache = tmp_path / "cache"
+    cfg = with_data(tiny_cfg, cache_dir=str(cache))
+    prepare_data(cfg)
+    stale = [
+        cache / ".work.dead",
+        cache / "encoded" / ".abc.dead",
+        cache / "tokenizers" / ".x.model.tmp",
+    ]
+    fresh = cache / ".work.live"
+    for path in [*stale[:2], fresh]:
+        path.mkdir()
+    stale[2].write_bytes(b"partial")
+    for path in stale:
+        os.utime(path, (0, 0))
+    prepare_data(cfg)
+    assert not any(p.exists() for p in stale)
+    assert fresh.exists()  # a build that may still be running is left alone

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,7 @@ class PreparedData:
 def prepare_data(cfg: Config, tokenizer: Tokenizer | None = None) -> PreparedData:
     """Read, tokenize (training the joint model unless one is given), encode, filter the splits."""
     cache = cache_root(cfg.data)
+    _remove_leftovers(cache)
     splits = {key: corpus.open_split(cfg.data, key) for key in ("data.train", "data.valid")}
     with _work_dir(cache) as work:
         raw: dict[str, Any] = {}  # raw Arrow datasets, built only on a cold cache
@@ -451,6 +453,21 @@ def _work_dir(cache: Path) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_leftovers(cache: Path, older_than_s: float = 86_400) -> None:
+    """Scratch and staging entries of runs that were killed: hidden names, older than a day (a
+    live build is younger than that). They never look complete: meta.json is written last."""
+    cutoff = time.time() - older_than_s
+    for pattern in (".work.*", "encoded/.*", "tokenizers/.*"):
+        for path in cache.glob(pattern):
+            with contextlib.suppress(OSError):
+                if path.lstat().st_mtime >= cutoff:
+                    continue
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
 
 
 def _quiet_datasets() -> None:
