@@ -58,6 +58,10 @@ def test_dry_run_reports_and_ends_with_json(tiny_corpus: dict[str, Path]) -> Non
     summary = json.loads(lines[-1])
     assert summary["pairs"] == 300 and summary["valid_pairs"] == 40
     assert summary["vocab_size"] == 64
+    # d_model 32, d_ff 64: attention 4·(32·32 + 32) = 4,224; FFN 2·32·64 + 64 + 32 = 4,192;
+    # encoder layer 4,224 + 4,192 + 2 LayerNorms (128) = 8,544; decoder layer 2·4,224 + 4,192
+    # + 3 LayerNorms (192) = 12,832; tied embedding 64·32 = 2,048.
+    assert summary["parameters"] == 2_048 + 2 * 8_544 + 2 * 12_832
     assert summary["batches"] >= 1
     assert 0.5 < summary["padding_efficiency"] <= 1.0
     assert summary["filters"]["train"]["read"] == 300
@@ -98,3 +102,21 @@ def test_real_process_bad_input_has_no_traceback(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(f"tmt: error: {bad}:")
+
+
+def test_train_runs_and_reports_where_it_ended(
+    tiny_corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    args = [
+        *tiny_args(tiny_corpus),
+        "--set",
+        f"train.out_dir={tmp_path}",
+        "--set",
+        "train.max_steps=3",
+    ]
+    result = runner.invoke(app, ["train", *args])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["step"] == 3 and summary["stop"] == "max_steps"
+    assert Path(summary["checkpoint"]).name == "step_00000003"
+    assert (tmp_path / "checkpoints" / "step_00000003" / "manifest.json").is_file()

@@ -15,9 +15,26 @@ ALLOWED = {
     "corpus": {"config"},
     "tokenizer": {"config"},
     "data": {"config", "corpus", "tokenizer"},  # data trains the tokenizer on the corpus it reads
-    "train": {"config", "data"},
+    "model": {"config"},
+    "loss": set(),
+    "optim": {"config"},
+    "distributed": set(),
+    "faults": set(),
+    "checkpoint": {"__init__", "config"},  # the package version goes into each manifest
+    "train": {
+        "checkpoint",
+        "config",
+        "data",
+        "distributed",
+        "faults",
+        "loss",
+        "model",
+        "optim",
+        "tokenizer",
+    },
     "cli": {"config", "train"},
 }
+MODULES = set(ALLOWED)
 
 
 def project_imports(path: Path) -> set[str]:
@@ -31,8 +48,8 @@ def project_imports(path: Path) -> set[str]:
             parts = node.module.split(".")
             if len(parts) > 1:
                 found.add(parts[1])
-            else:
-                found.update(alias.name for alias in node.names)
+            else:  # from transformer_mt import x: a module, or a name of the package (__init__)
+                found.update(a.name if a.name in MODULES else "__init__" for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(
                 a.name.split(".")[1] for a in node.names if a.name.startswith("transformer_mt.")

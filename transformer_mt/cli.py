@@ -6,6 +6,7 @@ Heavy modules (torch, datasets) are imported inside the commands so `tmt --help`
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import sys
@@ -75,7 +76,9 @@ def train(
     if dry_run:
         train_lib.dry_run(cfg)
     else:
-        raise TmtError("training is not available yet; use --dry-run")
+        summary = train_lib.train(cfg)
+        if summary is not None:  # rank 0 of a distributed run, or a single process
+            typer.echo(json.dumps(summary))
 
 
 def main() -> None:

@@ -111,6 +111,8 @@ class TrainConfig:
     save_every: int = 1000  # steps between checkpoints (0 = off)
     save_every_minutes: float = 10.0  # §6.1 checkpoints written at 10-minute intervals (0 = off)
     keep_last: int = 5  # checkpoints kept besides the best; §6.1 averages the last 5 (base)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when available
+    distributed_timeout_s: float = 600.0  # a collective waiting longer fails instead of hanging
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,11 @@ class Config:
             (self.data.max_len_ratio >= 1.0, "data.max_len_ratio must be >= 1"),
             (self.tokenizer.vocab_size >= 8, "tokenizer.vocab_size must be >= 8"),
             (self.train.update_freq >= 1, "train.update_freq must be >= 1"),
+            (
+                self.train.max_steps > 0 or self.train.max_epochs > 0 or self.train.max_minutes > 0,
+                "set a budget: train.max_steps, train.max_epochs or train.max_minutes",
+            ),
+            (self.train.log_every >= 1, "train.log_every must be >= 1"),
             (self.decode.beam_size >= 1, "decode.beam_size must be >= 1"),
             (self.data.num_proc >= 1, "data.num_proc must be >= 1"),
         ]

@@ -1,0 +1,200 @@
+"""Checkpoints: round trip, atomic writes, corruption detection, no unsafe unpickling, retention."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from transformer_mt import checkpoint
+from transformer_mt.config import Config, TmtError, load_config
+
+CFG = load_config("tiny")
+
+
+def weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(4, 3, generator=g), "b.bias": torch.randn(5, generator=g)}
+
+
+def save(run: Path, step: int, seed: int = 0, state: dict | None = None) -> Path:
+    return checkpoint.save(
+        run, step, CFG, weights(seed), b"spm-bytes", state or {"progress": {"step": step}}
+    )
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = save(
+        tmp_path,
+        7,
+        state={"optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.98)}]}},
+    )
+    assert path == tmp_path / "checkpoints" / "step_00000007"
+    model = checkpoint.load_model(path)
+    assert model.step == 7 and model.config == CFG and model.tokenizer_bytes == b"spm-bytes"
+    assert all(torch.equal(model.state_dict[k], v) for k, v in weights().items())
+    state = checkpoint.load_train_state(path)
+    assert state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.98)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["step"] == 7 and set(manifest["files"]) == {"model.pt", "train_state.pt"}
+    assert (
+        manifest["files"]["model.pt"]
+        == hashlib.sha256((path / "model.pt").read_bytes()).hexdigest()
+    )
+    assert manifest["tokenizer_sha256"] == hashlib.sha256(b"spm-bytes").hexdigest()
+
+
+def test_exception_mid_save_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    good = save(tmp_path, 10)
+    real_write = checkpoint._write_torch
+
+    def failing_write(path: Path, payload: object) -> str:
+        if path.name == "train_state.pt":
+            path.write_bytes(b"half a file")
+            raise OSError(28, "No space left on device")
+        return real_write(path, payload)
+
+    monkeypatch.setattr(checkpoint, "_write_torch", failing_write)
+    with pytest.raises(OSError):
+        save(tmp_path, 20, seed=1)
+    assert not (tmp_path / "checkpoints" / "step_00000020").exists()  # nothing under the final name
+    assert checkpoint.latest_valid(tmp_path) == good
+    assert torch.equal(checkpoint.load_model(good).state_dict["a.weight"], weights()["a.weight"])
+    leftovers = list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert leftovers  # the interrupted staging directory, hidden...
+    checkpoint.remove_leftovers(tmp_path)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # ...and swept at the next start
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path: Path) -> None:
+    save(tmp_path, 5, seed=0)
+    path = save(tmp_path, 5, seed=1)
+    assert torch.equal(checkpoint.load_model(path).state_dict["a.weight"], weights(1)["a.weight"])
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000005"]
+
+
+def flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (
+            lambda p: (p / "model.pt").write_bytes((p / "model.pt").read_bytes()[:100]),
+            "model.pt does not match",
+        ),
+        (lambda p: (p / "model.pt").write_bytes(b""), "model.pt does not match"),
+        (lambda p: flip_bit(p / "model.pt"), "model.pt does not match"),
+        (lambda p: flip_bit(p / "train_state.pt"), "train_state.pt does not match"),
+        (lambda p: (p / "model.pt").unlink(), "cannot read"),
+        (lambda p: (p / "manifest.json").unlink(), "not a complete checkpoint"),
+        (lambda p: (p / "manifest.json").write_text("{"), "unreadable manifest"),
+    ],
+)
+def test_corruption_is_detected_and_resume_falls_back(tmp_path: Path, damage, reason: str) -> None:
+    older = save(tmp_path, 1)
+    newer = save(tmp_path, 2, seed=1)
+    damage(newer)
+    problem = checkpoint.verify(newer)
+    assert problem is not None and reason in problem
+    assert checkpoint.latest_valid(tmp_path) == older
+    loader = checkpoint.load_train_state if "train_state" in reason else checkpoint.load_model
+    with pytest.raises(TmtError):  # reading it directly (translate, average) is refused as well
+        loader(newer)
+
+
+def test_other_format_version_is_refused(tmp_path: Path) -> None:
+    path = save(tmp_path, 3)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TmtError, match="checkpoint format version 99, this tmt reads 1"):
+        checkpoint.load_model(path)
+
+
+class _Payload:
+    """Pickles as a call to os.system: what a malicious checkpoint carries."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
+    path = save(tmp_path, 4)
+    marker = tmp_path / "pwned"
+    torch.save(
+        {"format_version": 1, "step": 4, "config": {}, "tokenizer": b"", "model": _Payload(marker)},
+        path / "model.pt",
+    )
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["model.pt"] = hashlib.sha256(
+        (path / "model.pt").read_bytes()
+    ).hexdigest()  # a forged manifest
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TmtError, match="refused: holds more than tensors"):
+        checkpoint.load_model(path)
+    assert not marker.exists()
+
+
+def test_prune_keeps_last_k_best_and_protected(tmp_path: Path) -> None:
+    paths = [save(tmp_path, step) for step in (10, 20, 30, 40, 50, 60)]
+    checkpoint.set_best(tmp_path, paths[1])
+    checkpoint.prune(tmp_path, keep_last=2, protect={paths[0]})
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        "step_00000010",
+        "step_00000020",
+        "step_00000050",
+        "step_00000060",
+    ]
+    assert checkpoint.best(tmp_path) == paths[1]
+    checkpoint.set_best(tmp_path, paths[5])
+    assert checkpoint.best(tmp_path) == paths[5]
+
+
+def test_rng_states_round_trip_as_plain_tensors(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    np.random.standard_normal()  # leaves a cached Gaussian in NumPy's state
+    torch.manual_seed(3)
+    state = checkpoint.capture_rng()
+    expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
+    torch.save(state, tmp_path / "rng.pt")
+    checkpoint.restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (
+        random.random(),
+        np.random.standard_normal(3).tolist(),
+        torch.rand(3).tolist(),
+    ) == expected
+
+
+def test_unknown_config_key_in_checkpoint_is_reported(tmp_path: Path) -> None:
+    path = save(tmp_path, 5)
+    payload = torch.load(path / "model.pt", weights_only=True)
+    payload["config"]["model"]["d_modle"] = 3
+    torch.save(payload, path / "model.pt")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["model.pt"] = hashlib.sha256((path / "model.pt").read_bytes()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TmtError, match="unknown key model.d_modle"):
+        checkpoint.load_model(path)
+
+
+def test_saved_config_is_the_resolved_config(tmp_path: Path) -> None:
+    cfg = load_config("tiny", ["optim.eps=1e-8"])
+    path = checkpoint.save(tmp_path, 1, cfg, weights(), b"x")
+    assert checkpoint.load_model(path).config == cfg
+    assert isinstance(checkpoint.load_model(path).config, Config)

@@ -1,0 +1,235 @@
+"""The training loop: golden losses, exact resume after a kill, DDP ≡ one process, budgets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer_mt import checkpoint
+from transformer_mt.config import Config, TmtError, load_config, to_dict
+from transformer_mt.train import train
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def with_train(cfg: Config, **changes: object) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes))
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def numbers(run: Path) -> list[dict]:
+    """metrics.jsonl without wall-clock figures: what must be identical between two runs."""
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records(run)]
+
+
+def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return checkpoint.load_model(run / "checkpoints" / f"step_{step:08d}").state_dict
+
+
+def cli_args(cfg: Config, run: Path) -> list[str]:
+    """`tmt train` arguments reproducing `cfg` exactly (every key through --set)."""
+    args = ["train", "-c", "tiny"]
+    for section, values in to_dict(cfg).items():
+        args += [
+            arg
+            for key, value in values.items()
+            for arg in ("--set", f"{section}.{key}={_text(value)}")
+        ]
+    return [*args, "--set", f"train.out_dir={run}"]
+
+
+def _text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_tmt(
+    args: list[str], ranks: int = 1, fault: str | None = None
+) -> subprocess.CompletedProcess:
+    env = {**__import__("os").environ, "PYTHONUNBUFFERED": "1"}
+    if fault:
+        env.update(TMT_FAULT=fault, TMT_FAULT_RANK="0")
+    if ranks == 1:
+        command = [sys.executable, "-m", "transformer_mt", *args]
+    else:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={ranks}",
+            f"--master_port={free_port()}",
+            "-m",
+            "transformer_mt",
+            *args,
+        ]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+
+
+@pytest.fixture
+def train_cfg(tiny_cfg: Config) -> Config:
+    return with_train(tiny_cfg, max_steps=8, log_every=1, valid_every=4, save_every=4, keep_last=5)
+
+
+def test_golden_first_five_losses(train_cfg: Config, tmp_path: Path) -> None:
+    # Regenerate (only for a change meant to alter the computation): run this test with
+    # GOLDEN_LOSSES = [] and copy the printed list.
+    summary = train(with_train(train_cfg, out_dir=str(tmp_path), max_steps=5))
+    losses = [r["loss"] for r in records(tmp_path) if "loss" in r]
+    print(losses)
+    assert summary["step"] == 5 and len(losses) == 5
+    assert losses == pytest.approx(GOLDEN_LOSSES, abs=1e-4)
+
+
+GOLDEN_LOSSES = [
+    4.50312090039552,
+    4.410623644043653,
+    4.477383050685976,
+    4.321152823311942,
+    4.348686801321138,
+]
+
+
+def test_run_directory_contents(train_cfg: Config, tmp_path: Path) -> None:
+    summary = train(with_train(train_cfg, out_dir=str(tmp_path)))
+    assert summary["stop"] == "max_steps" and summary["step"] == 8
+    assert (tmp_path / "config.yaml").is_file() and load_config(
+        tmp_path / "config.yaml"
+    ) == with_train(train_cfg, out_dir=str(tmp_path))
+    assert (tmp_path / "tokenizer.model").is_file()
+    rows = records(tmp_path)
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert {
+        "step",
+        "loss",
+        "nll",
+        "ppl",
+        "lr",
+        "tokens_per_s",
+        "padding_efficiency",
+        "epoch",
+    } <= set(steps[0])
+    assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    saved = checkpoint.load_model(tmp_path / "checkpoints" / "step_00000008")
+    assert saved.tokenizer_bytes == (tmp_path / "tokenizer.model").read_bytes()
+    assert checkpoint.best(tmp_path) is not None
+
+
+def test_exact_resume_after_kill_one_process(train_cfg: Config, tmp_path: Path) -> None:
+    train(with_train(train_cfg, out_dir=str(tmp_path / "straight")))
+    args = cli_args(train_cfg, tmp_path / "resumed")
+    killed = run_tmt(args, fault="after_save@4:kill")
+    assert killed.returncode == -9, killed.stderr
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "resumed")] == ["step_00000004"]
+    again = run_tmt(args)  # the same command again
+    assert again.returncode == 0, again.stderr
+    assert "resuming" in again.stderr
+    assert numbers(tmp_path / "resumed") == numbers(
+        tmp_path / "straight"
+    )  # every loss, bit for bit
+    straight, resumed = (
+        final_weights(tmp_path / "straight", 8),
+        final_weights(tmp_path / "resumed", 8),
+    )
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_exact_resume_after_kill_two_gloo_ranks(train_cfg: Config, tmp_path: Path) -> None:
+    straight = run_tmt(cli_args(train_cfg, tmp_path / "straight"), ranks=2)
+    assert straight.returncode == 0, straight.stderr
+    args = cli_args(train_cfg, tmp_path / "resumed")
+    killed = run_tmt(args, ranks=2, fault="after_save@4:kill")
+    assert killed.returncode != 0
+    again = run_tmt(args, ranks=2)
+    assert again.returncode == 0, again.stderr
+    assert numbers(tmp_path / "resumed") == numbers(tmp_path / "straight")
+    a, b = final_weights(tmp_path / "straight", 8), final_weights(tmp_path / "resumed", 8)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
+    train_cfg: Config, tmp_path: Path
+) -> None:
+    # Without dropout, rank r's micro-batch i is global batch 2i + r, and one process with
+    # update_freq 2 takes global batches 2i and 2i + 1 together: the same updates.
+    cfg = dataclasses.replace(train_cfg, model=dataclasses.replace(train_cfg.model, dropout=0.0))
+    cfg = with_train(cfg, max_steps=6, valid_every=3, save_every=0, save_every_minutes=0.0)
+    from transformer_mt.data import prepare_data
+
+    data = prepare_data(cfg)
+    assert len(data.train.sampler(cfg.data.max_tokens, cfg.train.seed).epoch_batches(0)) % 2 == 0
+    one = train(with_train(cfg, out_dir=str(tmp_path / "one"), update_freq=2))
+    two = run_tmt(cli_args(cfg, tmp_path / "two"), ranks=2)
+    assert two.returncode == 0, two.stderr
+    loss_one = [r.get("loss", r.get("val_loss")) for r in records(tmp_path / "one")]
+    loss_two = [r.get("loss", r.get("val_loss")) for r in records(tmp_path / "two")]
+    assert loss_one == pytest.approx(loss_two, rel=1e-5)
+    a, b = final_weights(tmp_path / "one", one["step"]), final_weights(tmp_path / "two", 6)
+    d = cfg.model.d_model
+    for key in a:
+        x, y = a[key], b[key]
+        if key.endswith("in_proj.bias"):
+            # The key bias gets an exactly-zero gradient (it shifts every score of a query by
+            # the same amount, which softmax ignores); it only sees rounding noise, which Adam
+            # scales up to full steps. Compare the query and value biases only.
+            x, y = torch.cat([x[:d], x[2 * d :]]), torch.cat([y[:d], y[2 * d :]])
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_epoch_and_time_budgets(train_cfg: Config, tmp_path: Path) -> None:
+    by_epoch = train(
+        with_train(
+            train_cfg,
+            out_dir=str(tmp_path / "e"),
+            max_steps=0,
+            max_epochs=2,
+            valid_every=0,
+            save_every=0,
+        )
+    )
+    assert by_epoch["stop"] == "max_epochs" and by_epoch["epoch"] == 2
+    assert checkpoint.latest_valid(tmp_path / "e").name == f"step_{by_epoch['step']:08d}"
+    by_time = train(
+        with_train(train_cfg, out_dir=str(tmp_path / "t"), max_steps=0, max_minutes=1e-6)
+    )
+    assert by_time["stop"] == "max_minutes" and by_time["step"] == 1
+
+
+def test_resuming_a_run_with_another_model_is_refused(train_cfg: Config, tmp_path: Path) -> None:
+    train(with_train(train_cfg, out_dir=str(tmp_path), max_steps=2))
+    other = dataclasses.replace(train_cfg, model=dataclasses.replace(train_cfg.model, d_ff=128))
+    with pytest.raises(TmtError, match="model.d_ff differ"):
+        train(with_train(other, out_dir=str(tmp_path), max_steps=4))
+    extended = train(
+        with_train(train_cfg, out_dir=str(tmp_path), max_steps=4)
+    )  # a longer budget is fine
+    assert extended["step"] == 4
+
+
+def test_keep_last_and_best(train_cfg: Config, tmp_path: Path) -> None:
+    train(
+        with_train(
+            train_cfg, out_dir=str(tmp_path), max_steps=12, save_every=2, keep_last=2, valid_every=4
+        )
+    )
+    names = [p.name for p in checkpoint.list_checkpoints(tmp_path)]
+    best = checkpoint.best(tmp_path)
+    assert best is not None and best.name in names
+    assert names[-2:] == ["step_00000010", "step_00000012"]
+    assert len(names) <= 3

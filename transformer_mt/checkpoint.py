@@ -1,0 +1,336 @@
+"""Checkpoints: self-contained, written atomically, verified when read, never unpickled unsafely.
+
+A run directory holds:
+
+    config.yaml, tokenizer.model, metrics.jsonl
+    checkpoints/step_00001000/
+        model.pt        weights, resolved config, tokenizer: all that translating needs
+        train_state.pt  optimizer, schedule, scaler, RNG state of every rank, data position
+        manifest.json   written last: SHA-256 of each file, step, format version
+    checkpoints/best -> step_00000500   the best checkpoint by the validation metric
+
+A checkpoint is written into a hidden staging directory beside its final name (each file fsynced,
+the manifest last), then renamed into place and the parent directory fsynced: a kill at any moment
+leaves either the complete checkpoint or none under the final name. Every read checks the
+manifest's hashes, and tensors are loaded with torch.load(weights_only=True) only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from transformer_mt import __version__
+from transformer_mt.config import Config, TmtError, config_from_dict, config_hash, to_dict
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MODEL_FILE, STATE_FILE, MANIFEST_FILE = "model.pt", "train_state.pt", "manifest.json"
+_PREFIX = "step_"
+
+
+@dataclass(frozen=True)
+class ModelCheckpoint:
+    """What model.pt holds: enough to rebuild the model and translate raw text."""
+
+    path: Path
+    step: int
+    config: Config
+    state_dict: dict[str, torch.Tensor]
+    tokenizer_bytes: bytes
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def save(
+    run_dir: Path,
+    step: int,
+    cfg: Config,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer_bytes: bytes,
+    train_state: dict[str, Any] | None = None,
+    info: dict[str, Any] | None = None,
+) -> Path:
+    """Write checkpoints/step_{step} atomically and return its path."""
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"{_PREFIX}{step:08d}"
+    staging = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    model_payload = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "config": to_dict(cfg),
+        "tokenizer": tokenizer_bytes,
+        "model": state_dict,
+    }
+    files = {MODEL_FILE: _write_torch(staging / MODEL_FILE, model_payload)}
+    if train_state is not None:
+        files[STATE_FILE] = _write_torch(staging / STATE_FILE, train_state)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "files": files,
+        "config_sha256": config_hash(cfg),
+        "tokenizer_sha256": hashlib.sha256(tokenizer_bytes).hexdigest(),
+        "tmt_version": __version__,
+        "torch_version": torch.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **(info or {}),
+    }
+    _write_file(
+        staging / MANIFEST_FILE, json.dumps(manifest, indent=1).encode()
+    )  # the commit marker
+    _fsync_dir(staging)
+    final = root / name
+    previous = None
+    if (
+        final.exists()
+    ):  # saved again at the same step (e.g. the final save): swap, then drop the old
+        previous = root / f".old-{name}-{os.getpid()}"
+        os.rename(final, previous)
+    os.rename(staging, final)
+    _fsync_dir(root)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+    return final
+
+
+def remove_leftovers(run_dir: Path) -> None:
+    """Staging directories of saves that were interrupted (they never carry a final name)."""
+    root = run_dir / "checkpoints"
+    if root.is_dir():
+        for path in (
+            list(root.glob(".tmp-*")) + list(root.glob(".old-*")) + list(root.glob(".best-*"))
+        ):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def set_best(run_dir: Path, path: Path) -> None:
+    """Point checkpoints/best at `path` (a relative symlink, swapped atomically)."""
+    link = run_dir / "checkpoints" / "best"
+    tmp = link.with_name(f".best-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    os.symlink(path.name, tmp)
+    os.replace(tmp, link)
+    _fsync_dir(link.parent)
+
+
+def best(run_dir: Path) -> Path | None:
+    link = run_dir / "checkpoints" / "best"
+    if not link.is_symlink():
+        return None
+    target = link.parent / os.readlink(link)
+    return target if target.is_dir() else None
+
+
+def prune(
+    run_dir: Path, keep_last: int, protect: set[Path] | frozenset[Path] = frozenset()
+) -> None:
+    """Delete all but the newest `keep_last` checkpoints, never the best or a protected one."""
+    checkpoints = list_checkpoints(run_dir)
+    best_path = best(run_dir)
+    keep = set(checkpoints[-keep_last:] if keep_last > 0 else []) | set(protect)
+    keep = {p.resolve() for p in keep | ({best_path} if best_path else set())}
+    for path in checkpoints:
+        if path.resolve() not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint directories of a run, oldest step first (complete or not)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def verify(path: Path) -> str | None:
+    """None if `path` is a complete, uncorrupted checkpoint, else the reason it is not."""
+    try:
+        manifest = read_manifest(path)
+        for name, digest in manifest["files"].items():
+            if _sha256_file(path / name) != digest:
+                return f"{name} does not match its manifest hash"
+    except TmtError as err:
+        return str(err)
+    except OSError as err:
+        return f"cannot read: {err.strerror or err}"
+    return None
+
+
+def latest_valid(run_dir: Path) -> Path | None:
+    """The newest checkpoint that verifies; newer broken ones are reported and skipped."""
+    for path in reversed(list_checkpoints(run_dir)):
+        problem = verify(path)
+        if problem is None:
+            return path
+        logger.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST_FILE
+    try:
+        manifest = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        raise TmtError(f"{path}: not a complete checkpoint (no {MANIFEST_FILE})") from None
+    except (OSError, ValueError) as err:
+        raise TmtError(f"{file}: unreadable manifest ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        found = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise TmtError(
+            f"{path}: checkpoint format version {found}, this tmt reads {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def load_model(path: str | Path) -> ModelCheckpoint:
+    """Read and verify model.pt of a checkpoint directory."""
+    path = Path(path)
+    payload = _load_verified(path, MODEL_FILE)
+    try:
+        cfg = config_from_dict(payload["config"], origin=f"{path / MODEL_FILE} config")
+        return ModelCheckpoint(
+            path, int(payload["step"]), cfg, payload["model"], bytes(payload["tokenizer"])
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise TmtError(f"{path / MODEL_FILE}: malformed checkpoint ({err})") from None
+
+
+def load_train_state(path: Path) -> dict[str, Any]:
+    return _load_verified(path, STATE_FILE)
+
+
+def _load_verified(path: Path, name: str) -> dict[str, Any]:
+    manifest = read_manifest(path)
+    if name not in manifest["files"]:
+        raise TmtError(f"{path}: checkpoint has no {name}")
+    try:
+        data = (path / name).read_bytes()
+    except OSError as err:
+        raise TmtError(f"{path / name}: cannot read: {err.strerror or err}") from None
+    if hashlib.sha256(data).hexdigest() != manifest["files"][name]:
+        raise TmtError(f"{path / name}: corrupted (does not match its manifest hash)")
+    try:
+        # weights_only: tensors and plain containers only; a pickled object or callable is refused.
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = str(err).splitlines()[0][:200]
+        raise TmtError(
+            f"{path / name}: refused: holds more than tensors and plain values ({reason})"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as err:
+        raise TmtError(f"{path / name}: unreadable ({str(err).splitlines()[0]})") from None
+
+
+# --- RNG state as tensors and primitives (loadable with weights_only) ----------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's Python, NumPy, torch and CUDA generator states."""
+    py_version, py_state, py_gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {
+        "python_version": py_version,
+        "python_state": torch.tensor(py_state, dtype=torch.int64),
+        "python_gauss": py_gauss,
+        "numpy_keys": torch.from_numpy(np_keys.astype(np.int64)),
+        "numpy_pos": int(np_pos),
+        "numpy_has_gauss": int(np_has_gauss),
+        "numpy_gauss": float(np_gauss),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(
+        (state["python_version"], tuple(state["python_state"].tolist()), state["python_gauss"])
+    )
+    keys = state["numpy_keys"].numpy().astype(np.uint32)
+    np.random.set_state(
+        ("MT19937", keys, state["numpy_pos"], state["numpy_has_gauss"], state["numpy_gauss"])
+    )
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- files -------------------------------------------------------------------------------------
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through (torch.save streams into it)."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle = handle
+        self.digest = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _write_torch(path: Path, payload: Any) -> str:
+    with open(path, "wb") as handle:
+        writer = _HashingWriter(handle)
+        torch.save(payload, writer)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return writer.digest.hexdigest()
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

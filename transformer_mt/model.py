@@ -1,0 +1,304 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017, §3), top to bottom.
+
+Shapes: B batch, S source length, T target length, D d_model, H heads, K = D // H (d_k = d_v),
+V joint vocabulary. Masks are bool, True = may attend.
+
+Sequences are right-padded. The encoder masks padded keys; the decoder's self-attention is causal
+(§3.2.3), which for right-padded targets also hides every padded key from every real query, so it
+needs no padding mask and can use the fused causal kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer_mt.config import ModelConfig
+
+# --- masks and positions -----------------------------------------------------------------------
+
+
+def make_src_mask(src: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """(B, S) ids -> (B, 1, 1, S): every query may attend to every real source position."""
+    return (src != pad_id)[:, None, None, :]
+
+
+def sinusoidal_positions(n_positions: int, d_model: int) -> torch.Tensor:
+    """(n_positions, D): PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(...) (§3.5)."""
+    position = torch.arange(n_positions, dtype=torch.float64)[:, None]
+    inverse_frequency = torch.pow(
+        10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64) / d_model
+    )
+    table = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inverse_frequency)
+    table[:, 1::2] = torch.cos(position * inverse_frequency)
+    return table.float()
+
+
+class Embedding(nn.Module):
+    """Token embeddings × √d_model plus sinusoidal positions, then dropout (§3.4, §3.5, §5.4).
+
+    One matrix serves the source, the target and (transposed) the pre-softmax projection.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, max_positions: int, dropout: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+        self.register_buffer(
+            "positions", sinusoidal_positions(max_positions, d_model), persistent=False
+        )
+        self.scale = math.sqrt(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """(B, T) ids at positions start.. -> (B, T, D)."""
+        x = F.embedding(tokens, self.weight) * self.scale
+        return self.dropout(x + self.positions[start : start + tokens.size(1)])
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+
+class MultiHeadAttention(nn.Module):
+    """§3.2.2: MultiHead(Q, K, V) = Concat(head_1..head_h) W^O,
+    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V), Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V
+    (§3.2.1), computed by scaled_dot_product_attention (fused kernels where available).
+
+    W^Q, W^K, W^V are stored stacked in `in_proj` (3D, D), as in nn.MultiheadAttention.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, attention_dropout: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.in_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.attention_dropout = attention_dropout
+
+    def project_self(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, D) -> q, k, v each (B, H, T, K): one fused matmul for self-attention."""
+        q, k, v = F.linear(x, self.in_proj.weight, self.in_proj.bias).chunk(3, dim=-1)
+        return self._heads(q), self._heads(k), self._heads(v)
+
+    def project_query(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.size(-1)
+        return self._heads(F.linear(x, self.in_proj.weight[:d], self.in_proj.bias[:d]))
+
+    def project_key_value(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder output (B, S, D) -> k, v each (B, H, S, K): once per source in decoding."""
+        d = memory.size(-1)
+        k, v = F.linear(memory, self.in_proj.weight[d:], self.in_proj.bias[d:]).chunk(2, dim=-1)
+        return self._heads(k), self._heads(v)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """q (B, H, T, K), k and v (B, H, S, K) -> (B, T, D)."""
+        dropout = self.attention_dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal
+        )
+        batch, _, length, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1))  # (B, T, H·K)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, d = x.shape
+        return x.view(batch, length, self.n_heads, d // self.n_heads).transpose(
+            1, 2
+        )  # (B, H, T, K)
+
+
+class FeedForward(nn.Module):
+    """§3.3: FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied at each position."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(d_model, d_ff)
+        self.linear2 = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(F.relu(self.linear1(x)))
+
+
+# --- layers ------------------------------------------------------------------------------------
+
+
+class Sublayer(nn.Module):
+    """§3.1 LayerNorm(x + Dropout(Sublayer(x))) (post-norm, the paper); pre-norm when configured:
+    x + Dropout(Sublayer(LayerNorm(x)))."""
+
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) if self.pre_norm else x
+
+    def output(self, x: torch.Tensor, sublayer_out: torch.Tensor) -> torch.Tensor:
+        y = x + self.dropout(sublayer_out)
+        return y if self.pre_norm else self.norm(y)
+
+
+class EncoderLayer(nn.Module):
+    """§3.1: self-attention, then the feed-forward network, each wrapped by a Sublayer."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.attn_sub = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.ffn_sub = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        """(B, S, D) -> (B, S, D)."""
+        q, k, v = self.self_attn.project_self(self.attn_sub.input(x))
+        x = self.attn_sub.output(x, self.self_attn.attend(q, k, v, mask=src_mask))
+        return self.ffn_sub.output(x, self.ffn(self.ffn_sub.input(x)))
+
+
+@dataclass
+class DecoderCache:
+    """Incremental decoding state per decoder layer: self-attention K/V of the positions decoded
+    so far (grow by one step per call) and cross-attention K/V of the source (computed once)."""
+
+    self_k: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H, t, K)
+    self_v: list[torch.Tensor] = field(default_factory=list)
+    cross_k: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H, S, K)
+    cross_v: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        """Target positions decoded so far."""
+        return self.self_k[0].size(2) if self.self_k else 0
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (B',) in this order, e.g. the surviving beams."""
+        for tensors in (self.self_k, self.self_v, self.cross_k, self.cross_v):
+            tensors[:] = [t.index_select(0, index) for t in tensors]
+
+
+class DecoderLayer(nn.Module):
+    """§3.1: masked self-attention, attention over the encoder output, feed-forward network."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.self_sub = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.cross_sub = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.ffn_sub = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+
+    def forward(
+        self,
+        y: torch.Tensor,
+        memory: torch.Tensor | None,
+        src_mask: torch.Tensor,
+        cache: DecoderCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D). With a cache, y holds the one new position (B, 1, D)."""
+        q, k, v = self.self_attn.project_self(self.self_sub.input(y))
+        if cache is None:
+            attended = self.self_attn.attend(q, k, v, is_causal=True)
+            cross_k, cross_v = self.cross_attn.project_key_value(memory)
+        else:
+            if len(cache.self_k) > layer:  # (B, H, t + 1, K): the past plus this step
+                k = torch.cat([cache.self_k[layer], k], dim=2)
+                v = torch.cat([cache.self_v[layer], v], dim=2)
+                cache.self_k[layer], cache.self_v[layer] = k, v
+            else:
+                cache.self_k.append(k)
+                cache.self_v.append(v)
+            attended = self.self_attn.attend(q, k, v)  # one query sees only the past: no mask
+            cross_k, cross_v = cache.cross_k[layer], cache.cross_v[layer]
+        y = self.self_sub.output(y, attended)
+        q = self.cross_attn.project_query(self.cross_sub.input(y))
+        y = self.cross_sub.output(y, self.cross_attn.attend(q, cross_k, cross_v, mask=src_mask))
+        return self.ffn_sub.output(y, self.ffn(self.ffn_sub.input(y)))
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer over a joint vocabulary with 3-way tied embeddings (§3.4)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int) -> None:
+        super().__init__()
+        self.cfg, self.vocab_size, self.pad_id = cfg, vocab_size, pad_id
+        self.embedding = Embedding(vocab_size, cfg.d_model, cfg.max_positions, cfg.dropout)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
+        # Pre-norm leaves each stack's output unnormalised: a final LayerNorm closes it.
+        self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+        self.output_projection = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        # §3.4: "we share the same weight matrix between the two embedding layers and the
+        # pre-softmax linear transformation".
+        self.output_projection.weight = self.embedding.weight
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Xavier-uniform matrices (as the annotated Transformer), zero biases, unit LayerNorms.
+        W^Q, W^K and W^V are initialised as the three separate matrices the paper describes."""
+        for module in self.modules():
+            if isinstance(module, MultiHeadAttention):
+                for block in module.in_proj.weight.data.chunk(3, dim=0):
+                    nn.init.xavier_uniform_(block)
+                nn.init.xavier_uniform_(module.out_proj.weight)
+            elif isinstance(module, FeedForward):
+                nn.init.xavier_uniform_(module.linear1.weight)
+                nn.init.xavier_uniform_(module.linear2.weight)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        nn.init.xavier_uniform_(self.embedding.weight)  # also the output projection (tied)
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        """(B, S) ids -> memory (B, S, D)."""
+        x = self.embedding(src)
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
+        return self.encoder_norm(x)
+
+    def decode(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor | None,
+        src_mask: torch.Tensor,
+        cache: DecoderCache | None = None,
+    ) -> torch.Tensor:
+        """(B, T) target ids -> logits (B, T, V). With a cache: one new position per call."""
+        y = self.embedding(tgt, start=cache.length if cache is not None else 0)
+        for i, layer in enumerate(self.decoder_layers):
+            y = layer(y, memory, src_mask, cache, i)
+        return self.output_projection(self.decoder_norm(y))
+
+    def start_cache(self, memory: torch.Tensor) -> DecoderCache:
+        """A decoding cache holding each layer's cross-attention K/V of `memory` (B, S, D)."""
+        cache = DecoderCache()
+        for layer in self.decoder_layers:
+            k, v = layer.cross_attn.project_key_value(memory)
+            cache.cross_k.append(k)
+            cache.cross_v.append(v)
+        return cache
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing: (B, S) source, (B, T) bos + target -> logits (B, T, V)."""
+        src_mask = make_src_mask(src, self.pad_id)
+        return self.decode(tgt_in, self.encode(src, src_mask), src_mask)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Trainable parameters, each shared tensor counted once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
