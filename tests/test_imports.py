@@ -32,6 +32,8 @@ ALLOWED = {
         "optim",
         "tokenizer",
     },
+    "search": set(),  # a step function in, hypotheses out: no model, no config
+    "evaluate": {"checkpoint", "config", "corpus", "data", "model", "search", "tokenizer"},
     "cli": {"config", "train"},
 }
 MODULES = set(ALLOWED)

@@ -221,3 +221,23 @@ def test_key_bias_gradient_is_zero_up_to_rounding() -> None:
         grad[2 * d :].abs().max(),
     )
     assert key_bias < 1e-5 < 1e-2 < min(query_bias, value_bias)
+
+
+def test_dropout_keeps_each_element_with_probability_one_minus_p() -> None:
+    from transformer_mt.model import Dropout
+
+    torch.manual_seed(0)
+    layer = Dropout(0.3).train()
+    x = torch.ones(400, 500)
+    y = layer(x)
+    kept = y != 0
+    assert kept.float().mean().item() == pytest.approx(0.7, abs=0.005)  # 200k draws: ±0.002 is 2σ
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / 0.7))  # inverted-dropout scaling
+    assert y.mean().item() == pytest.approx(1.0, abs=0.01)  # expectation preserved
+    # The gradient flows through kept elements only, with the same scale.
+    x.requires_grad_(True)
+    out = layer(x)
+    out.sum().backward()
+    assert torch.equal(x.grad != 0, out != 0)
+    assert torch.equal(layer.eval()(x), x)
+    assert torch.equal(Dropout(0.0).train()(x), x)

@@ -27,6 +27,7 @@ import pickle
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -67,10 +68,23 @@ def save(
     train_state: dict[str, Any] | None = None,
     info: dict[str, Any] | None = None,
 ) -> Path:
-    """Write checkpoints/step_{step} atomically and return its path."""
-    root = run_dir / "checkpoints"
+    """Write checkpoints/step_{step} of a run atomically and return its path."""
+    final = run_dir / "checkpoints" / f"{_PREFIX}{step:08d}"
+    return write(final, step, cfg, state_dict, tokenizer_bytes, train_state, info)
+
+
+def write(
+    final: Path,
+    step: int,
+    cfg: Config,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer_bytes: bytes,
+    train_state: dict[str, Any] | None = None,
+    info: dict[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint directory at `final` atomically (model-only without train_state)."""
+    root, name = final.parent, final.name
     root.mkdir(parents=True, exist_ok=True)
-    name = f"{_PREFIX}{step:08d}"
     staging = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -95,15 +109,11 @@ def save(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **(info or {}),
     }
-    _write_file(
-        staging / MANIFEST_FILE, json.dumps(manifest, indent=1).encode()
-    )  # the commit marker
+    # The manifest is the commit marker: written last, after every file it vouches for.
+    _write_file(staging / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
     _fsync_dir(staging)
-    final = root / name
     previous = None
-    if (
-        final.exists()
-    ):  # saved again at the same step (e.g. the final save): swap, then drop the old
+    if final.exists():  # saved again at the same step (e.g. the final save): swap, drop the old
         previous = root / f".old-{name}-{os.getpid()}"
         os.rename(final, previous)
     os.rename(staging, final)
@@ -212,6 +222,72 @@ def read_manifest(path: Path) -> dict[str, Any]:
             f"{path}: checkpoint format version {found}, this tmt reads {FORMAT_VERSION}"
         )
     return manifest
+
+
+def resolve(path: Path) -> Path:
+    """A checkpoint directory as given; for a run directory its best checkpoint, else its newest."""
+    if (path / MANIFEST_FILE).is_file():
+        return path
+    if (path / "checkpoints").is_dir():
+        best_path = best(path)
+        if best_path is not None and verify(best_path) is None:
+            return best_path
+        latest = latest_valid(path)
+        if latest is not None:
+            return latest
+        raise TmtError(f"{path}: the run has no complete checkpoint")
+    raise TmtError(
+        f"{path}: not a checkpoint (no {MANIFEST_FILE}) nor a run directory (no checkpoints/)"
+    )
+
+
+def last_checkpoints(run_dir: Path, n: int) -> list[Path]:
+    """The newest `n` complete checkpoints of a run, oldest first (the paper averages the last 5
+    or 20); broken ones are reported and skipped."""
+    if not (run_dir / "checkpoints").is_dir():
+        raise TmtError(f"{run_dir}: not a run directory (no checkpoints/)")
+    valid: list[Path] = []
+    for path in reversed(list_checkpoints(run_dir)):
+        problem = verify(path)
+        if problem is None:
+            valid.append(path)
+        else:
+            logger.warning("skipping checkpoint %s: %s", path, problem)
+        if len(valid) == n:
+            return valid[::-1]
+    raise TmtError(f"{run_dir}: {len(valid)} complete checkpoints, {n} asked for")
+
+
+def average(paths: Sequence[Path]) -> ModelCheckpoint:
+    """The element-wise mean of the checkpoints' weights, with the newest one's config and step.
+
+    Sums are accumulated in float64 and cast back, so N copies of one checkpoint average back to
+    it bitwise. All must share the architecture and the tokenizer.
+    """
+    if not paths:
+        raise TmtError("no checkpoints to average")
+    first = load_model(paths[0])
+    sums = {k: v.to(torch.float64) for k, v in first.state_dict.items()}
+    newest = first
+    for path in paths[1:]:
+        other = load_model(path)
+        _check_same_model(first, other)
+        for key, value in other.state_dict.items():
+            sums[key] += value.to(torch.float64)
+        newest = other if other.step >= newest.step else newest
+    mean = {k: (v / len(paths)).to(first.state_dict[k].dtype) for k, v in sums.items()}
+    return ModelCheckpoint(newest.path, newest.step, newest.config, mean, first.tokenizer_bytes)
+
+
+def _check_same_model(a: ModelCheckpoint, b: ModelCheckpoint) -> None:
+    old, new = to_dict(a.config), to_dict(b.config)
+    differ = [f"{s}.{k}" for s in ("model", "tokenizer") for k in old[s] if old[s][k] != new[s][k]]
+    if a.tokenizer_bytes != b.tokenizer_bytes:
+        differ.append("the tokenizer model")
+    if not differ and set(a.state_dict) != set(b.state_dict):
+        differ.append("the parameter names")
+    if differ:
+        raise TmtError(f"cannot average {a.path} with {b.path}: {', '.join(differ)} differ")
 
 
 def load_model(path: str | Path) -> ModelCheckpoint:

@@ -117,10 +117,16 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    beam_size: int = 4  # §6.1
+    beam_size: int = 4  # §6.1; 1 = greedy
     length_penalty: float = 0.6  # §6.1 α
+    length_penalty_form: Literal["gnmt", "power"] = (
+        "gnmt"  # GNMT ((5+|Y|)/6)^α; power |Y|^α (fairseq, HF)
+    )
     max_len_a: float = 1.0  # §6.1 maximum output length a · input length + b
     max_len_b: int = 50
+    max_tokens: int = 4096  # source tokens per translation batch (padded), before beam expansion
+    nbest: int = 1  # hypotheses written per input line (tmt translate --nbest)
+    buffer_lines: int = 256  # stdin lines translated together when they are already waiting
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,14 @@ class Config:
             ),
             (self.train.log_every >= 1, "train.log_every must be >= 1"),
             (self.decode.beam_size >= 1, "decode.beam_size must be >= 1"),
+            (
+                1 <= self.decode.nbest <= self.decode.beam_size,
+                "decode.nbest must be in 1..decode.beam_size",
+            ),
+            (
+                self.decode.max_tokens >= 1 and self.decode.buffer_lines >= 1,
+                "decode.max_tokens and decode.buffer_lines must be >= 1",
+            ),
             (self.data.num_proc >= 1, "data.num_proc must be >= 1"),
         ]
         for ok, message in checks:
@@ -202,6 +216,21 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         section, key, value = _parse_override(item)
         tree.setdefault(section, {})[key] = value
     return config_from_dict(tree, origin=origin)
+
+
+def apply_overrides(cfg: Config, overrides: Sequence[str], frozen: Sequence[str] = ()) -> Config:
+    """`cfg` with `section.key=value` overrides; keys of `frozen` sections may not change."""
+    tree = to_dict(cfg)
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        if section in frozen:
+            raise TmtError(f"--set {item}: {section}.* is fixed by the checkpoint")
+        if section not in tree:
+            raise TmtError(
+                f"--set {item}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
+            )
+        tree[section][key] = value
+    return config_from_dict(tree, origin="--set")
 
 
 def config_from_dict(tree: Mapping[str, Any], origin: str = "config") -> Config:

@@ -1,0 +1,298 @@
+"""Translating raw text and scoring it: the one path behind `tmt translate`, `tmt evaluate` and the
+validation BLEU of training, so the BLEU seen during training is the BLEU `tmt evaluate` reports.
+
+Raw text in, detokenized text out: the sentencepiece model travels inside the checkpoint. Inputs
+are sorted by length and batched by tokens; outputs come back in input order, exactly one per input
+line. An empty line gives an empty output without running the model; a line longer than the model's
+positions is truncated with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, TextIO
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from transformer_mt import checkpoint, corpus
+from transformer_mt.config import Config, TmtError, apply_overrides
+from transformer_mt.data import TokenBucketSampler
+from transformer_mt.model import DecoderCache, Transformer, make_src_mask
+from transformer_mt.search import Hypothesis, beam_search, greedy
+from transformer_mt.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Translator:
+    model: Transformer  # in eval mode, on `device`
+    tokenizer: Tokenizer
+    config: Config  # the checkpoint's config with the caller's overrides
+    device: torch.device
+    origin: str  # what was loaded, for messages
+
+
+def load_translator(
+    path: str | Path, overrides: Sequence[str] = (), average_last: int = 0, device: str = "auto"
+) -> Translator:
+    """A checkpoint directory, an averaged model, or a run directory (its best checkpoint, else its
+    newest; with average_last=N the average of its newest N)."""
+    path = Path(path)
+    if average_last > 0:
+        paths = checkpoint.last_checkpoints(path, average_last)
+        saved = checkpoint.average(paths)
+        origin = f"average of {', '.join(p.name for p in paths)}"
+    else:
+        saved = checkpoint.load_model(checkpoint.resolve(path))
+        origin = str(saved.path)
+    cfg = apply_overrides(saved.config, overrides, frozen=("model", "tokenizer"))
+    tokenizer = Tokenizer(saved.tokenizer_bytes, origin=f"{saved.path} tokenizer")
+    model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
+    try:
+        model.load_state_dict(saved.state_dict)
+    except RuntimeError as err:
+        raise TmtError(
+            f"{saved.path}: weights do not fit the saved config ({str(err).splitlines()[0]})"
+        ) from None
+    target = torch.device(
+        "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
+    return Translator(model.to(target).eval(), tokenizer, cfg, target, origin)
+
+
+# --- translating -------------------------------------------------------------------------------
+
+
+class _DecodeState:
+    """What search.py needs from the model: the decoder cache and source mask, reorderable."""
+
+    def __init__(self, cache: DecoderCache, src_mask: torch.Tensor) -> None:
+        self.cache, self.src_mask = cache, src_mask
+
+    def reorder(self, index: torch.Tensor) -> None:
+        index = index.to(self.src_mask.device)
+        self.cache.reorder(index)
+        self.src_mask = self.src_mask.index_select(0, index)
+
+
+@torch.inference_mode()
+def translate_lines(translator: Translator, lines: Sequence[str]) -> list[list[Hypothesis]]:
+    """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line."""
+    tok, decode = translator.tokenizer, translator.config.decode
+    limit = translator.config.model.max_positions - 1  # source tokens + eos must fit the positions
+    ids = tok.encode(list(lines))
+    for i, seq in enumerate(ids):
+        if len(seq) > limit:
+            logger.warning(
+                "line %d: %d tokens, truncated to %d (model.max_positions)", i + 1, len(seq), limit
+            )
+            ids[i] = seq[:limit]
+    results: list[list[Hypothesis]] = [[] for _ in lines]
+    todo = [i for i, seq in enumerate(ids) if seq]  # empty input: empty output, no model call
+    if not todo:
+        return results
+    lengths = np.array([len(ids[i]) + 1 for i in todo])
+    batches = TokenBucketSampler(
+        lengths, lengths, max(decode.max_tokens, int(lengths.max())), seed=0, shuffle=False
+    ).epoch_batches(0)
+    for batch in batches:
+        chosen = [todo[j] for j in batch]
+        for index, hyps in zip(
+            chosen, _translate_batch(translator, [ids[i] for i in chosen]), strict=True
+        ):
+            results[index] = hyps
+    return results
+
+
+def _translate_batch(translator: Translator, sources: list[list[int]]) -> list[list[Hypothesis]]:
+    model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
+    src = torch.full((len(sources), max(map(len, sources)) + 1), tok.pad_id, dtype=torch.long)
+    for row, seq in enumerate(sources):
+        src[row, : len(seq)] = torch.tensor(seq)
+        src[row, len(seq)] = tok.eos_id
+    src = src.to(translator.device)
+    # §6.1: maximum output length a · input length + b, within the position table.
+    limits = [
+        min(int(decode.max_len_a * len(seq) + decode.max_len_b), model.cfg.max_positions)
+        for seq in sources
+    ]
+    k = decode.beam_size
+    src_mask = make_src_mask(src, tok.pad_id)
+    memory = model.encode(src, src_mask)
+    if k > 1:  # each sentence's rows repeated k times: (B·k, S, D)
+        memory, src_mask = memory.repeat_interleave(k, dim=0), src_mask.repeat_interleave(k, dim=0)
+    state = _DecodeState(model.start_cache(memory), src_mask)
+
+    def step(tokens: torch.Tensor, s: _DecodeState) -> tuple[torch.Tensor, _DecodeState]:
+        logits = model.decode(
+            tokens.to(translator.device)[:, None], None, s.src_mask, s.cache
+        )  # (N, 1, V)
+        return F.log_softmax(logits[:, 0].float(), dim=-1).cpu(), s
+
+    banned = (tok.pad_id, tok.bos_id)
+    alpha, form = decode.length_penalty, decode.length_penalty_form
+    if k == 1:
+        return [
+            [h] for h in greedy(step, state, limits, tok.bos_id, tok.eos_id, banned, alpha, form)
+        ]
+    return beam_search(
+        step, state, limits, tok.bos_id, tok.eos_id, k, alpha, form, decode.nbest, banned
+    )
+
+
+def translate_text(translator: Translator, lines: Sequence[str]) -> list[str]:
+    """Detokenized best translation of each line, in input order."""
+    best = [hyps[0].tokens if hyps else [] for hyps in translate_lines(translator, lines)]
+    return translator.tokenizer.decode(best)
+
+
+def translate_stream(translator: Translator, source: BinaryIO, sink: TextIO) -> int:
+    """Translate lines from `source` to `sink` as they arrive: a chunk is whatever is already
+    waiting (up to decode.buffer_lines), so a pipe is translated in batches and an interactive
+    line right away. Returns the number of lines. Bytes split on b"\\n" only; invalid UTF-8 is
+    replaced (and reported) so every input line gets its output line."""
+    decode = translator.config.decode
+    count = 0
+    for chunk in _chunks(_read_lines(source), decode.buffer_lines):
+        for i, hyps in enumerate(translate_lines(translator, chunk)):
+            if decode.nbest > 1:
+                texts = translator.tokenizer.decode([h.tokens for h in hyps])
+                rows = [
+                    f"{count + i}\t{h.score:.4f}\t{t}" for h, t in zip(hyps, texts, strict=True)
+                ]
+                sink.write(
+                    "".join(r + "\n" for r in rows or [f"{count + i}\t0.0000\t"] * decode.nbest)
+                )
+            else:
+                sink.write(translator.tokenizer.decode([hyps[0].tokens if hyps else []])[0] + "\n")
+        sink.flush()
+        count += len(chunk)
+    return count
+
+
+def _read_lines(source: BinaryIO) -> Iterator[str]:
+    for lineno, raw in enumerate(source, 1):
+        line = raw[:-1] if raw.endswith(b"\n") else raw
+        line = line[:-1] if line.endswith(b"\r") else line
+        try:
+            yield line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            logger.warning(
+                "input line %d: invalid UTF-8 at byte offset %d, replaced", lineno, err.start
+            )
+            yield line.decode("utf-8", "replace")
+
+
+def _chunks(lines: Iterator[str], size: int) -> Iterator[list[str]]:
+    """Group lines: block for the first, then take only what is already waiting (a reader thread
+    fills the queue), so no line waits for input that has not arrived yet."""
+    waiting: queue.Queue[Any] = queue.Queue(maxsize=4 * size)
+    end = object()
+
+    def reader() -> None:
+        try:
+            for line in lines:
+                waiting.put(line)
+        finally:
+            waiting.put(end)
+
+    threading.Thread(target=reader, daemon=True).start()
+    while True:
+        first = waiting.get()
+        if first is end:
+            return
+        chunk = [first]
+        while len(chunk) < size:
+            try:
+                item = waiting.get_nowait()
+            except queue.Empty:
+                break
+            if item is end:
+                yield chunk
+                return
+            chunk.append(item)
+        yield chunk
+
+
+# --- scoring -----------------------------------------------------------------------------------
+
+
+def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
+    """sacreBLEU (cased, 13a tokenization), chrF and lowercased BLEU of detokenized text."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    if len(hypotheses) != len(references):
+        raise TmtError(
+            f"{len(hypotheses)} hypotheses but {len(references)} references: the counts must match"
+        )
+    bleu, bleu_lc, chrf = BLEU(), BLEU(lowercase=True), CHRF()
+    refs = [list(references)]
+    result = bleu.corpus_score(list(hypotheses), refs)
+    return {
+        "bleu": round(result.score, 2),
+        "chrf": round(chrf.corpus_score(list(hypotheses), refs).score, 2),
+        "bleu_lc": round(bleu_lc.corpus_score(list(hypotheses), refs).score, 2),
+        "signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+        "sentences": len(hypotheses),
+        "bleu_detail": str(result),
+    }
+
+
+def read_split(cfg: Config, key: str) -> tuple[list[str], list[str]]:
+    """Raw source and reference text of the split that config key `key` names ("data.test")."""
+    split = corpus.open_split(cfg.data, key)
+    with tempfile.TemporaryDirectory(prefix="tmt-eval-") as work:
+        dataset = split.load(Path(work))
+        return [s or "" for s in dataset["src"]], [t or "" for t in dataset["tgt"]]
+
+
+def read_text_file(path: str | Path) -> list[str]:
+    """Lines of a plain or .gz file, with the corpus rules (split on \\n only, strict UTF-8)."""
+    file = Path(path)
+    if not file.is_file():
+        raise TmtError(f"{path}: no such file")
+    return [
+        corpus.decode_line(raw, str(file), n, "strict")[0]
+        for n, raw in enumerate(corpus.read_lines(file), 1)
+    ]
+
+
+def evaluate(
+    translator: Translator | None,
+    split: str | None = None,
+    sources: Sequence[str] | None = None,
+    references: Sequence[str] | None = None,
+    hypotheses: Sequence[str] | None = None,
+    cfg: Config | None = None,
+) -> dict[str, Any]:
+    """Score `hypotheses`, or the translator's output for `sources` or a config split, against the
+    references. Returns score()'s figures plus where the text came from."""
+    if references is None:
+        config = cfg or (translator.config if translator else None)
+        if config is None or split is None:
+            raise TmtError(
+                "evaluate needs references: a split of the checkpoint's config or a reference file"
+            )
+        split_sources, references = read_split(config, f"data.{split}")
+        sources = sources if sources is not None else split_sources
+    if hypotheses is None:
+        if translator is None or sources is None:
+            raise TmtError(
+                "evaluate needs hypotheses: a checkpoint to translate with or a hypothesis file"
+            )
+        if len(sources) != len(references):
+            raise TmtError(
+                f"{len(sources)} source lines but {len(references)} references: counts must match"
+            )
+        hypotheses = translate_text(translator, sources)
+    return {**score(hypotheses, references), "model": translator.origin if translator else None}
