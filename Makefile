@@ -31,7 +31,7 @@ format: install
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
 demo: install
-	$(BIN)/tmt train --dry-run
+	bash scripts/demo.sh
 
 bench: install
 	$(BIN)/python scripts/bench_data.py

@@ -1,4 +1,4 @@
-"""Benchmark training throughput: tmt vs HF transformers MarianMTModel vs a torch.nn.Transformer loop.
+"""Training throughput: tmt vs HF transformers MarianMTModel vs a torch.nn.Transformer loop.
 
 All three train the same architecture (the multi30k preset: 4+4 layers, d_model 256, 4 heads,
 d_ff 1024, dropout 0.3, tied 8k joint vocabulary) on the same batches of the bundled Multi30k
@@ -199,7 +199,7 @@ def child(system: str, args: argparse.Namespace) -> dict:
 
 
 def _mfu(cfg, tok, batches, seconds: float) -> dict:
-    """Model FLOPs utilisation: 6 · matmul parameters · tokens (+ attention) over peak bf16 FLOP/s."""
+    """Model FLOPs utilisation: 6 · matmul FLOPs per token · tokens over peak bf16 FLOP/s."""
     import torch
 
     m = cfg.model
@@ -250,7 +250,8 @@ def main() -> None:
                 sys.exit(f"{system} failed:\n{out.stderr[-3000:]}")
             runs[system].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(
-                f"round {round_index + 1} {system:<28} {runs[system][-1]['tokens_per_s']:>9,.0f} tok/s",
+                f"round {round_index + 1} {system:<28}"
+                f" {runs[system][-1]['tokens_per_s']:>9,.0f} tok/s",
                 flush=True,
             )
     results = {}
@@ -260,7 +261,8 @@ def main() -> None:
     print()
     for system, r in results.items():
         print(
-            f"{system:<28} {r['tokens_per_s']:>9,.0f} target tok/s  {r['peak_rss_mib']:>7,.0f} MiB peak RSS  {r['parameters']:>11,} params"
+            f"{system:<28} {r['tokens_per_s']:>9,.0f} target tok/s"
+            f"  {r['peak_rss_mib']:>7,.0f} MiB peak RSS  {r['parameters']:>11,} params"
         )
     ratios = {}
     if "tmt" in results:

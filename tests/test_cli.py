@@ -120,3 +120,121 @@ def test_train_runs_and_reports_where_it_ended(
     assert summary["step"] == 3 and summary["stop"] == "max_steps"
     assert Path(summary["checkpoint"]).name == "step_00000003"
     assert (tmp_path / "checkpoints" / "step_00000003" / "manifest.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("cli_run")
+    args = [
+        *tiny_args(tiny_corpus),
+        "--set",
+        f"train.out_dir={run}",
+        "--set",
+        "train.max_steps=6",
+        "--set",
+        "train.save_every=2",
+    ]
+    result = runner.invoke(app, ["train", *args])
+    assert result.exit_code == 0, result.output
+    return run
+
+
+def test_end_to_end_train_average_translate_evaluate(
+    trained: Path, tiny_corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    result = runner.invoke(
+        app, ["average", str(trained), "--last", "2", "-o", str(tmp_path / "avg")]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["averaged"][-1].endswith("step_00000006")
+    source = tmp_path / "in.txt"
+    source.write_text("kalo mi\n\nnupe ri so\n")
+    result = runner.invoke(
+        app,
+        [
+            "translate",
+            "-m",
+            str(tmp_path / "avg"),
+            "-i",
+            str(source),
+            "-o",
+            str(tmp_path / "out.txt"),
+            "--set",
+            "decode.beam_size=2",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    lines = (tmp_path / "out.txt").read_text().split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # 3 outputs, the empty one kept
+    result = runner.invoke(
+        app,
+        [
+            "evaluate",
+            "-m",
+            str(tmp_path / "avg"),
+            "--split",
+            "valid",
+            "--json",
+            "--set",
+            "decode.beam_size=1",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["sentences"] == 40 and {"bleu", "chrf", "bleu_lc", "signature"} <= set(report)
+    hyp = tmp_path / "hyp.txt"
+    hyp.write_text("x\n" * 39)
+    result = runner.invoke(
+        app, ["evaluate", "--hyp", str(hyp), "--ref", f"{tiny_corpus['valid']}.en"]
+    )
+    assert result.exit_code == 2 and "39 hypotheses but 40 references" in result.stderr
+    result = runner.invoke(
+        app,
+        ["evaluate", "--hyp", f"{tiny_corpus['valid']}.en", "--ref", f"{tiny_corpus['valid']}.en"],
+    )
+    assert result.exit_code == 0 and "BLEU = 100.00" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["translate", "-m", "/nonexistent"], "not a checkpoint"),
+        (["average", "/nonexistent", "--last", "2", "-o", "x"], "not a run directory"),
+        (["evaluate", "--split", "dev"], "--split 'dev': expected test, valid or train"),
+    ],
+)
+def test_bad_paths_and_options_are_one_line_errors(args: list[str], message: str) -> None:
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.output
+
+
+def test_translate_streams_stdin_before_eof(trained: Path) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "transformer_mt", "translate", "-m", str(trained)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+    )  # fmt: skip
+    try:
+        process.stdin.write(b"kalo mi nu\n")
+        process.stdin.flush()
+        first = process.stdout.readline()  # arrives while stdin is still open
+        assert first.endswith(b"\n")
+        process.stdin.write(b"\n")
+        process.stdin.close()
+        rest = process.stdout.read()
+        assert rest == b"\n"  # the empty line's empty translation
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+
+
+def test_translate_into_head_exits_quietly(trained: Path) -> None:
+    command = f"yes kalo mi nu | head -2000 | {sys.executable} -m transformer_mt translate -m {trained} | head -1"
+    out = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", command],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert len(out.stdout.splitlines()) == 1
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr

@@ -26,6 +26,7 @@ ALLOWED = {
         "config",
         "data",
         "distributed",
+        "evaluate",  # validation BLEU decodes exactly as tmt evaluate does
         "faults",
         "loss",
         "model",
@@ -34,7 +35,7 @@ ALLOWED = {
     },
     "search": set(),  # a step function in, hypotheses out: no model, no config
     "evaluate": {"checkpoint", "config", "corpus", "data", "model", "search", "tokenizer"},
-    "cli": {"config", "train"},
+    "cli": {"checkpoint", "config", "evaluate", "train"},
 }
 MODULES = set(ALLOWED)
 

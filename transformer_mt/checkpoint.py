@@ -279,6 +279,17 @@ def average(paths: Sequence[Path]) -> ModelCheckpoint:
     return ModelCheckpoint(newest.path, newest.step, newest.config, mean, first.tokenizer_bytes)
 
 
+def write_average(paths: Sequence[Path], output: Path) -> Path:
+    """Average `paths` into a self-contained model directory at `output` (written atomically)."""
+    if output.exists() and not (output / MANIFEST_FILE).is_file():
+        if output.is_file() or any(output.iterdir()):
+            raise TmtError(f"{output}: exists and is not a checkpoint; choose another output")
+        output.rmdir()
+    mean = average(paths)
+    info = {"averaged": [str(p) for p in paths]}
+    return write(output, mean.step, mean.config, mean.state_dict, mean.tokenizer_bytes, info=info)
+
+
 def _check_same_model(a: ModelCheckpoint, b: ModelCheckpoint) -> None:
     old, new = to_dict(a.config), to_dict(b.config)
     differ = [f"{s}.{k}" for s in ("model", "tokenizer") for k in old[s] if old[s][k] != new[s][k]]

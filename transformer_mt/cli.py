@@ -5,14 +5,16 @@ Heavy modules (torch, datasets) are imported inside the commands so `tmt --help`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable
-from typing import Annotated, Any
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any, BinaryIO, TextIO
 
 import typer
 
@@ -80,6 +82,136 @@ def train(
         summary = train_lib.train(cfg)
         if summary is not None:  # rank 0 of a distributed run, or a single process
             typer.echo(json.dumps(summary))
+
+
+CheckpointOption = Annotated[
+    Path,
+    typer.Option(
+        "--checkpoint", "-m", help="A checkpoint or averaged model, or a run directory (its best)."
+    ),
+]
+AverageLast = Annotated[
+    int,
+    typer.Option("--average-last", help="Average the newest N checkpoints of the run directory."),
+]
+
+
+@app.command()
+@_user_errors
+def translate(
+    checkpoint: CheckpointOption,
+    input_: Annotated[
+        str, typer.Option("--input", "-i", help="Raw text, one sentence per line; - = stdin.")
+    ] = "-",
+    output: Annotated[
+        str, typer.Option("--output", "-o", help="Detokenized translations; - = stdout.")
+    ] = "-",
+    nbest: Annotated[
+        int, typer.Option("--nbest", help="Write N hypotheses per line: index, score, text.")
+    ] = 1,
+    average_last: AverageLast = 0,
+    set_: Overrides = None,
+) -> None:
+    """Translate raw text, one output line per input line (decoding options: --set decode.KEY=V)."""
+    from transformer_mt import evaluate as lib
+
+    overrides = [*(set_ or []), *([f"decode.nbest={nbest}"] if nbest != 1 else [])]
+    translator = lib.load_translator(checkpoint, overrides, average_last)
+    with _open_in(input_) as source, _open_out(output) as sink:
+        try:
+            lib.translate_stream(translator, source, sink)
+        except BrokenPipeError:  # the reader left (e.g. `| head -1`): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+@app.command()
+@_user_errors
+def evaluate(
+    checkpoint: Annotated[
+        Path | None, typer.Option("--checkpoint", "-m", help="Model to translate with.")
+    ] = None,
+    split: Annotated[
+        str, typer.Option("--split", help="test or valid: a split of the model's config.")
+    ] = "test",
+    src: Annotated[
+        Path | None, typer.Option("--src", help="Source file to translate instead of a split.")
+    ] = None,
+    ref: Annotated[
+        Path | None, typer.Option("--ref", help="Reference file instead of the split's.")
+    ] = None,
+    hyp: Annotated[
+        Path | None, typer.Option("--hyp", help="Score this hypothesis file; no translating.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    average_last: AverageLast = 0,
+    set_: Overrides = None,
+) -> None:
+    """sacreBLEU (with signature), chrF and lowercased BLEU of a model or a hypothesis file."""
+    from transformer_mt import evaluate as lib
+
+    if split not in ("test", "valid", "train"):
+        raise TmtError(f"--split {split!r}: expected test, valid or train")
+    # Splits come from the model's config (its data section), else from the default preset.
+    translator = lib.load_translator(checkpoint, set_ or [], average_last) if checkpoint else None
+    cfg = translator.config if translator else load_config("multi30k", set_ or [])
+    report = lib.evaluate(
+        translator,
+        split=split,
+        sources=lib.read_text_file(src) if src else None,
+        references=lib.read_text_file(ref) if ref else None,
+        hypotheses=lib.read_text_file(hyp) if hyp else None,
+        cfg=cfg,
+    )
+    typer.echo(json.dumps(report) if as_json else lib.format_report(report))
+
+
+@app.command()
+@_user_errors
+def average(
+    inputs: Annotated[
+        list[Path], typer.Argument(help="Checkpoints to average, or one run directory.")
+    ],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Directory of the averaged model.")
+    ],
+    last: Annotated[
+        int, typer.Option("--last", help="With a run directory: its newest N checkpoints.")
+    ] = 0,
+) -> None:
+    """Average checkpoints into one self-contained model (§6.1: the last 5 for base, 20 for big)."""
+    from transformer_mt import checkpoint as lib
+
+    paths = lib.last_checkpoints(inputs[0], last) if last else inputs
+    if last and len(inputs) != 1:
+        raise TmtError("--last takes exactly one run directory")
+    written = lib.write_average(paths, output)
+    typer.echo(json.dumps({"output": str(written), "averaged": [str(p) for p in paths]}))
+
+
+@contextlib.contextmanager
+def _open_in(path: str) -> Iterator[BinaryIO]:
+    if path == "-":
+        yield sys.stdin.buffer
+        return
+    try:
+        handle = open(path, "rb")  # noqa: SIM115
+    except OSError as err:
+        raise TmtError(f"--input {path}: {err.strerror or err}") from None
+    with handle:
+        yield handle
+
+
+@contextlib.contextmanager
+def _open_out(path: str) -> Iterator[TextIO]:
+    if path == "-":
+        yield sys.stdout
+        return
+    try:
+        handle = open(path, "w", encoding="utf-8", newline="\n")  # noqa: SIM115
+    except OSError as err:
+        raise TmtError(f"--output {path}: {err.strerror or err}") from None
+    with handle:
+        yield handle
 
 
 def keep_freed_memory() -> None:

@@ -111,6 +111,11 @@ class TrainConfig:
     save_every: int = 1000  # steps between checkpoints (0 = off)
     save_every_minutes: float = 10.0  # §6.1 checkpoints written at 10-minute intervals (0 = off)
     keep_last: int = 5  # checkpoints kept besides the best; §6.1 averages the last 5 (base)
+    bleu_every: int = 0  # steps between validation BLEU (decoded like tmt evaluate); 0 = off
+    bleu_beam_size: int = 1  # beam size of validation BLEU decoding (1 = greedy)
+    best_metric: Literal["val_loss", "val_bleu"] = "val_loss"  # what checkpoints/best tracks
+    patience: int = 0  # stop after this many validations without a better best_metric; 0 = never
+    average_last: int = 0  # at the end, average the newest N checkpoints into OUT_DIR/average
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when available
     distributed_timeout_s: float = 600.0  # a collective waiting longer fails instead of hanging
 
@@ -165,6 +170,11 @@ class Config:
                 "set a budget: train.max_steps, train.max_epochs or train.max_minutes",
             ),
             (self.train.log_every >= 1, "train.log_every must be >= 1"),
+            (self.train.bleu_beam_size >= 1, "train.bleu_beam_size must be >= 1"),
+            (
+                self.train.best_metric != "val_bleu" or self.train.bleu_every > 0,
+                "train.best_metric=val_bleu needs train.bleu_every > 0",
+            ),
             (self.decode.beam_size >= 1, "decode.beam_size must be >= 1"),
             (
                 1 <= self.decode.nbest <= self.decode.beam_size,

@@ -236,16 +236,26 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any
         )
     bleu, bleu_lc, chrf = BLEU(), BLEU(lowercase=True), CHRF()
     refs = [list(references)]
-    result = bleu.corpus_score(list(hypotheses), refs)
     return {
-        "bleu": round(result.score, 2),
+        "bleu": round(bleu.corpus_score(list(hypotheses), refs).score, 2),
         "chrf": round(chrf.corpus_score(list(hypotheses), refs).score, 2),
         "bleu_lc": round(bleu_lc.corpus_score(list(hypotheses), refs).score, 2),
         "signature": str(bleu.get_signature()),
         "chrf_signature": str(chrf.get_signature()),
         "sentences": len(hypotheses),
-        "bleu_detail": str(result),
     }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable form of evaluate()'s figures."""
+    lines = [
+        f"BLEU = {report['bleu']:.2f}  ({report['signature']})",
+        f"chrF2 = {report['chrf']:.2f}  ({report['chrf_signature']})",
+        f"BLEU lowercased = {report['bleu_lc']:.2f}",
+        f"sentences = {report['sentences']}"
+        + (f"; model = {report['model']}" if report.get("model") else ""),
+    ]
+    return "\n".join(lines)
 
 
 def read_split(cfg: Config, key: str) -> tuple[list[str], list[str]]:

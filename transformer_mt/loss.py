@@ -19,13 +19,13 @@ class LossSums(NamedTuple):
 def label_smoothed_nll(
     logits: torch.Tensor, target: torch.Tensor, pad_id: int, epsilon: float
 ) -> LossSums:
-    """logits (B, T, V), target (B, T).
+    """logits (B, T, V) and target (B, T), or logits (N, V) and target (N,).
 
     The smoothed target puts 1 - ε on the reference and ε/V on every class (the uniform prior
     u(k) = 1/V of Szegedy et al.), so loss = (1 - ε)·nll + ε·mean_k(-log p_k), which is
     F.cross_entropy(label_smoothing=ε). Log-probabilities are computed once, in float32.
     """
-    log_probs = F.log_softmax(logits.float(), dim=-1).flatten(0, 1)  # (B·T, V)
+    log_probs = F.log_softmax(logits.float(), dim=-1).reshape(-1, logits.size(-1))  # (B·T, V)
     target = target.flatten()
     real = target != pad_id
     nll = F.nll_loss(log_probs, target, ignore_index=pad_id, reduction="sum")

@@ -50,6 +50,8 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
         """Detokenized text of each id sequence (special ids are dropped)."""
+        if not ids:  # sentencepiece would read [] as one empty sequence
+            return []
         return self._sp.decode([list(map(int, seq)) for seq in ids])
 
     def pieces(self, text: str) -> list[str]:

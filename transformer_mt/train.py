@@ -8,6 +8,7 @@ save. Only rank 0 writes files and logs; every rank takes the same decisions at 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transformer_mt import checkpoint, distributed
+from transformer_mt import checkpoint, distributed, evaluate
 from transformer_mt.config import Config, TmtError, to_dict, to_yaml
 from transformer_mt.data import Batch, EncodedSplit, PreparedData, padding_efficiency, prepare_data
 from transformer_mt.distributed import DistInfo
@@ -75,8 +76,9 @@ class Progress:
     epoch: int = 0
     batch_index: int = 0  # next batch of `epoch` on this rank
     elapsed_s: float = 0.0  # training time of earlier sessions of this run
-    best_value: float = math.inf  # best validation loss so far
+    best_value: float | None = None  # best train.best_metric so far (loss: lowest, BLEU: highest)
     best_step: int = 0
+    stale_validations: int = 0  # validations since best_value last improved (train.patience)
 
 
 @dataclass
@@ -158,6 +160,8 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any] | None:
 
     sampler = data.train.sampler(cfg.data.max_tokens, cfg.train.seed, info.rank, info.world_size)
     valid_batches = _valid_batches(data, cfg, info)
+    # Validation BLEU reads the raw validation text: scored exactly as tmt evaluate scores it.
+    valid_text = evaluate.read_split(cfg, "data.valid") if cfg.train.bleu_every else None
     metrics = _MetricsLog(run_dir / "metrics.jsonl", enabled=info.is_main)
     window = _Window()
     bar = _progress_bar(cfg, progress.step, info)
@@ -209,20 +213,20 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any] | None:
                 tok_s=f"{record['tokens_per_s']:.0f}",
                 pad=f"{record['padding_efficiency']:.2f}",
             )
-        is_best = False
+        scores: dict[str, float] = {}
         if valid_batches and cfg.train.valid_every and progress.step % cfg.train.valid_every == 0:
-            scores = validate(model, valid_batches, cfg, info, tokenizer.pad_id)
+            scores |= validate(model, valid_batches, cfg, info, tokenizer.pad_id)
+        if valid_text and progress.step % cfg.train.bleu_every == 0:
+            scores |= validation_bleu(model, tokenizer, cfg, info, *valid_text)
+        if scores:
             metrics.write({"step": progress.step, **scores})
-            if scores["val_loss"] < progress.best_value:
-                progress.best_value, progress.best_step, is_best = (
-                    scores["val_loss"],
-                    progress.step,
-                    True,
-                )
+        is_best = _track_best(progress, scores, cfg)
         if cfg.train.max_steps and progress.step >= cfg.train.max_steps:
             stop_reason = "max_steps"
         elif stats.stop:
             stop_reason = "max_minutes"
+        elif cfg.train.patience and progress.stale_validations >= cfg.train.patience:
+            stop_reason = "patience"
         periodic = bool(cfg.train.save_every) and progress.step % cfg.train.save_every == 0
         if periodic or stats.save or is_best or (stop_reason and last_saved_step != progress.step):
             progress.elapsed_s, session_start = (
@@ -236,6 +240,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any] | None:
         save(is_best=False, keep=resume)
         last_saved_step = progress.step
     bar.close()
+    averaged = _average_at_end(run_dir, model, tokenizer, cfg, info, valid_text)
     if not info.is_main:
         return None
     logger.info("stopped at step %d (%s)", progress.step, stop_reason)
@@ -243,9 +248,11 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any] | None:
         "step": progress.step,
         "epoch": progress.epoch,
         "stop": stop_reason,
+        "best_metric": cfg.train.best_metric,
+        "best_value": progress.best_value,
         "best_step": progress.best_step,
-        "best_val_loss": None if math.isinf(progress.best_value) else progress.best_value,
         "checkpoint": str(run_dir / "checkpoints" / f"step_{last_saved_step:08d}"),
+        **({"average": averaged} if averaged else {}),
     }
 
 
@@ -326,7 +333,89 @@ def validate(
     }
 
 
+def validation_bleu(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    cfg: Config,
+    info: DistInfo,
+    sources: list[str],
+    references: list[str],
+) -> dict[str, float]:
+    """BLEU and chrF of the validation split, decoded through evaluate.translate_text (the tmt
+    evaluate path) with beam train.bleu_beam_size; each rank translates every world_size-th line."""
+    decode = dataclasses.replace(cfg.decode, beam_size=cfg.train.bleu_beam_size, nbest=1)
+    translator = evaluate.Translator(
+        model, tokenizer, dataclasses.replace(cfg, decode=decode), info.device, "training"
+    )
+    was_training = model.training
+    model.eval()
+    mine = evaluate.translate_text(translator, sources[info.rank :: info.world_size])
+    model.train(was_training)
+    shards = distributed.gather_to_main(mine, info)
+    figures = torch.zeros(2, dtype=torch.float64, device=info.device)
+    if info.is_main:
+        hypotheses = [
+            shards[i % info.world_size][i // info.world_size] for i in range(len(sources))
+        ]
+        result = evaluate.score(hypotheses, references)
+        figures += torch.tensor(
+            [result["bleu"], result["chrf"]], dtype=torch.float64, device=info.device
+        )
+    distributed.all_reduce_sum(figures, info)  # rank 0's figures everywhere: the same decisions
+    return {"val_bleu": figures[0].item(), "val_chrf": figures[1].item()}
+
+
 # --- helpers -----------------------------------------------------------------------------------
+
+
+def _track_best(progress: Progress, scores: dict[str, float], cfg: Config) -> bool:
+    """Update the best value of train.best_metric; True when this validation is the new best."""
+    value = scores.get(cfg.train.best_metric)
+    if value is None:
+        return False
+    higher_is_better = cfg.train.best_metric == "val_bleu"
+    best = progress.best_value
+    if best is None or (value > best if higher_is_better else value < best):
+        progress.best_value, progress.best_step, progress.stale_validations = (
+            value,
+            progress.step,
+            0,
+        )
+        return True
+    progress.stale_validations += 1
+    return False
+
+
+def _average_at_end(
+    run_dir: Path,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    cfg: Config,
+    info: DistInfo,
+    valid_text: Any,
+) -> dict[str, Any] | None:
+    """§6.1: average the newest train.average_last checkpoints into OUT_DIR/average and report
+    its validation BLEU (rank 0 works, the others wait)."""
+    if not cfg.train.average_last:
+        return None
+    result = None
+    if info.is_main:
+        available = len(
+            [p for p in checkpoint.list_checkpoints(run_dir) if checkpoint.verify(p) is None]
+        )
+        paths = checkpoint.last_checkpoints(run_dir, min(cfg.train.average_last, available))
+        written = checkpoint.write_average(paths, run_dir / "average")
+        result = {"path": str(written), "checkpoints": len(paths)}
+        if valid_text:
+            averaged = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id).to(
+                info.device
+            )
+            averaged.load_state_dict(checkpoint.load_model(written).state_dict)
+            solo = DistInfo(0, 1, info.local_rank, info.device)
+            result |= validation_bleu(averaged, tokenizer, cfg, solo, *valid_text)
+        logger.info("averaged %d checkpoints into %s %s", len(paths), written, result)
+    distributed.barrier(info)
+    return result
 
 
 def _prepare_data_rank0_first(

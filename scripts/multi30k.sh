@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Multi30k quality recipe: train de→en and en→de on the bundled corpus (at most MINUTES each, CPU),
+# average the last checkpoints, decode test_2016_flickr with beam 5, and report sacreBLEU, chrF and
+# lowercased BLEU. Results: runs/multi30k_<src>-<tgt>/test.json; the summary table on stdout.
+#   bash scripts/multi30k.sh            # both directions, 30 minutes each
+#   MINUTES=10 bash scripts/multi30k.sh de-en
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TMT=${TMT:-.venv/bin/tmt}
+MINUTES=${MINUTES:-30}
+directions=${*:-de-en en-de}
+for pair in $directions; do
+  src=${pair%-*}; tgt=${pair#*-}
+  run=runs/multi30k_${src}-${tgt}
+  echo "== ${src}→${tgt}: training for at most ${MINUTES} minutes into ${run}" >&2
+  "$TMT" train -c multi30k --set data.src_lang="$src" --set data.tgt_lang="$tgt" \
+    --set train.out_dir="$run" --set train.max_minutes="$MINUTES" > "$run.train.json"
+  "$TMT" evaluate -m "$run/average" --split test --json > "$run/test.json"
+done
+for pair in $directions; do
+  printf '%s\t' "$pair"
+  python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"BLEU {r[\"bleu\"]:.2f}\tchrF {r[\"chrf\"]:.2f}\tBLEU(lc) {r[\"bleu_lc\"]:.2f}\t{r[\"signature\"]}")' \
+    "runs/multi30k_${pair}/test.json"
+done

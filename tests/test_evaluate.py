@@ -1,0 +1,237 @@
+"""Translation and scoring: equivalences on a tiny trained model, 1:1 lines, sacreBLEU, averaging."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import reverse_pairs
+
+from transformer_mt import checkpoint, evaluate
+from transformer_mt.config import Config, TmtError, apply_overrides
+from transformer_mt.model import make_src_mask
+from transformer_mt.train import train
+
+SOURCES = [s for s, _ in reverse_pairs(12, seed=7)]
+
+
+@pytest.fixture(scope="session")
+def run_dir(tiny_cfg: Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model trained for 30 steps, a checkpoint every 10."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = dataclasses.replace(
+        tiny_cfg,
+        train=dataclasses.replace(
+            tiny_cfg.train,
+            out_dir=str(out),
+            max_steps=30,
+            save_every=10,
+            valid_every=10,
+            keep_last=5,
+        ),
+    )
+    train(cfg)
+    return out
+
+
+def translator(run_dir: Path, *overrides: str) -> evaluate.Translator:
+    return evaluate.load_translator(run_dir / "checkpoints" / "step_00000030", list(overrides))
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_batched_equals_one_by_one_and_order_is_restored(run_dir: Path, beam: int) -> None:
+    t = translator(run_dir, f"decode.beam_size={beam}", "decode.max_tokens=60")  # several batches
+    together = evaluate.translate_lines(t, SOURCES)
+    for source, hyps in zip(SOURCES, together, strict=True):
+        alone = evaluate.translate_lines(t, [source])[0]
+        assert [h.tokens for h in hyps] == [h.tokens for h in alone]
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in alone], abs=1e-4)
+    assert evaluate.translate_text(t, SOURCES[::-1]) == evaluate.translate_text(t, SOURCES)[::-1]
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_beam_score_equals_forced_decoding_score(run_dir: Path, beam: int) -> None:
+    t = translator(run_dir, f"decode.beam_size={beam}", "decode.nbest=1")
+    tok = t.tokenizer
+    for source, hyps in zip(SOURCES[:6], evaluate.translate_lines(t, SOURCES[:6]), strict=True):
+        hyp = hyps[0]
+        src = torch.tensor([[*tok.encode([source])[0], tok.eos_id]])
+        tgt_in = torch.tensor([[tok.bos_id, *hyp.tokens]])
+        target = torch.tensor([*hyp.tokens, tok.eos_id])
+        with torch.no_grad():
+            log_probs = torch.log_softmax(t.model(src, tgt_in)[0], dim=-1)
+        forced = log_probs[torch.arange(len(target)), target].sum().item()
+        assert hyp.log_prob == pytest.approx(forced, abs=1e-4)
+
+
+def test_empty_lines_are_empty_outputs_without_the_model(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = translator(run_dir)
+    seen: list[int] = []
+    real = evaluate._translate_batch
+    monkeypatch.setattr(
+        evaluate,
+        "_translate_batch",
+        lambda tr, sources: seen.append(len(sources)) or real(tr, sources),
+    )
+    out = evaluate.translate_text(t, ["", SOURCES[0], "   ", "\t", SOURCES[1], ""])
+    assert len(out) == 6 and out[0] == out[2] == out[3] == out[5] == ""
+    assert sum(seen) == 2  # only the two real sentences were decoded
+    assert evaluate.translate_text(t, ["", " "]) == ["", ""]
+    assert evaluate.translate_text(t, []) == []
+
+
+def test_over_long_lines_are_truncated_with_a_warning(
+    run_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    t = translator(run_dir, "decode.beam_size=2")
+    long_line = " ".join([SOURCES[0]] * 100)  # far more tokens than model.max_positions (128)
+    with caplog.at_level(logging.WARNING):
+        out = evaluate.translate_text(t, [SOURCES[1], long_line])
+    assert len(out) == 2
+    assert any("line 2" in r.message and "truncated to 127" in r.message for r in caplog.records)
+
+
+def test_stream_keeps_lines_one_to_one(run_dir: Path) -> None:
+    t = translator(run_dir)
+    raw = ("\n".join([SOURCES[0], "", SOURCES[1] + "\r", "bad \xff byte"]) + "\n").encode(
+        "utf-8", "surrogateescape"
+    )
+    raw = raw.replace("\xff".encode(), b"\xff")
+    sink = io.StringIO()
+    assert evaluate.translate_stream(t, io.BytesIO(raw), sink) == 4
+    lines = sink.getvalue().split("\n")
+    assert len(lines) == 5 and lines[-1] == "" and lines[1] == ""
+    assert lines[0] == evaluate.translate_text(t, [SOURCES[0]])[0]
+    assert lines[2] == evaluate.translate_text(t, [SOURCES[1]])[0]  # the \r of a CRLF is dropped
+
+
+def test_stream_nbest_format(run_dir: Path) -> None:
+    t = translator(run_dir, "decode.beam_size=3", "decode.nbest=3")
+    sink = io.StringIO()
+    evaluate.translate_stream(t, io.BytesIO(f"{SOURCES[0]}\n\n".encode()), sink)
+    rows = [line.split("\t") for line in sink.getvalue().splitlines()]
+    assert [r[0] for r in rows] == ["0", "0", "0", "1", "1", "1"]
+    scores = [float(r[1]) for r in rows[:3]]
+    assert scores == sorted(scores, reverse=True)
+    assert [r[2] for r in rows[3:]] == ["", "", ""]
+
+
+def test_score_golden_values() -> None:
+    refs = ["The cat sat on the mat.", "A dog runs in the park."]
+    perfect = evaluate.score(refs, refs)
+    assert (perfect["bleu"], perfect["chrf"], perfect["bleu_lc"], perfect["sentences"]) == (
+        100.0,
+        100.0,
+        100.0,
+        2,
+    )
+    assert perfect["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
+    lower = evaluate.score([r.lower() for r in refs], refs)
+    assert lower["bleu_lc"] == 100.0 and lower["bleu"] < 100.0
+    partial = evaluate.score(["The cat sat on a mat.", "A dog runs in the park."], refs)
+    # By hand: 1..4-gram precisions 13/14, 10/12, 7/10, 5/8, brevity penalty 1:
+    # exp(mean(log p_n)) = 0.33854^(1/4) = 0.7628.
+    assert partial["bleu"] == pytest.approx(76.28, abs=0.01)
+
+
+def test_count_mismatch_is_an_error() -> None:
+    with pytest.raises(TmtError, match="3 hypotheses but 2 references"):
+        evaluate.score(["a", "b", "c"], ["a", "b"])
+
+
+def test_evaluate_split_and_hypothesis_file(run_dir: Path, tmp_path: Path) -> None:
+    t = translator(run_dir, "decode.beam_size=1")
+    cfg = t.config
+    report = evaluate.evaluate(t, split="valid")
+    assert report["sentences"] == 40 and 0 <= report["bleu"] <= 100
+    sources, _ = evaluate.read_split(cfg, "data.valid")
+    hyp_file = tmp_path / "hyp.txt"
+    hyp_file.write_text("".join(h + "\n" for h in evaluate.translate_text(t, sources)))
+    again = evaluate.evaluate(
+        None, split="valid", hypotheses=evaluate.read_text_file(hyp_file), cfg=cfg
+    )
+    assert again["bleu"] == report["bleu"] and again["chrf"] == report["chrf"]
+    with pytest.raises(TmtError, match="39 hypotheses but 40 references"):
+        evaluate.evaluate(
+            None, split="valid", hypotheses=evaluate.read_text_file(hyp_file)[:-1], cfg=cfg
+        )
+
+
+def test_load_translator_from_run_directory_and_average(run_dir: Path) -> None:
+    best = checkpoint.best(run_dir)
+    assert evaluate.load_translator(run_dir).origin == str(best)
+    averaged = evaluate.load_translator(run_dir, average_last=3)
+    assert "step_00000010, step_00000020, step_00000030" in averaged.origin
+    with pytest.raises(TmtError, match="not a checkpoint .* nor a run directory"):
+        evaluate.load_translator(run_dir / "nowhere")
+    with pytest.raises(TmtError, match="model.. is fixed by the checkpoint"):
+        evaluate.load_translator(run_dir, ["model.d_model=64"])
+
+
+# --- averaging ---------------------------------------------------------------------------------
+
+
+def fake(
+    tmp_path: Path,
+    name: str,
+    cfg: Config,
+    weights: dict[str, torch.Tensor],
+    step: int,
+    spm: bytes = b"spm",
+) -> Path:
+    return checkpoint.write(tmp_path / name, step, cfg, weights, spm)
+
+
+def test_average_golden_values(tiny_cfg: Config, tmp_path: Path) -> None:
+    a = fake(
+        tmp_path, "a", tiny_cfg, {"w": torch.tensor([1.0, 2.0, 3.0]), "n": torch.tensor([1, 5])}, 1
+    )
+    b = fake(
+        tmp_path, "b", tiny_cfg, {"w": torch.tensor([3.0, 4.0, 8.0]), "n": torch.tensor([3, 5])}, 2
+    )
+    mean = checkpoint.average([a, b])
+    assert torch.equal(mean.state_dict["w"], torch.tensor([2.0, 3.0, 5.5]))
+    assert torch.equal(mean.state_dict["n"], torch.tensor([2, 5]))
+    assert mean.step == 2
+
+
+def test_average_of_copies_is_bitwise_the_original(run_dir: Path) -> None:
+    one = run_dir / "checkpoints" / "step_00000030"
+    original = checkpoint.load_model(one).state_dict
+    mean = checkpoint.average([one, one, one])
+    assert all(torch.equal(original[k], mean.state_dict[k]) for k in original)
+
+
+def test_average_refuses_different_models(tiny_cfg: Config, tmp_path: Path) -> None:
+    w = {"w": torch.zeros(2)}
+    a = fake(tmp_path, "a", tiny_cfg, w, 1)
+    wider = apply_overrides(tiny_cfg, ["model.d_ff=128"])
+    with pytest.raises(TmtError, match="cannot average .*: model.d_ff differ"):
+        checkpoint.average([a, fake(tmp_path, "b", wider, w, 2)])
+    with pytest.raises(TmtError, match="the tokenizer model differ"):
+        checkpoint.average([a, fake(tmp_path, "c", tiny_cfg, w, 3, spm=b"other")])
+
+
+def test_write_average_is_a_loadable_model(run_dir: Path, tmp_path: Path) -> None:
+    paths = checkpoint.last_checkpoints(run_dir, 2)
+    out = checkpoint.write_average(paths, tmp_path / "avg")
+    assert checkpoint.verify(out) is None
+    assert evaluate.translate_text(evaluate.load_translator(out), SOURCES[:2])
+    (tmp_path / "occupied").mkdir()
+    (tmp_path / "occupied" / "notes.txt").write_text("mine")
+    with pytest.raises(TmtError, match="exists and is not a checkpoint"):
+        checkpoint.write_average(paths, tmp_path / "occupied")
+    with pytest.raises(TmtError, match="complete checkpoints, 9 asked for"):
+        checkpoint.last_checkpoints(run_dir, 9)
+
+
+def test_src_mask_helper_is_what_translation_uses(run_dir: Path) -> None:
+    t = translator(run_dir)
+    src = torch.tensor([[5, 6, t.tokenizer.eos_id, t.tokenizer.pad_id]])
+    assert make_src_mask(src, t.tokenizer.pad_id).tolist() == [[[[True, True, True, False]]]]

@@ -1,0 +1,233 @@
+"""Search on toy step functions: exhaustive oracle, greedy vs beam, batching, lengths, EOS."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transformer_mt.search import beam_search, greedy, length_penalty
+
+PAD, BOS, EOS = 0, 1, 2
+WORDS = (3, 4, 5)
+V = 6
+
+
+class ToyState:
+    """Rows remember (sentence id, tokens so far); the toy model's distribution depends on both."""
+
+    def __init__(self, sentences: list[int]) -> None:
+        self.rows = [(s, ()) for s in sentences]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.rows = [self.rows[i] for i in index.tolist()]
+
+
+def toy_log_probs(sentence: int, prefix: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash((seed, sentence, prefix)) % 2**31)
+    return torch.log_softmax(torch.randn(V, generator=g) * 2, dim=-1)
+
+
+def toy_step(seed: int = 0, table: dict | None = None):
+    calls = []
+
+    def step(tokens: torch.Tensor, state: ToyState) -> tuple[torch.Tensor, ToyState]:
+        rows = []
+        for i, token in enumerate(tokens.tolist()):
+            sentence, prefix = state.rows[i]
+            prefix = (*prefix, token) if token != BOS else prefix
+            state.rows[i] = (sentence, prefix)
+            if table is not None:
+                rows.append(table.get(prefix, table["default"]))
+            else:
+                rows.append(toy_log_probs(sentence, prefix, seed))
+        calls.append(len(rows))
+        return torch.stack(rows), state
+
+    step.calls = calls  # type: ignore[attr-defined]
+    return step
+
+
+def sequence_score(sentence: int, output: tuple[int, ...], seed: int) -> float:
+    """log p(output + EOS) under the toy model."""
+    total, prefix = 0.0, ()
+    for token in (*output, EOS):
+        total += float(toy_log_probs(sentence, prefix, seed)[token])
+        prefix = (*prefix, token)
+    return total
+
+
+def all_outputs(max_len: int) -> list[tuple[int, ...]]:
+    """Every output a search may return: words then EOS, |Y| = len + 1 <= max_len."""
+    return [seq for n in range(max_len) for seq in itertools.product(WORDS, repeat=n)]
+
+
+@pytest.mark.parametrize(
+    ("alpha", "form"), [(0.0, "gnmt"), (0.6, "gnmt"), (1.0, "power"), (2.0, "gnmt")]
+)
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_wide_beam_equals_exhaustive_search(alpha: float, form: str, seed: int) -> None:
+    max_len = 3
+    outputs = all_outputs(max_len)  # 1 + 3 + 9 = 13 sequences
+    k = len(outputs)
+    scored = sorted(
+        (
+            (sequence_score(0, y, seed) / length_penalty(len(y) + 1, alpha, form), y)
+            for y in outputs
+        ),
+        reverse=True,
+    )
+    result = beam_search(
+        toy_step(seed),
+        ToyState([0] * k),
+        [max_len],
+        BOS,
+        EOS,
+        k,
+        alpha,
+        form,
+        nbest=5,
+        banned=(PAD, BOS),
+    )[0]
+    assert tuple(result[0].tokens) == scored[0][1]
+    assert [tuple(h.tokens) for h in result] == [y for _, y in scored[:5]]
+    for h in result:  # scores are the model's: raw log-probability and its normalisation
+        assert h.log_prob == pytest.approx(sequence_score(0, tuple(h.tokens), seed), abs=1e-5)
+        assert h.score == pytest.approx(
+            h.log_prob / length_penalty(len(h.tokens) + 1, alpha, form), abs=1e-5
+        )
+
+
+def test_greedy_can_be_worse_than_beam() -> None:
+    # First token: 3 (p 0.6) or 4 (p 0.4). After 3 the best is EOS at only 0.4 (total 0.24); after
+    # 4, EOS is near certain (0.396). Greedy commits to 3; a beam of 2 keeps 4 and finds the better.
+    log = math.log
+    table = {
+        (): torch.tensor([-1e9, -1e9, log(1e-3), log(0.6), log(0.4 - 1e-3), -1e9]),
+        (3,): torch.tensor([-1e9, -1e9, log(0.4), log(0.3), log(0.3), -1e9]),
+        (4,): torch.tensor([-1e9, -1e9, log(0.99), log(0.005), log(0.005), -1e9]),
+        "default": torch.log_softmax(torch.zeros(V), dim=-1),
+    }
+    g = greedy(toy_step(table=table), ToyState([0]), [5], BOS, EOS, banned=(PAD, BOS))[0]
+    b = beam_search(
+        toy_step(table=table), ToyState([0, 0]), [5], BOS, EOS, 2, alpha=0.0, banned=(PAD, BOS)
+    )[0][0]
+    assert g.tokens == [3] and b.tokens == [4]
+    assert b.log_prob > g.log_prob
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 6), max_len=st.integers(1, 8))
+def test_beam_one_equals_greedy(seed: int, n: int, max_len: int) -> None:
+    limits = [max_len + i % 3 for i in range(n)]
+    g = greedy(toy_step(seed), ToyState(list(range(n))), limits, BOS, EOS, banned=(PAD, BOS))
+    b = beam_search(
+        toy_step(seed), ToyState(list(range(n))), limits, BOS, EOS, 1, alpha=0.0, banned=(PAD, BOS)
+    )
+    assert [h.tokens for h in g] == [hyps[0].tokens for hyps in b]
+    assert [h.log_prob for h in g] == pytest.approx([hyps[0].log_prob for hyps in b], abs=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_beam_one_with_length_penalty_never_scores_below_greedy(seed: int) -> None:
+    # With α > 0 beam search optimises score / lp(|Y|): beam 1 keeps greedy's output as a candidate
+    # and may only replace it with a better-normalised one.
+    g = greedy(toy_step(seed), ToyState([0]), [8], BOS, EOS, banned=(PAD, BOS), alpha=0.6)[0]
+    b = beam_search(toy_step(seed), ToyState([0]), [8], BOS, EOS, 1, alpha=0.6, banned=(PAD, BOS))[
+        0
+    ][0]
+    assert b.score >= g.score - 1e-6
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 5), n=st.integers(2, 5))
+def test_batched_equals_one_by_one(seed: int, k: int, n: int) -> None:
+    limits = [3 + 2 * (i % 3) for i in range(n)]
+    together = beam_search(
+        toy_step(seed),
+        ToyState([i for i in range(n) for _ in range(k)]),
+        limits,
+        BOS,
+        EOS,
+        k,
+        0.6,
+        nbest=k,
+        banned=(PAD, BOS),
+    )
+    for i in range(n):
+        alone = beam_search(
+            toy_step(seed),
+            ToyState([i] * k),
+            [limits[i]],
+            BOS,
+            EOS,
+            k,
+            0.6,
+            nbest=k,
+            banned=(PAD, BOS),
+        )[0]
+        assert [h.tokens for h in together[i]] == [h.tokens for h in alone]
+        assert [h.score for h in together[i]] == pytest.approx([h.score for h in alone], abs=1e-5)
+    g_together = greedy(
+        toy_step(seed), ToyState(list(range(n))), limits, BOS, EOS, banned=(PAD, BOS)
+    )
+    for i in range(n):
+        assert (
+            g_together[i].tokens
+            == greedy(toy_step(seed), ToyState([i]), [limits[i]], BOS, EOS, banned=(PAD, BOS))[
+                0
+            ].tokens
+        )
+
+
+def test_maximum_length_forces_eos_and_banned_ids_never_appear() -> None:
+    # A model that never wants EOS and loves PAD and BOS; sentence 0 may be 1 token long, sentence 1 4.
+    table = {"default": torch.log_softmax(torch.tensor([9.0, 9.0, -20.0, 1.0, 0.5, 0.0]), dim=-1)}
+    greedy_out = greedy(
+        toy_step(table=table), ToyState([0, 1]), [1, 4], BOS, EOS, banned=(PAD, BOS)
+    )
+    beam_out = beam_search(
+        toy_step(table=table),
+        ToyState([0, 0, 0, 1, 1, 1]),
+        [1, 4],
+        BOS,
+        EOS,
+        3,
+        0.6,
+        banned=(PAD, BOS),
+    )
+    for short, long in ((greedy_out[0], greedy_out[1]), (beam_out[0][0], beam_out[1][0])):
+        assert short.tokens == []  # |Y| = 1: only the forced EOS fits
+        assert len(long.tokens) == 3  # |Y| = 4: three words, then the forced EOS
+        assert not {PAD, BOS, EOS} & set(long.tokens)
+
+
+def test_search_stops_early_when_nothing_can_beat_the_finished() -> None:
+    eos_first = {"default": torch.log_softmax(torch.tensor([0.0, 0.0, 8.0, 0.0, 0.0, 0.0]), dim=-1)}
+    step = toy_step(table=eos_first)
+    out = beam_search(step, ToyState([0] * 4), [60], BOS, EOS, 4, 0.6, banned=(PAD, BOS))
+    assert out[0][0].tokens == []
+    assert len(step.calls) < 10  # far fewer steps than the maximum length of 60
+    step = toy_step(table=eos_first)
+    greedy(step, ToyState([0]), [60], BOS, EOS, banned=(PAD, BOS))
+    assert len(step.calls) == 1
+
+
+def test_finished_sentences_leave_the_batch() -> None:
+    # Sentence 0 may have 1 token, sentence 1 up to 6: later steps only feed sentence 1's rows.
+    step = toy_step(seed=5)
+    beam_search(step, ToyState([0, 0, 1, 1]), [1, 6], BOS, EOS, 2, 0.6, banned=(PAD, BOS))
+    assert step.calls[0] == 4 and all(c == 2 for c in step.calls[1:])
+
+
+def test_length_penalty_forms() -> None:
+    assert length_penalty(7, 0.6) == pytest.approx(((5 + 7) / 6) ** 0.6)
+    assert length_penalty(7, 0.6, "power") == pytest.approx(7**0.6)
+    assert length_penalty(7, 0.0) == 1.0 == length_penalty(7, 0.0, "power")
+    with pytest.raises(ValueError, match="length penalty form"):
+        length_penalty(3, 0.6, "wu")
