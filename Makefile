@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow lint format demo bench clean
+.PHONY: install test test-slow test-reliability lint format demo bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
+# The fault matrix's longer checks (kills at 20 byte offsets, a stalled rank, ...): docs/reliability.md
+test-reliability: install
+	$(BIN)/python -m pytest -q -m slow tests/test_reliability.py
+
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
@@ -34,7 +38,11 @@ demo: install
 	bash scripts/demo.sh
 
 bench: install
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python scripts/bench_data.py
+	$(BIN)/python scripts/bench_train.py
+	test -d runs/multi30k_de-en/average || bash scripts/multi30k.sh de-en
+	$(BIN)/python scripts/bench_decode.py --checkpoint runs/multi30k_de-en/average
 
 clean:
 	rm -rf runs/ .pytest_cache .ruff_cache .hypothesis

@@ -19,6 +19,7 @@ for pair in $directions; do
 done
 for pair in $directions; do
   printf '%s\t' "$pair"
-  python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"BLEU {r[\"bleu\"]:.2f}\tchrF {r[\"chrf\"]:.2f}\tBLEU(lc) {r[\"bleu_lc\"]:.2f}\t{r[\"signature\"]}")' \
+  python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+print("BLEU %.2f\tchrF %.2f\tBLEU(lc) %.2f\t%s" % (r["bleu"], r["chrf"], r["bleu_lc"], r["signature"]))' \
     "runs/multi30k_${pair}/test.json"
 done

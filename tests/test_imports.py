@@ -20,7 +20,7 @@ ALLOWED = {
     "optim": {"config"},
     "distributed": set(),
     "faults": set(),
-    "checkpoint": {"__init__", "config"},  # the package version goes into each manifest
+    "checkpoint": {"__init__", "config", "faults"},  # the version goes into each manifest
     "train": {
         "checkpoint",
         "config",

@@ -35,12 +35,13 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from transformer_mt import __version__
+from transformer_mt import __version__, faults
 from transformer_mt.config import Config, TmtError, config_from_dict, config_hash, to_dict
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+_MIN_TORCH = "2.10"  # weights_only bypasses before: CVE-2025-32434 (< 2.6), CVE-2026-24747 (< 2.10)
 MODEL_FILE, STATE_FILE, MANIFEST_FILE = "model.pt", "train_state.pt", "manifest.json"
 _PREFIX = "step_"
 
@@ -83,11 +84,35 @@ def write(
     info: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint directory at `final` atomically (model-only without train_state)."""
+    bad = _non_finite(state_dict) + _non_finite(train_state or {})
+    if bad:
+        raise TmtError(f"refusing to save {final}: non-finite values in {', '.join(bad[:5])}")
     root, name = final.parent, final.name
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
+    try:
+        return _write_staged(
+            staging, final, step, cfg, state_dict, tokenizer_bytes, train_state, info
+        )
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a failed save leaves nothing behind
+        raise
+
+
+def _write_staged(
+    staging: Path,
+    final: Path,
+    step: int,
+    cfg: Config,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer_bytes: bytes,
+    train_state: dict[str, Any] | None,
+    info: dict[str, Any] | None,
+) -> Path:
+    root, name = final.parent, final.name
+    written = [0]
     model_payload = {
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -95,9 +120,9 @@ def write(
         "tokenizer": tokenizer_bytes,
         "model": state_dict,
     }
-    files = {MODEL_FILE: _write_torch(staging / MODEL_FILE, model_payload)}
+    files = {MODEL_FILE: _write_torch(staging / MODEL_FILE, model_payload, written, step)}
     if train_state is not None:
-        files[STATE_FILE] = _write_torch(staging / STATE_FILE, train_state)
+        files[STATE_FILE] = _write_torch(staging / STATE_FILE, train_state, written, step)
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -139,6 +164,8 @@ def remove_leftovers(run_dir: Path) -> None:
 def set_best(run_dir: Path, path: Path) -> None:
     """Point checkpoints/best at `path` (a relative symlink, swapped atomically)."""
     link = run_dir / "checkpoints" / "best"
+    if link.is_dir() and not link.is_symlink():  # a copy of the run turned the link into a copy
+        shutil.rmtree(link)
     tmp = link.with_name(f".best-{os.getpid()}")
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
@@ -158,11 +185,12 @@ def best(run_dir: Path) -> Path | None:
 def prune(
     run_dir: Path, keep_last: int, protect: set[Path] | frozenset[Path] = frozenset()
 ) -> None:
-    """Delete all but the newest `keep_last` checkpoints, never the best or a protected one."""
+    """Delete all but the newest `keep_last` checkpoints; never the best or a protected one (the
+    trainer protects the one it just wrote, the newest valid, and the one it resumed from)."""
     checkpoints = list_checkpoints(run_dir)
-    best_path = best(run_dir)
     keep = set(checkpoints[-keep_last:] if keep_last > 0 else []) | set(protect)
-    keep = {p.resolve() for p in keep | ({best_path} if best_path else set())}
+    keep |= {best(run_dir)} - {None}
+    keep = {p.resolve() for p in keep}
     for path in checkpoints:
         if path.resolve() not in keep:
             shutil.rmtree(path, ignore_errors=True)
@@ -185,12 +213,14 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def verify(path: Path) -> str | None:
-    """None if `path` is a complete, uncorrupted checkpoint, else the reason it is not."""
+    """None if `path` is a complete, uncorrupted checkpoint, else the reason it is not: every
+    file matches its hash, and model.pt loads and agrees with the manifest."""
     try:
         manifest = read_manifest(path)
+        load_model(path)
         for name, digest in manifest["files"].items():
-            if _sha256_file(path / name) != digest:
-                return f"{name} does not match its manifest hash"
+            if name != MODEL_FILE and _sha256_file(path / name) != digest:
+                return f"{path / name}: does not match its manifest hash (corrupted or truncated)"
     except TmtError as err:
         return str(err)
     except OSError as err:
@@ -307,11 +337,21 @@ def load_model(path: str | Path) -> ModelCheckpoint:
     payload = _load_verified(path, MODEL_FILE)
     try:
         cfg = config_from_dict(payload["config"], origin=f"{path / MODEL_FILE} config")
-        return ModelCheckpoint(
-            path, int(payload["step"]), cfg, payload["model"], bytes(payload["tokenizer"])
-        )
+        step, weights, spm = int(payload["step"]), payload["model"], bytes(payload["tokenizer"])
     except (KeyError, TypeError, ValueError) as err:
         raise TmtError(f"{path / MODEL_FILE}: malformed checkpoint ({err})") from None
+    manifest = read_manifest(path)
+    # The config as stored (a newer tmt fills in keys added since; the hash is of what was saved).
+    stored = json.dumps(payload["config"], sort_keys=True).encode()
+    found = {
+        "step": step,
+        "config_sha256": hashlib.sha256(stored).hexdigest(),
+        "tokenizer_sha256": hashlib.sha256(spm).hexdigest(),
+    }
+    differ = [key for key, value in found.items() if manifest.get(key) != value]
+    if differ:
+        raise TmtError(f"{path}: manifest does not match {MODEL_FILE} ({', '.join(differ)} differ)")
+    return ModelCheckpoint(path, step, cfg, weights, spm)
 
 
 def load_train_state(path: Path) -> dict[str, Any]:
@@ -319,6 +359,10 @@ def load_train_state(path: Path) -> dict[str, Any]:
 
 
 def _load_verified(path: Path, name: str) -> dict[str, Any]:
+    if torch.__version__ < _MIN_TORCH:
+        raise TmtError(
+            f"torch {torch.__version__}: checkpoints are read with torch >= {_MIN_TORCH} only"
+        )
     manifest = read_manifest(path)
     if name not in manifest["files"]:
         raise TmtError(f"{path}: checkpoint has no {name}")
@@ -327,7 +371,7 @@ def _load_verified(path: Path, name: str) -> dict[str, Any]:
     except OSError as err:
         raise TmtError(f"{path / name}: cannot read: {err.strerror or err}") from None
     if hashlib.sha256(data).hexdigest() != manifest["files"][name]:
-        raise TmtError(f"{path / name}: corrupted (does not match its manifest hash)")
+        raise TmtError(f"{path / name}: does not match its manifest hash (corrupted or truncated)")
     try:
         # weights_only: tensors and plain containers only; a pickled object or callable is refused.
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -373,28 +417,69 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _non_finite(tree: Any, prefix: str = "") -> list[str]:
+    """Names of floating-point tensors in a nested dict/list that hold NaN or infinity."""
+    if isinstance(tree, torch.Tensor):
+        finite = not tree.is_floating_point() or bool(torch.isfinite(tree).all())
+        return [] if finite else [prefix or "tensor"]
+    if isinstance(tree, dict):
+        return [
+            n
+            for k, v in tree.items()
+            for n in _non_finite(v, f"{prefix}.{k}" if prefix else str(k))
+        ]
+    if isinstance(tree, list | tuple):
+        return [n for i, v in enumerate(tree) for n in _non_finite(v, f"{prefix}[{i}]")]
+    return []
+
+
 # --- files -------------------------------------------------------------------------------------
 
 
 class _HashingWriter:
-    """A write-only file wrapper that hashes what passes through (torch.save streams into it)."""
+    """A write-only file wrapper that hashes what passes through (torch.save streams into it).
 
-    def __init__(self, handle: BinaryIO) -> None:
+    It also counts the bytes of the whole checkpoint, where TMT_FAULT's "save{STEP}_bytes@N"
+    points fire (e.g. save8_bytes@5000: checkpoint 8, after 5,000 bytes)."""
+
+    def __init__(self, handle: BinaryIO, written: list[int], point: str) -> None:
         self.handle = handle
         self.digest = hashlib.sha256()
+        self.written = written  # bytes of this checkpoint so far, shared by its files
+        self.point = point
+        self.faults = [n for n in faults.planned(point) if n >= written[0]]
+        self.error: BaseException | None = None  # torch.save hides a writer's error behind its own
 
     def write(self, data: bytes) -> int:
         self.digest.update(data)
-        return self.handle.write(data)
+        try:
+            count = self.handle.write(data)
+        except BaseException as err:
+            self.error = err
+            raise
+        self.written[0] += len(data)
+        while self.faults and self.written[0] >= self.faults[0]:
+            self.handle.flush()  # what a crash would leave on disk
+            try:
+                faults.fault_point(self.point, self.faults.pop(0))
+            except BaseException as err:
+                self.error = err
+                raise
+        return count
 
     def flush(self) -> None:
         self.handle.flush()
 
 
-def _write_torch(path: Path, payload: Any) -> str:
+def _write_torch(path: Path, payload: Any, written: list[int], step: int) -> str:
     with open(path, "wb") as handle:
-        writer = _HashingWriter(handle)
-        torch.save(payload, writer)
+        writer = _HashingWriter(handle, written, f"save{step}_bytes")
+        try:
+            torch.save(payload, writer)
+        except Exception as err:
+            # torch.save reports a failed write as "[enforce fail at inline_container.cc] unexpected
+            # pos"; the writer's own error (ENOSPC, EFBIG, ...) says what happened.
+            raise (writer.error or err) from None
         handle.flush()
         os.fsync(handle.fileno())
     return writer.digest.hexdigest()

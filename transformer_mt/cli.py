@@ -58,7 +58,7 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             if os.environ.get("TMT_DEBUG"):
                 raise
             typer.echo(f"tmt: error: {err}", err=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(err.exit_code) from None
 
     return run
 
@@ -80,8 +80,10 @@ def train(
         train_lib.dry_run(cfg)
     else:
         summary = train_lib.train(cfg)
-        if summary is not None:  # rank 0 of a distributed run, or a single process
-            typer.echo(json.dumps(summary))
+        if summary["rank"] == 0:  # a single process, or rank 0 of a distributed run
+            typer.echo(json.dumps({k: v for k, v in summary.items() if k != "rank"}))
+        if summary["stop"] in train_lib.EXIT_CODES:  # stopped by a signal, after saving
+            raise typer.Exit(train_lib.EXIT_CODES[summary["stop"]])
 
 
 CheckpointOption = Annotated[

@@ -23,7 +23,13 @@ import yaml
 
 
 class TmtError(Exception):
-    """Bad user input (config, data, checkpoint): the CLI prints it on one line and exits 2."""
+    """A failure the user can act on: the CLI prints it on one line and exits with `exit_code`:
+    2 bad input (config, data, checkpoint), 3 training diverged, 4 no room for checkpoints,
+    1 a distributed job lost a rank."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,7 @@ class TrainConfig:
     best_metric: Literal["val_loss", "val_bleu"] = "val_loss"  # what checkpoints/best tracks
     patience: int = 0  # stop after this many validations without a better best_metric; 0 = never
     average_last: int = 0  # at the end, average the newest N checkpoints into OUT_DIR/average
+    nonfinite_patience: int = 5  # consecutive non-finite updates (each skipped) before stopping
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when available
     distributed_timeout_s: float = 600.0  # a collective waiting longer fails instead of hanging
 

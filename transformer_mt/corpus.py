@@ -56,12 +56,27 @@ class RawSplit:
         else:
             gen, kwargs = _generate_jsonl, {"path": self.location}
         kwargs["cfg"] = self.cfg
+        features = datasets.Features(
+            {
+                "src": datasets.Value("string"),
+                "tgt": datasets.Value("string"),
+                "invalid": datasets.Value("bool"),
+            }
+        )  # explicit, so an empty file gives an empty dataset rather than a schema error
         try:
-            return datasets.Dataset.from_generator(gen, gen_kwargs=kwargs, cache_dir=str(work_dir))
+            return datasets.Dataset.from_generator(
+                gen, gen_kwargs=kwargs, cache_dir=str(work_dir), features=features
+            )
         except datasets.exceptions.DatasetGenerationError as err:
             if isinstance(err.__cause__, TmtError):
                 raise err.__cause__ from None
             raise
+        except ValueError as err:  # from_generator cannot make zero rows: an empty file
+            if "corresponds to no data" not in str(err):
+                raise
+            return datasets.Dataset.from_dict(
+                {"src": [], "tgt": [], "invalid": []}, features=features
+            )
 
 
 def open_split(cfg: DataConfig, key: str) -> RawSplit:

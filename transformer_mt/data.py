@@ -157,36 +157,16 @@ def _encoded_table(
     final = cache / "encoded" / key
     meta_path = final / "meta.json"  # written last: its presence marks a complete entry
     if not meta_path.is_file():
-        import datasets
-
         dataset = load(split.key)
         staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=_mkdir(cache / "encoded")))
         logger.info("encoding %s: %d pairs", split.key, len(dataset))
-        features = datasets.Features(
-            {
-                "src_ids": datasets.Sequence(datasets.Value("int32")),
-                "tgt_ids": datasets.Sequence(datasets.Value("int32")),
-                "invalid": datasets.Value("bool"),
-            }
-        )
-        encoded = dataset.map(
-            _Encoder(tokenizer),
-            batched=True,
-            batch_size=1000,
-            num_proc=num_proc if num_proc > 1 else None,
-            remove_columns=dataset.column_names,
-            features=features,
-            cache_file_name=str(staging / "ids.arrow"),
-            new_fingerprint=key,
-        )
-        files = [Path(f["filename"]).name for f in encoded.cache_files]
+        files = _encode(dataset, tokenizer, staging, key, num_proc)
         meta = {
             "origin": split.origin,
-            "pairs": len(encoded),
+            "pairs": len(dataset),
             "files": files,
             "tokenizer": tokenizer.sha256,
         }
-        del encoded
         _atomic_write(staging / "meta.json", json.dumps(meta).encode())
         try:
             os.replace(staging, final)
@@ -198,6 +178,40 @@ def _encoded_table(
         pa.ipc.open_stream(pa.memory_map(str(final / name))).read_all() for name in meta["files"]
     ]
     return pa.concat_tables(parts)
+
+
+def _encode(
+    dataset: Any, tokenizer: Tokenizer, staging: Path, key: str, num_proc: int
+) -> list[str]:
+    """Encode the raw split into Arrow files in `staging` (datasets.map); their names."""
+    import datasets
+
+    features = datasets.Features(
+        {
+            "src_ids": datasets.Sequence(datasets.Value("int32")),
+            "tgt_ids": datasets.Sequence(datasets.Value("int32")),
+            "invalid": datasets.Value("bool"),
+        }
+    )
+    if len(dataset) == 0:  # map writes no file for an empty split
+        empty = pa.Table.from_pylist([], schema=features.arrow_schema)
+        with (
+            pa.OSFile(str(staging / "ids.arrow"), "wb") as sink,
+            pa.ipc.new_stream(sink, empty.schema) as out,
+        ):
+            out.write_table(empty)
+        return ["ids.arrow"]
+    encoded = dataset.map(
+        _Encoder(tokenizer),
+        batched=True,
+        batch_size=1000,
+        num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=dataset.column_names,
+        features=features,
+        cache_file_name=str(staging / "ids.arrow"),
+        new_fingerprint=key,
+    )
+    return [Path(f["filename"]).name for f in encoded.cache_files]
 
 
 def _filtered(

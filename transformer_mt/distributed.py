@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,3 +86,65 @@ def scatter_from_main(values: list[Any] | None, info: DistInfo) -> Any:
 def barrier(info: DistInfo) -> None:
     if info.distributed:
         dist.barrier()
+
+
+class Heartbeat:
+    """Every rank records the step it reached in the process group's key-value store (kept by
+    torchrun's agent, so it outlives a dead rank). When a collective fails, `report()` names the
+    ranks that stopped before this one: which rank died or stalled, not just "a timeout"."""
+
+    def __init__(self, info: DistInfo) -> None:
+        self.info = info
+        self.step = -1
+        self.store = None
+        if info.distributed:
+            try:
+                self.store = dist.distributed_c10d._get_default_store()
+                self.store.set_timeout(datetime.timedelta(seconds=5))
+            except (RuntimeError, AttributeError, ValueError):
+                self.store = None  # no store: reports fall back to "another rank"
+
+    def beat(self, step: int) -> None:
+        self.step = step
+        if self.store is not None:
+            self.store.set(f"tmt/heartbeat/{self.info.rank}", f"{step} {time.time():.3f}")
+
+    def report(self) -> str:
+        """The other ranks' last reports, the likely culprits first: those behind this rank or
+        silent for more than 2 s ("rank 1 last reported step 3, 5.0 s ago")."""
+        others = []
+        for rank in range(self.info.world_size):
+            if rank == self.info.rank or self.store is None:
+                continue
+            try:
+                step, seen = self.store.get(f"tmt/heartbeat/{rank}").decode().split()
+                others.append((int(step), time.time() - float(seen), rank))
+            except (RuntimeError, ValueError):  # never reported, or the store is gone too
+                others.append((-1, float("inf"), rank))
+        suspects = [o for o in others if o[0] < self.step or o[1] > 2.0] or others
+        parts = [
+            f"rank {rank} never reported"
+            if step < 0
+            else f"rank {rank} last reported step {step}, {age:.1f} s ago"
+            for step, age, rank in sorted(suspects, key=lambda o: (o[0], -o[1]))
+        ]
+        here = f"this is rank {self.info.rank} at step {self.step}"
+        return f"{'; '.join(parts)} ({here})" if parts else f"another rank failed ({here})"
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Errors of a collective whose peer died, stalled past the timeout or closed the connection."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(
+        mark in text
+        for mark in (
+            "gloo",
+            "Gloo",
+            "NCCL",
+            "Connection closed by peer",
+            "Timed out",
+            "Connection reset",
+        )
+    )

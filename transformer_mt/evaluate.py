@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -30,6 +31,9 @@ from transformer_mt.search import Hypothesis, beam_search, greedy
 from transformer_mt.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+_LINE_BREAKS = re.compile("[\r\n]")
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,8 @@ def translate_lines(translator: Translator, lines: Sequence[str]) -> list[list[H
     """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line."""
     tok, decode = translator.tokenizer, translator.config.decode
     limit = translator.config.model.max_positions - 1  # source tokens + eos must fit the positions
-    ids = tok.encode(list(lines))
+    # Lone surrogates (possible in Python strings, never in UTF-8) would crash sentencepiece.
+    ids = tok.encode([_SURROGATES.sub("\ufffd", line) for line in lines])
     for i, seq in enumerate(ids):
         if len(seq) > limit:
             logger.warning(
@@ -152,7 +157,13 @@ def _translate_batch(translator: Translator, sources: list[list[int]]) -> list[l
 def translate_text(translator: Translator, lines: Sequence[str]) -> list[str]:
     """Detokenized best translation of each line, in input order."""
     best = [hyps[0].tokens if hyps else [] for hyps in translate_lines(translator, lines)]
-    return translator.tokenizer.decode(best)
+    return detokenize(translator, best)
+
+
+def detokenize(translator: Translator, outputs: Sequence[Sequence[int]]) -> list[str]:
+    """Text of each output, on one line: byte pieces could spell a line break, which would break
+    the one-output-line-per-input-line promise, so CR and LF become spaces."""
+    return [_LINE_BREAKS.sub(" ", text) for text in translator.tokenizer.decode(outputs)]
 
 
 def translate_stream(translator: Translator, source: BinaryIO, sink: TextIO) -> int:
@@ -165,7 +176,7 @@ def translate_stream(translator: Translator, source: BinaryIO, sink: TextIO) -> 
     for chunk in _chunks(_read_lines(source), decode.buffer_lines):
         for i, hyps in enumerate(translate_lines(translator, chunk)):
             if decode.nbest > 1:
-                texts = translator.tokenizer.decode([h.tokens for h in hyps])
+                texts = detokenize(translator, [h.tokens for h in hyps])
                 rows = [
                     f"{count + i}\t{h.score:.4f}\t{t}" for h, t in zip(hyps, texts, strict=True)
                 ]
@@ -173,7 +184,7 @@ def translate_stream(translator: Translator, source: BinaryIO, sink: TextIO) -> 
                     "".join(r + "\n" for r in rows or [f"{count + i}\t0.0000\t"] * decode.nbest)
                 )
             else:
-                sink.write(translator.tokenizer.decode([hyps[0].tokens if hyps else []])[0] + "\n")
+                sink.write(detokenize(translator, [hyps[0].tokens if hyps else []])[0] + "\n")
         sink.flush()
         count += len(chunk)
     return count

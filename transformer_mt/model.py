@@ -271,8 +271,13 @@ class Transformer(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Xavier-uniform matrices (as the annotated Transformer), zero biases, unit LayerNorms.
-        W^Q, W^K and W^V are initialised as the three separate matrices the paper describes."""
+        """Xavier-uniform matrices (as the annotated Transformer), zero biases, unit LayerNorms;
+        W^Q, W^K and W^V are initialised as the three separate matrices the paper describes.
+
+        The shared embedding is drawn from N(0, d_model^-0.5), as in tensor2tensor (the paper's
+        code) and fairseq: scaled by √d_model, tokens start at unit scale. Xavier-uniform over a
+        large vocabulary starts them at ~0.18, under the sinusoids' ~0.55, and with dropout a
+        small model then never learned to read its source (measured: docs/benchmarks.md)."""
         for module in self.modules():
             if isinstance(module, MultiHeadAttention):
                 for block in module.in_proj.weight.data.chunk(3, dim=0):
@@ -283,7 +288,9 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(module.linear2.weight)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-        nn.init.xavier_uniform_(self.embedding.weight)  # also the output projection (tied)
+        nn.init.normal_(
+            self.embedding.weight, std=self.cfg.d_model**-0.5
+        )  # tied: the projection too
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
         """(B, S) ids -> memory (B, S, D)."""

@@ -13,8 +13,13 @@ import functools
 import json
 import logging
 import math
+import os
 import random
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +73,13 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     return summary
 
 
+# Runs stopped by a signal exit like a shell would report them: 128 + the signal number.
+EXIT_CODES = {"sigterm": 128 + signal.SIGTERM, "sigint": 128 + signal.SIGINT}
+# A signalled run that reaches no step boundary within this time exits unsaved; torchrun sends
+# SIGKILL 30 s after SIGTERM, so this leaves room for the last save and a clean exit.
+_SIGNAL_GRACE_S = 25.0
+
+
 @dataclass
 class Progress:
     """Where training stands; everything here goes into train_state.pt."""
@@ -79,6 +91,8 @@ class Progress:
     best_value: float | None = None  # best train.best_metric so far (loss: lowest, BLEU: highest)
     best_step: int = 0
     stale_validations: int = 0  # validations since best_value last improved (train.patience)
+    skipped: int = 0  # updates skipped (non-finite, fp16 overflow, out of memory)
+    nonfinite_run: int = 0  # consecutive non-finite updates (train.nonfinite_patience)
 
 
 @dataclass
@@ -90,20 +104,35 @@ class StepStats:
     real_tokens: int  # non-pad source + target tokens (padding efficiency)
     padded_tokens: int
     lr: float  # the learning rate this update used
-    stop: bool  # some rank asked to stop after this step
+    grad_norm: float
+    skipped: str | None  # why no update was applied: "oom", "overflow", "non_finite", "stopped"
+    stop: str | None  # a stop every rank agreed on: "sigterm", "sigint", "max_minutes"
     save: bool  # rank 0's clock asked for a checkpoint after this step
 
 
-def train(cfg: Config) -> dict[str, Any] | None:
-    """Train (or resume) the run in cfg.train.out_dir; rank 0 returns where it ended."""
+def train(cfg: Config) -> dict[str, Any]:
+    """Train (or resume) the run in cfg.train.out_dir; returns where it ended (with this rank)."""
     info = distributed.setup(cfg.train.device, cfg.train.distributed_timeout_s)
-    try:
-        return _train(cfg, info)
-    finally:
-        distributed.cleanup()
+    heartbeat = distributed.Heartbeat(info)
+    # The handlers stay installed while a failure is reported and the group torn down: torchrun
+    # sends SIGTERM to the survivors of a dead rank, which must not kill them mid-report.
+    with _StopSignals() as signals:
+        try:
+            return _train(cfg, info, signals, heartbeat)
+        except RuntimeError as err:
+            if info.distributed and distributed.is_collective_failure(err):
+                reason = str(err).strip().splitlines()[0][:200]
+                message = f"a collective failed: {heartbeat.report()}: {reason}"
+                logger.error(message)
+                raise TmtError(message, exit_code=1) from None
+            raise
+        finally:
+            distributed.cleanup()
 
 
-def _train(cfg: Config, info: DistInfo) -> dict[str, Any] | None:
+def _train(
+    cfg: Config, info: DistInfo, signals: _StopSignals, heartbeat: distributed.Heartbeat
+) -> dict[str, Any]:
     run_dir = Path(cfg.train.out_dir)
     session_start = time.monotonic()
 
@@ -131,7 +160,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any] | None:
     _seed_rank(cfg.train.seed, info.rank)
     progress = Progress()
     if saved is not None:
-        model.load_state_dict(saved.state_dict)
+        _load_weights(model, saved.state_dict, resume)
         progress = _restore(resume, optimizer, scheduler, scaler, info)
         logger.info(
             "resuming %s at step %d (epoch %d, batch %d)",
@@ -141,7 +170,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any] | None:
             progress.batch_index,
         )
     if info.is_main:
-        _start_run_dir(run_dir, cfg, tokenizer, progress.step)
+        _start_run_dir(run_dir, cfg, tokenizer, progress.step, _checkpoint_bytes(model, tokenizer))
         logger.info(
             "model: %s parameters; peak lr %.3g at step %d; %d/%d train/valid pairs; %s × %d",
             f"{count_parameters(model):,}", peak_lr(cfg.model, cfg.optim), cfg.optim.warmup_steps,
@@ -154,12 +183,12 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any] | None:
         torch.backends.cudnn.allow_tf32 = True
     trained = torch.compile(model) if cfg.train.compile else model
     if info.distributed:
-        trained = torch.nn.parallel.DistributedDataParallel(
-            trained, device_ids=[info.local_rank] if info.device.type == "cuda" else None
-        )
+        device_ids = [info.local_rank] if info.device.type == "cuda" else None
+        trained = torch.nn.parallel.DistributedDataParallel(trained, device_ids=device_ids)
 
     sampler = data.train.sampler(cfg.data.max_tokens, cfg.train.seed, info.rank, info.world_size)
     valid_batches = _valid_batches(data, cfg, info)
+    heartbeat.beat(progress.step)
     # Validation BLEU reads the raw validation text: scored exactly as tmt evaluate scores it.
     valid_text = evaluate.read_split(cfg, "data.valid") if cfg.train.bleu_every else None
     metrics = _MetricsLog(run_dir / "metrics.jsonl", enabled=info.is_main)
@@ -181,10 +210,10 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any] | None:
         group = batches[progress.batch_index : progress.batch_index + cfg.train.update_freq]
         micro = [data.train.batch(b, tokenizer).to(info.device) for b in group]
 
-        # Time decisions are rank 0's clock, agreed on inside the step's collective.
+        # Stop and save requests (signals, rank 0's clock) are agreed on inside the step.
         now = time.monotonic()
-        elapsed = progress.elapsed_s + now - session_start
-        out_of_time = 0 < cfg.train.max_minutes * 60 <= elapsed
+        out_of_time = 0 < cfg.train.max_minutes * 60 <= progress.elapsed_s + now - session_start
+        request = signals.received or ("max_minutes" if out_of_time else None)
         save_due = info.is_main and 0 < cfg.train.save_every_minutes * 60 <= now - last_save_time
         stats = train_step(
             trained,
@@ -195,39 +224,53 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any] | None:
             cfg,
             info,
             tokenizer.pad_id,
-            out_of_time,
+            progress.step + progress.skipped + 1,  # the attempt: skipped updates count
+            request,
             save_due,
         )
-        progress.step += 1
-        progress.batch_index += len(group)
-        window.add(stats)
-        bar.update(1)
-        fault_point("step", progress.step)
+        if stats.skipped != "stopped":  # a stopped step used none of its batches
+            progress.batch_index += len(group)
 
-        if progress.step % cfg.train.log_every == 0:
-            record = window.flush(info, progress)
-            metrics.write(record)
-            bar.set_postfix(
-                loss=f"{record['loss']:.3f}",
-                lr=f"{record['lr']:.2e}",
-                tok_s=f"{record['tokens_per_s']:.0f}",
-                pad=f"{record['padding_efficiency']:.2f}",
-            )
-        scores: dict[str, float] = {}
-        if valid_batches and cfg.train.valid_every and progress.step % cfg.train.valid_every == 0:
-            scores |= validate(model, valid_batches, cfg, info, tokenizer.pad_id)
-        if valid_text and progress.step % cfg.train.bleu_every == 0:
-            scores |= validation_bleu(model, tokenizer, cfg, info, *valid_text)
-        if scores:
-            metrics.write({"step": progress.step, **scores})
-        is_best = _track_best(progress, scores, cfg)
-        if cfg.train.max_steps and progress.step >= cfg.train.max_steps:
-            stop_reason = "max_steps"
-        elif stats.stop:
-            stop_reason = "max_minutes"
-        elif cfg.train.patience and progress.stale_validations >= cfg.train.patience:
-            stop_reason = "patience"
-        periodic = bool(cfg.train.save_every) and progress.step % cfg.train.save_every == 0
+        is_best = False
+        if stats.skipped is None:
+            progress.step += 1
+            progress.nonfinite_run = 0
+            heartbeat.beat(progress.step)
+            window.add(stats)
+            bar.update(1)
+            fault_point("step", progress.step)
+            if progress.step % cfg.train.log_every == 0:
+                record = window.flush(info, progress)
+                metrics.write(record)
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}",
+                    lr=f"{record['lr']:.2e}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    pad=f"{record['padding_efficiency']:.2f}",
+                )
+            scores: dict[str, float] = {}
+            if (
+                valid_batches
+                and cfg.train.valid_every
+                and progress.step % cfg.train.valid_every == 0
+            ):
+                scores |= validate(model, valid_batches, cfg, info, tokenizer.pad_id)
+            if valid_text and progress.step % cfg.train.bleu_every == 0:
+                scores |= validation_bleu(model, tokenizer, cfg, info, *valid_text)
+            if scores:
+                metrics.write({"step": progress.step, **scores})
+            is_best = _track_best(progress, scores, cfg)
+        elif stats.skipped != "stopped":
+            _record_skip(progress, stats, metrics, micro)
+
+        stop_reason = _stop_reason(progress, stats, cfg)
+        if stop_reason == "non_finite":
+            break  # nothing to save: the newest checkpoint is the last good state
+        periodic = (
+            bool(cfg.train.save_every)
+            and progress.step % cfg.train.save_every == 0
+            and stats.skipped is None
+        )
         if periodic or stats.save or is_best or (stop_reason and last_saved_step != progress.step):
             progress.elapsed_s, session_start = (
                 progress.elapsed_s + time.monotonic() - session_start,
@@ -235,24 +278,36 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any] | None:
             )
             save(is_best=is_best, keep=resume)
             last_save_time, last_saved_step = time.monotonic(), progress.step
+    if stop_reason == "non_finite":
+        raise TmtError(
+            f"training diverged: {progress.nonfinite_run} consecutive non-finite updates after step"
+            f" {progress.step} (each skipped, train.nonfinite_patience); newest checkpoint:"
+            f" {checkpoint.latest_valid(run_dir) or 'none'}",
+            exit_code=3,
+        )
     if last_saved_step != progress.step:  # stopped at an epoch boundary
         progress.elapsed_s += time.monotonic() - session_start
         save(is_best=False, keep=resume)
         last_saved_step = progress.step
     bar.close()
-    averaged = _average_at_end(run_dir, model, tokenizer, cfg, info, valid_text)
-    if not info.is_main:
-        return None
-    logger.info("stopped at step %d (%s)", progress.step, stop_reason)
+    averaged = (
+        None
+        if stop_reason in EXIT_CODES
+        else _average_at_end(run_dir, model, tokenizer, cfg, info, valid_text)
+    )
+    if info.is_main:
+        logger.info("stopped at step %d (%s)", progress.step, stop_reason)
     return {
         "step": progress.step,
         "epoch": progress.epoch,
         "stop": stop_reason,
+        "skipped_updates": progress.skipped,
         "best_metric": cfg.train.best_metric,
         "best_value": progress.best_value,
         "best_step": progress.best_step,
         "checkpoint": str(run_dir / "checkpoints" / f"step_{last_saved_step:08d}"),
         **({"average": averaged} if averaged else {}),
+        "rank": info.rank,
     }
 
 
@@ -265,49 +320,104 @@ def train_step(
     cfg: Config,
     info: DistInfo,
     pad_id: int,
-    request_stop: bool = False,
+    attempt: int = 1,
+    request_stop: str | None = None,
     request_save: bool = False,
 ) -> StepStats:
     """One optimizer update over `micro` (update_freq micro-batches on this rank).
 
     The loss is summed over target tokens and divided by the global token count of the update, so
     the gradient is the same however tokens are split over micro-batches and ranks (DDP averages
-    gradients over ranks, hence the factor world_size).
+    gradients over ranks, hence the factor world_size). An update whose gradients are not finite,
+    or in which a rank ran out of memory, is skipped on every rank: no parameter, optimizer state or
+    schedule changes.
     """
-    local_tokens = sum(b.n_tokens for b in micro)
-    control = torch.tensor(
-        [local_tokens, float(request_stop), float(request_save)],
-        dtype=torch.float64,
-        device=info.device,
-    )
-    distributed.all_reduce_sum(control, info)  # one small collective: token count and decisions
+    # One small collective before the update: its token count, and the stop/save decisions.
+    wanted = [
+        sum(b.n_tokens for b in micro),
+        request_stop == "max_minutes",
+        request_stop == "sigterm",
+    ]
+    wanted += [request_stop == "sigint", request_save]
+    control = torch.tensor(wanted, dtype=torch.float64, device=info.device)
+    distributed.all_reduce_sum(control, info)
     global_tokens = int(control[0].item())
     lr = optimizer.param_groups[0]["lr"]
+    stop = "sigterm" if control[2] > 0 else "sigint" if control[3] > 0 else None
+    stop = stop or ("max_minutes" if control[1] > 0 else None)
+    if stop is not None:  # agreed by every rank: stop before this update, its batches unused
+        return StepStats(0.0, 0.0, 0, global_tokens, 0, 0, lr, 0.0, "stopped", stop, False)
     loss_sum = nll_sum = 0.0
+    oom = False
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
     for i, batch in enumerate(micro):
         last = i == len(micro) - 1
         no_sync = model.no_sync() if info.distributed and not last else contextlib.nullcontext()
-        with no_sync:
-            with torch.autocast(
-                info.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
-            ):
-                logits = model(batch.src, batch.tgt_in)
-                sums = label_smoothed_nll(logits, batch.tgt_out, pad_id, cfg.optim.label_smoothing)
-            scaler.scale(sums.loss * (info.world_size / global_tokens)).backward()
+        try:
+            with no_sync:
+                with torch.autocast(
+                    info.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+                ):
+                    poison = fault_point("loss", attempt) if i == 0 else None
+                    logits = model(batch.src, batch.tgt_in)
+                    sums = label_smoothed_nll(
+                        logits, batch.tgt_out, pad_id, cfg.optim.label_smoothing
+                    )
+                    loss = sums.loss * (info.world_size / global_tokens)
+                    if poison == "nan":
+                        loss = loss * float("nan")
+                scaler.scale(loss).backward()
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            if not _is_out_of_memory(err):
+                raise
+            oom = True
+            logits = sums = loss = None
+            logger.warning(
+                "out of memory on a batch of %s source, %s target tokens",
+                tuple(batch.src.shape),
+                tuple(batch.tgt_out.shape),
+            )
+            if info.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if last and info.distributed:  # the other ranks wait in this backward's all-reduce
+                _join_gradient_sync(model, batch, scaler, autocast_dtype, info)
+            continue
         loss_sum += sums.loss.item()
         nll_sum += sums.nll.item()
+    # A second small collective, so every rank reaches the same verdict on this update.
+    flags = torch.tensor([float(oom), float(not math.isfinite(loss_sum))], device=info.device)
+    any_oom, any_nonfinite_loss = (distributed.all_reduce_sum(flags, info) > 0).tolist()
     scaler.unscale_(optimizer)
-    if cfg.optim.clip_norm > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    scheduler.step()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    skipped = None
+    if any_oom:
+        skipped = "oom"
+    elif any_nonfinite_loss or not torch.isfinite(norm):
+        # With fp16 a finite loss and infinite gradients is the GradScaler's overflow: normal.
+        skipped = "overflow" if scaler.is_enabled() and not any_nonfinite_loss else "non_finite"
+    if skipped is None:
+        if cfg.optim.clip_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.optim.clip_norm, norm)
+        scaler.step(optimizer)
+        scheduler.step()
+    scaler.update()  # lowers the fp16 loss scale after an overflow
     optimizer.zero_grad(set_to_none=True)
     real = sum(int((b.src != pad_id).sum()) + b.n_tokens for b in micro)
     padded = sum(b.src.numel() + b.tgt_out.numel() for b in micro)
-    stop, save = control[1].item() > 0, control[2].item() > 0
-    return StepStats(loss_sum, nll_sum, local_tokens, global_tokens, real, padded, lr, stop, save)
+    return StepStats(
+        loss_sum,
+        nll_sum,
+        wanted[0],
+        global_tokens,
+        real,
+        padded,
+        lr,
+        float(norm),
+        skipped,
+        stop,
+        control[4].item() > 0,
+    )
 
 
 @torch.no_grad()
@@ -366,6 +476,119 @@ def validation_bleu(
 
 
 # --- helpers -----------------------------------------------------------------------------------
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT only set a flag: the loop stops at the next step boundary (every rank
+    agrees through the step's collective), saves that step and exits 143 or 130. A second signal,
+    or no step boundary within _SIGNAL_GRACE_S, exits at once without saving."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:  # asked twice: stop now
+            os._exit(128 + signum)
+        self.received = "sigterm" if signum == signal.SIGTERM else "sigint"
+        self._timer = threading.Timer(_SIGNAL_GRACE_S, self._expire, (signum,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self, signum: int) -> None:
+        logger.error(
+            "%s: no step boundary within %.0f s; exiting unsaved", self.received, _SIGNAL_GRACE_S
+        )
+        os._exit(128 + signum)
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err)
+    return "DefaultCPUAllocator: not enough memory" in text or "can't allocate memory" in text
+
+
+def _join_gradient_sync(
+    model: torch.nn.Module, batch: Batch, scaler: torch.amp.GradScaler, dtype: Any, info: DistInfo
+) -> None:
+    """A rank that ran out of memory in the synchronising micro-batch still takes part in DDP's
+    gradient all-reduce, with a one-token forward whose loss is zero; the update is skipped."""
+    with torch.autocast(info.device.type, dtype=dtype, enabled=dtype is not None):
+        out = model(batch.src[:1, :1], batch.tgt_in[:1, :1])
+    scaler.scale(out.float().sum() * 0.0).backward()
+
+
+def _record_skip(
+    progress: Progress, stats: StepStats, metrics: _MetricsLog, micro: list[Batch]
+) -> None:
+    progress.skipped += 1
+    if stats.skipped == "non_finite":
+        progress.nonfinite_run += 1
+    shapes = [tuple(b.src.shape) for b in micro]
+    logger.warning(
+        "update after step %d skipped on every rank (%s); batches %s",
+        progress.step,
+        stats.skipped,
+        shapes,
+    )
+    metrics.write(
+        {
+            "step": progress.step,
+            "skipped": stats.skipped,
+            "epoch": progress.epoch,
+            "batch_index": progress.batch_index,
+        }
+    )
+
+
+def _stop_reason(progress: Progress, stats: StepStats, cfg: Config) -> str | None:
+    if progress.nonfinite_run >= cfg.train.nonfinite_patience:
+        return "non_finite"
+    if stats.stop in ("sigterm", "sigint"):
+        return stats.stop
+    if cfg.train.max_steps and progress.step >= cfg.train.max_steps:
+        return "max_steps"
+    if stats.stop:
+        return stats.stop
+    if cfg.train.patience and progress.stale_validations >= cfg.train.patience:
+        return "patience"
+    return None
+
+
+def _load_weights(
+    model: Transformer, state_dict: dict[str, torch.Tensor], path: Path | None
+) -> None:
+    """Refuse weights of another shape before any compute, naming the parameters that differ."""
+    expected = model.state_dict()
+    differ = [f"{name} unexpected" for name in state_dict if name not in expected]
+    for name, tensor in expected.items():
+        found = tuple(state_dict[name].shape) if name in state_dict else "missing"
+        if found != tuple(tensor.shape):
+            differ.append(f"{name} {found} vs {tuple(tensor.shape)}")
+    if differ:
+        raise TmtError(f"{path}: weights do not fit this model: {'; '.join(differ[:4])}")
+    model.load_state_dict(state_dict)
+
+
+def _checkpoint_bytes(model: Transformer, tokenizer: Tokenizer) -> int:
+    """About how large a checkpoint is: weights and Adam's two moments, plus the tokenizer."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + len(
+        tokenizer.model_bytes
+    )
 
 
 def _track_best(progress: Progress, scores: dict[str, float], cfg: Config) -> bool:
@@ -506,33 +729,60 @@ def _save(
             "rng": rng,
             "progress": progress.__dict__.copy(),
         }
-        path = checkpoint.save(
-            run_dir,
-            progress.step,
-            cfg,
-            model.state_dict(),
-            tokenizer.model_bytes,
-            train_state,
-            {"epoch": progress.epoch},
-        )
+        weights, spm, info_ = model.state_dict(), tokenizer.model_bytes, {"epoch": progress.epoch}
+        try:
+            path = checkpoint.save(run_dir, progress.step, cfg, weights, spm, train_state, info_)
+        except (
+            OSError,
+            RuntimeError,
+        ) as err:  # disk full, quota, I/O: torch reports some as RuntimeError
+            reason = (err.strerror if isinstance(err, OSError) else None) or str(
+                err
+            ).strip().splitlines()[0]
+            raise TmtError(
+                f"saving checkpoint step {progress.step} failed ({reason}); nothing was left under"
+                " its name and the checkpoints before it are intact",
+                exit_code=4,
+            ) from None
         if is_best:
             checkpoint.set_best(run_dir, path)
-        checkpoint.prune(run_dir, cfg.train.keep_last, protect={keep} if keep else set())
+        checkpoint.prune(run_dir, cfg.train.keep_last, protect={path} | ({keep} if keep else set()))
     fault_point("after_save", progress.step)
 
 
-def _start_run_dir(run_dir: Path, cfg: Config, tokenizer: Tokenizer, step: int) -> None:
+def _start_run_dir(
+    run_dir: Path, cfg: Config, tokenizer: Tokenizer, step: int, checkpoint_bytes: int
+) -> None:
     """Resolved config and tokenizer beside the checkpoints; metrics past the resume step dropped
-    (those steps are about to be trained again)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    tokenizer.save(run_dir / "tokenizer.model")
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        kept = [line for line in metrics.read_text().splitlines() if _record_step(line) <= step]
-        tmp = metrics.with_name(".metrics.jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(metrics)
+    (those steps are about to be trained again). Refuses to start without room for checkpoints:
+    a new one is written beside the last, so twice a checkpoint's size must be free."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=run_dir).close()
+    except OSError as err:
+        raise TmtError(
+            f"{run_dir}: cannot write there ({err.strerror or err})", exit_code=4
+        ) from None
+    free = shutil.disk_usage(run_dir).free
+    if free < 2 * checkpoint_bytes:
+        raise TmtError(
+            f"{run_dir}: {free / 2**20:.0f} MiB free, but a checkpoint takes about"
+            f" {checkpoint_bytes / 2**20:.0f} MiB and twice that must be free",
+            exit_code=4,
+        )
+    try:
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        tokenizer.save(run_dir / "tokenizer.model")
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists():
+            kept = [line for line in metrics.read_text().splitlines() if _record_step(line) <= step]
+            tmp = metrics.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(metrics)
+    except OSError as err:
+        raise TmtError(
+            f"{run_dir}: cannot write the run's files ({err.strerror or err})", exit_code=4
+        ) from None
 
 
 def _record_step(line: str) -> int:
