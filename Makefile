@@ -41,8 +41,9 @@ bench: install
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python scripts/bench_data.py
 	$(BIN)/python scripts/bench_train.py
-	test -d runs/multi30k_de-en/average || bash scripts/multi30k.sh de-en
-	$(BIN)/python scripts/bench_decode.py --checkpoint runs/multi30k_de-en/average
+	test -d runs/bench_decode/average || $(BIN)/tmt train --set model.pre_norm=false \
+		--set train.max_minutes=10 --set train.out_dir=runs/bench_decode
+	$(BIN)/python scripts/bench_decode.py --checkpoint runs/bench_decode/average
 
 clean:
 	rm -rf runs/ .pytest_cache .ruff_cache .hypothesis

@@ -1,14 +1,16 @@
-"""Decoding speed: tmt vs HF transformers `generate` vs CTranslate2, one trained model, same batches.
+"""Decoding speed: tmt vs HF transformers `generate` vs CTranslate2, one model, the same batches.
 
-The tmt model's weights are ported into a MarianMTModel (q/k/v split from tmt's stacked in_proj,
-tmt's sinusoid table copied into Marian's position embeddings); matching greedy outputs prove the
-port exact. A CTranslate2 model is built with ctranslate2.specs.TransformerSpec (post-norm, ReLU,
+A post-norm tmt model's weights are ported into a MarianMTModel (q/k/v split from tmt's stacked
+in_proj, tmt's sinusoid table copied into Marian's position embeddings); matching greedy outputs
+prove the port exact. A CTranslate2 model is built with ctranslate2.specs.TransformerSpec (ReLU,
 the same weights) and run in float32. All systems decode the 1,000 sentences of test_2016_flickr
 in the same length-sorted batches (tmt's decode.max_tokens source tokens each) with the same
 length normalisation (score / |Y|^α, α = 0.6: the "power" form all three support) and 2 threads.
-Needs the bench extra: pip install -e ".[bench]".
+Needs the bench extra: pip install -e ".[bench]". MarianMTModel is post-norm only, hence:
 
-    python scripts/bench_decode.py --checkpoint runs/multi30k_de-en/average
+    tmt train --set model.pre_norm=false --set train.max_minutes=10 \
+              --set train.out_dir=runs/bench_decode
+    python scripts/bench_decode.py --checkpoint runs/bench_decode/average
 
 The last line printed is one JSON object with every figure.
 """
@@ -82,75 +84,56 @@ def convert_to_ctranslate2(translator, out_dir: Path) -> Path:
     from ctranslate2.specs import common_spec, transformer_spec
 
     m, tok, ours = translator.config.model, translator.tokenizer, translator.model
-    spec = transformer_spec.TransformerSpec.from_config(
-        (m.n_encoder_layers, m.n_decoder_layers), m.n_heads, pre_norm=False
-    )
+    layers = (m.n_encoder_layers, m.n_decoder_layers)
+    spec = transformer_spec.TransformerSpec.from_config(layers, m.n_heads, pre_norm=m.pre_norm)
     d = m.d_model
-    np_ = lambda t: t.detach().numpy().copy()  # noqa: E731
+
+    def array(t):
+        return t.detach().numpy().copy()
 
     def linear(target, weight, bias) -> None:
-        target.weight, target.bias = np_(weight), np_(bias)
+        target.weight, target.bias = array(weight), array(bias)
 
     def norm(target, layer) -> None:
-        target.gamma, target.beta = np_(layer.weight), np_(layer.bias)
+        target.gamma, target.beta = array(layer.weight), array(layer.bias)
 
-    for stack in (spec.encoder, spec.decoder):
+    def self_attention_and_ffn(layer_spec, layer, attn_norm) -> None:
+        # tmt's stacked in_proj (Q, K, V rows) is CTranslate2's fused self-attention input.
+        attn = layer.self_attn
+        linear(layer_spec.self_attention.linear[0], attn.in_proj.weight, attn.in_proj.bias)
+        linear(layer_spec.self_attention.linear[1], attn.out_proj.weight, attn.out_proj.bias)
+        norm(layer_spec.self_attention.layer_norm, attn_norm)
+        linear(layer_spec.ffn.linear_0, layer.ffn.linear1.weight, layer.ffn.linear1.bias)
+        linear(layer_spec.ffn.linear_1, layer.ffn.linear2.weight, layer.ffn.linear2.bias)
+        norm(layer_spec.ffn.layer_norm, layer.ffn_sub.norm)
+
+    for stack, final_norm in ((spec.encoder, ours.encoder_norm), (spec.decoder, ours.decoder_norm)):
         embeddings = stack.embeddings[0] if isinstance(stack.embeddings, list) else stack.embeddings
-        embeddings.weight = np_(ours.embedding.weight)  # one matrix, 3-way tied
-        stack.position_encodings.encodings = np_(ours.embedding.positions[: m.max_positions])
+        embeddings.weight = array(ours.embedding.weight)  # one matrix, 3-way tied
+        stack.position_encodings.encodings = array(ours.embedding.positions[: m.max_positions])
         stack.scale_embeddings = True
-    spec.decoder.projection.weight = np_(ours.embedding.weight)
+        if m.pre_norm:
+            norm(stack.layer_norm, final_norm)
+    spec.decoder.projection.weight = array(ours.embedding.weight)
     for layer_spec, layer in zip(spec.encoder.layer, ours.encoder_layers, strict=True):
-        linear(
-            layer_spec.self_attention.linear[0],
-            layer.self_attn.in_proj.weight,
-            layer.self_attn.in_proj.bias,
-        )
-        linear(
-            layer_spec.self_attention.linear[1],
-            layer.self_attn.out_proj.weight,
-            layer.self_attn.out_proj.bias,
-        )
-        norm(layer_spec.self_attention.layer_norm, layer.attn_sub.norm)
-        linear(layer_spec.ffn.linear_0, layer.ffn.linear1.weight, layer.ffn.linear1.bias)
-        linear(layer_spec.ffn.linear_1, layer.ffn.linear2.weight, layer.ffn.linear2.bias)
-        norm(layer_spec.ffn.layer_norm, layer.ffn_sub.norm)
+        self_attention_and_ffn(layer_spec, layer, layer.attn_sub.norm)
     for layer_spec, layer in zip(spec.decoder.layer, ours.decoder_layers, strict=True):
-        linear(
-            layer_spec.self_attention.linear[0],
-            layer.self_attn.in_proj.weight,
-            layer.self_attn.in_proj.bias,
-        )
-        linear(
-            layer_spec.self_attention.linear[1],
-            layer.self_attn.out_proj.weight,
-            layer.self_attn.out_proj.bias,
-        )
-        norm(layer_spec.self_attention.layer_norm, layer.self_sub.norm)
-        w, b = layer.cross_attn.in_proj.weight, layer.cross_attn.in_proj.bias
-        linear(layer_spec.attention.linear[0], w[:d], b[:d])
+        self_attention_and_ffn(layer_spec, layer, layer.self_sub.norm)
+        cross = layer.cross_attn
+        w, b = cross.in_proj.weight, cross.in_proj.bias
+        linear(layer_spec.attention.linear[0], w[:d], b[:d])  # W^Q
         kv = common_spec.LinearSpec()
-        linear(kv, w[d:], b[d:])
+        linear(kv, w[d:], b[d:])  # W^K, W^V: CTranslate2's fused key/value projection
         fuse_linear(layer_spec.attention.linear[1], [kv])
-        linear(
-            layer_spec.attention.linear[2],
-            layer.cross_attn.out_proj.weight,
-            layer.cross_attn.out_proj.bias,
-        )
+        linear(layer_spec.attention.linear[2], cross.out_proj.weight, cross.out_proj.bias)
         norm(layer_spec.attention.layer_norm, layer.cross_sub.norm)
-        linear(layer_spec.ffn.linear_0, layer.ffn.linear1.weight, layer.ffn.linear1.bias)
-        linear(layer_spec.ffn.linear_1, layer.ffn.linear2.weight, layer.ffn.linear2.bias)
-        norm(layer_spec.ffn.layer_norm, layer.ffn_sub.norm)
     pieces = [tok._sp.id_to_piece(i) for i in range(tok.vocab_size)]
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)
     spec.config.add_source_eos = True  # tmt's source is x + eos
     spec.config.decoder_start_token = pieces[tok.bos_id]
-    spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = (
-        pieces[tok.bos_id],
-        pieces[tok.eos_id],
-        pieces[tok.unk_id],
-    )
+    spec.config.bos_token, spec.config.eos_token = pieces[tok.bos_id], pieces[tok.eos_id]
+    spec.config.unk_token = pieces[tok.unk_id]
     spec.validate()
     spec.optimize(quantization=None)
     spec.save(str(out_dir))
@@ -195,7 +178,8 @@ def run_hf(marian, translator, lines, beam: int) -> tuple[float, list[list[int]]
         width = max(map(len, rows))
         src = torch.tensor([r + [tok.pad_id] * (width - len(r)) for r in rows])
         generated = marian.generate(
-            input_ids=src, attention_mask=(src != tok.pad_id).long(), num_beams=beam, do_sample=False,
+            input_ids=src, attention_mask=(src != tok.pad_id).long(),
+            num_beams=beam, do_sample=False,
             length_penalty=translator.config.decode.length_penalty, max_new_tokens=width + 50,
         )  # fmt: skip
         for i, row in zip(batch, generated.tolist(), strict=True):
@@ -231,7 +215,9 @@ def run_ct2(model_dir: Path, translator, lines, beam: int) -> tuple[float, list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default="runs/multi30k_de-en/average")
+    parser.add_argument(
+        "--checkpoint", default="runs/bench_decode/average", help="a post-norm model"
+    )
     parser.add_argument("--lines", type=int, default=1000)
     args = parser.parse_args()
 
@@ -268,13 +254,18 @@ def main() -> None:
                 "target_tokens_per_s": round(tokens / seconds, 1),
                 "bleu": evaluate.score(texts, references)["bleu"],
             }
+            r = results[name]
             print(
-                f"{name:<12} {results[name]['sentences_per_s']:>8.1f} sent/s {results[name]['target_tokens_per_s']:>9.1f} tok/s  BLEU {results[name]['bleu']:.2f}",
+                f"{name:<12} {r['sentences_per_s']:>8.1f} sent/s"
+                f" {r['target_tokens_per_s']:>9.1f} tok/s  BLEU {r['bleu']:.2f}",
                 flush=True,
             )
-    agree = lambda a, b: round(
-        sum(x == y for x, y in zip(outputs[a], outputs[b], strict=True)) / len(sources), 4
-    )
+
+    def agree(a: str, b: str) -> float:
+        """Share of sentences whose outputs are identical token for token."""
+        same = sum(x == y for x, y in zip(outputs[a], outputs[b], strict=True))
+        return round(same / len(sources), 4)
+
     summary = {
         "checkpoint": args.checkpoint,
         "sentences": len(sources),
@@ -303,9 +294,9 @@ def main() -> None:
     }
     for key, value in summary["ratios"].items():
         print(f"{key}: {value:.2f}x")
-    print(
-        f"greedy outputs identical to tmt's: HF {summary['greedy_identical_outputs']['tmt_vs_hf']:.1%}, CTranslate2 {summary['greedy_identical_outputs']['tmt_vs_ct2']:.1%}"
-    )
+    same = summary["greedy_identical_outputs"]
+    print(f"greedy outputs identical to tmt's: HF {same['tmt_vs_hf']:.1%},", end=" ")
+    print(f"CTranslate2 {same['tmt_vs_ct2']:.1%}")
     print(json.dumps(summary))
 
 
