@@ -84,9 +84,13 @@ def checkpoint_size(run: Path, step: int) -> int:
 # --- F1/F2 kill at any moment, resume bit-exact ------------------------------------------------
 
 
-@pytest.mark.parametrize("fault", ["step@6:kill", "save8_bytes@{mid}:kill", "step@3:exit"])
+# Each fault with the checkpoint that must survive it (None: killed before the first save).
+@pytest.mark.parametrize(
+    ("fault", "survivor"),
+    [("step@6:kill", 4), ("save8_bytes@{mid}:kill", 4), ("step@3:exit", None)],
+)
 def test_kill_and_resume_is_bit_exact(
-    train_cfg: Config, straight: Path, tmp_path: Path, fault: str
+    train_cfg: Config, straight: Path, tmp_path: Path, fault: str, survivor: int | None
 ) -> None:
     fault = fault.format(mid=checkpoint_size(straight, 8) // 2)
     run = tmp_path / "run"
@@ -96,7 +100,8 @@ def test_kill_and_resume_is_bit_exact(
     assert not list((run / "checkpoints").glob("step_00000008")), (
         "no checkpoint under a final name is partial"
     )
-    assert checkpoint.latest_valid(run) is not None or fault.startswith("step@3")
+    latest = checkpoint.latest_valid(run)
+    assert (latest and latest.name) == (survivor and f"step_{survivor:08d}")
     again = run_tmt(args)
     assert again.returncode == 0, again.stderr
     assert not list((run / "checkpoints").glob(".tmp-*")), (
@@ -106,11 +111,14 @@ def test_kill_and_resume_is_bit_exact(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["step@4:kill", "step@8:kill", "save4_bytes@100:kill"])
+@pytest.mark.parametrize(
+    ("fault", "survivor"),
+    [("step@4:kill", None), ("step@8:kill", 4), ("save4_bytes@100:kill", None)],
+)
 def test_kill_and_resume_is_bit_exact_more_points(
-    train_cfg: Config, straight: Path, tmp_path: Path, fault: str
+    train_cfg: Config, straight: Path, tmp_path: Path, fault: str, survivor: int | None
 ) -> None:
-    test_kill_and_resume_is_bit_exact(train_cfg, straight, tmp_path, fault)
+    test_kill_and_resume_is_bit_exact(train_cfg, straight, tmp_path, fault, survivor)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -233,3 +234,68 @@ def test_keep_last_and_best(train_cfg: Config, tmp_path: Path) -> None:
     assert best is not None and best.name in names
     assert names[-2:] == ["step_00000010", "step_00000012"]
     assert len(names) <= 3
+
+
+def test_bf16_autocast_trains_on_cpu(train_cfg: Config, tmp_path: Path) -> None:
+    summary = train(with_train(train_cfg, out_dir=str(tmp_path), precision="bf16", max_steps=4))
+    losses = [r["loss"] for r in records(tmp_path) if "loss" in r]
+    assert summary["step"] == 4 and all(math.isfinite(x) for x in losses)
+    saved = checkpoint.load_model(tmp_path / "checkpoints" / "step_00000004")
+    assert all(t.dtype == torch.float32 for t in saved.state_dict.values())  # weights stay fp32
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_the_same_model(train_cfg: Config, tmp_path: Path) -> None:
+    cfg = with_train(
+        dataclasses.replace(train_cfg, model=dataclasses.replace(train_cfg.model, dropout=0.0)),
+        max_steps=3,
+        valid_every=0,
+        save_every=0,
+    )
+    train(with_train(cfg, out_dir=str(tmp_path / "eager")))
+    train(with_train(cfg, out_dir=str(tmp_path / "compiled"), compile=True))
+    # Losses, not weights: Adam turns a rounding-level gradient difference on a near-zero
+    # gradient into a full-size update, so weights may differ by ~lr while the model agrees.
+    eager = [r["loss"] for r in records(tmp_path / "eager") if "loss" in r]
+    compiled = [r["loss"] for r in records(tmp_path / "compiled") if "loss" in r]
+    assert len(eager) == 3 and compiled == pytest.approx(eager, rel=1e-4)
+
+
+def test_patience_stops_when_validation_stops_improving(train_cfg: Config, tmp_path: Path) -> None:
+    # A zero learning rate never changes the model: the first validation is the best there is.
+    frozen = dataclasses.replace(
+        train_cfg, optim=dataclasses.replace(train_cfg.optim, lr_scale=0.0)
+    )
+    summary = train(
+        with_train(frozen, out_dir=str(tmp_path), max_steps=50, valid_every=2, patience=2)
+    )
+    assert summary["stop"] == "patience" and summary["step"] == 6
+    assert summary["best_step"] == 2
+
+
+def test_best_by_bleu_and_average_at_the_end(train_cfg: Config, tmp_path: Path) -> None:
+    cfg = with_train(
+        train_cfg,
+        out_dir=str(tmp_path),
+        max_steps=6,
+        save_every=2,
+        valid_every=3,
+        bleu_every=3,
+        best_metric="val_bleu",
+        average_last=2,
+    )
+    summary = train(cfg)
+    bleus = [r for r in records(tmp_path) if "val_bleu" in r]
+    assert [r["step"] for r in bleus] == [3, 6] and all(0 <= r["val_bleu"] <= 100 for r in bleus)
+    assert (
+        summary["best_metric"] == "val_bleu"
+        and checkpoint.best(tmp_path).name == f"step_{summary['best_step']:08d}"
+    )
+    average = summary["average"]
+    assert average["checkpoints"] == 2 and 0 <= average["val_bleu"] <= 100
+    assert checkpoint.verify(Path(average["path"])) is None
+    # The validation BLEU of training is the BLEU tmt evaluate reports for the same model.
+    from transformer_mt import evaluate
+
+    t = evaluate.load_translator(Path(average["path"]), ["decode.beam_size=1"])
+    assert evaluate.evaluate(t, split="valid")["bleu"] == average["val_bleu"]
