@@ -36,6 +36,10 @@ def port_to_marian(translator):
     from transformers import MarianConfig, MarianMTModel
 
     m, tok, ours = translator.config.model, translator.tokenizer, translator.model
+    if m.pre_norm:
+        raise SystemExit(
+            "bench_decode: MarianMTModel is post-norm only; train with --set model.pre_norm=false"
+        )
     config = MarianConfig(
         vocab_size=tok.vocab_size, decoder_vocab_size=tok.vocab_size, d_model=m.d_model,
         encoder_layers=m.n_encoder_layers, decoder_layers=m.n_decoder_layers,
@@ -136,6 +140,7 @@ def convert_to_ctranslate2(translator, out_dir: Path) -> Path:
     spec.config.unk_token = pieces[tok.unk_id]
     spec.validate()
     spec.optimize(quantization=None)
+    out_dir.mkdir(parents=True, exist_ok=True)
     spec.save(str(out_dir))
     assert ctranslate2.contains_model(str(out_dir))
     return out_dir
@@ -153,12 +158,16 @@ def batches_of(translator, lines):
     return ids, sampler.epoch_batches(0)
 
 
-def run_tmt(translator, lines, beam: int) -> tuple[float, list[list[int]]]:
+def run_tmt(
+    translator, lines, beam: int, early_stopping: str = "bound"
+) -> tuple[float, list[list[int]]]:
     import dataclasses
 
     from transformer_mt import evaluate
 
-    decode = dataclasses.replace(translator.config.decode, beam_size=beam, nbest=1)
+    decode = dataclasses.replace(
+        translator.config.decode, beam_size=beam, nbest=1, early_stopping=early_stopping
+    )
     t = dataclasses.replace(
         translator, config=dataclasses.replace(translator.config, decode=decode)
     )
@@ -168,7 +177,9 @@ def run_tmt(translator, lines, beam: int) -> tuple[float, list[list[int]]]:
 
 
 @torch.inference_mode()
-def run_hf(marian, translator, lines, beam: int) -> tuple[float, list[list[int]]]:
+def run_hf(
+    marian, translator, lines, beam: int, early_stopping: bool | str = False
+) -> tuple[float, list[list[int]]]:
     tok = translator.tokenizer
     ids, batches = batches_of(translator, lines)
     outputs: list[list[int]] = [[] for _ in lines]
@@ -179,7 +190,7 @@ def run_hf(marian, translator, lines, beam: int) -> tuple[float, list[list[int]]
         src = torch.tensor([r + [tok.pad_id] * (width - len(r)) for r in rows])
         generated = marian.generate(
             input_ids=src, attention_mask=(src != tok.pad_id).long(),
-            num_beams=beam, do_sample=False,
+            num_beams=beam, do_sample=False, early_stopping=early_stopping,
             length_penalty=translator.config.decode.length_penalty, max_new_tokens=width + 50,
         )  # fmt: skip
         for i, row in zip(batch, generated.tolist(), strict=True):
@@ -237,7 +248,9 @@ def main() -> None:
         runs = {
             "tmt_greedy": lambda: run_tmt(translator, sources, 1),
             "tmt_beam4": lambda: run_tmt(translator, sources, 4),
+            "tmt_beam4_current": lambda: run_tmt(translator, sources, 4, "current"),
             "hf_greedy": lambda: run_hf(marian, translator, sources, 1),
+            "hf_beam4_never": lambda: run_hf(marian, translator, sources, 4, "never"),
             "hf_beam4": lambda: run_hf(marian, translator, sources, 4),
             "ct2_greedy": lambda: run_ct2(Path(ct2_dir) / "model", translator, sources, 1),
             "ct2_beam4": lambda: run_ct2(Path(ct2_dir) / "model", translator, sources, 4),
@@ -256,7 +269,7 @@ def main() -> None:
             }
             r = results[name]
             print(
-                f"{name:<12} {r['sentences_per_s']:>8.1f} sent/s"
+                f"{name:<18} {r['sentences_per_s']:>8.1f} sent/s"
                 f" {r['target_tokens_per_s']:>9.1f} tok/s  BLEU {r['bleu']:.2f}",
                 flush=True,
             )
@@ -266,37 +279,36 @@ def main() -> None:
         same = sum(x == y for x, y in zip(outputs[a], outputs[b], strict=True))
         return round(same / len(sources), 4)
 
+    def ratio(a: str, b: str) -> float:
+        return round(results[a]["sentences_per_s"] / results[b]["sentences_per_s"], 3)
+
     summary = {
         "checkpoint": args.checkpoint,
         "sentences": len(sources),
         "threads": torch.get_num_threads(),
         "results": results,
         "ratios": {
-            "tmt_beam4_over_hf_beam4": round(
-                results["tmt_beam4"]["sentences_per_s"] / results["hf_beam4"]["sentences_per_s"], 3
-            ),
-            "tmt_greedy_over_hf_greedy": round(
-                results["tmt_greedy"]["sentences_per_s"] / results["hf_greedy"]["sentences_per_s"],
-                3,
-            ),
-            "ct2_beam4_over_tmt_beam4": round(
-                results["ct2_beam4"]["sentences_per_s"] / results["tmt_beam4"]["sentences_per_s"], 3
-            ),
-            "ct2_greedy_over_tmt_greedy": round(
-                results["ct2_greedy"]["sentences_per_s"] / results["tmt_greedy"]["sentences_per_s"],
-                3,
-            ),
+            # The same stopping rule on both sides: tensor2tensor's exact bound (tmt's default,
+            # HF early_stopping="never"), then the current-length heuristic (HF's default).
+            "tmt_beam4_over_hf_beam4_never": ratio("tmt_beam4", "hf_beam4_never"),
+            "tmt_beam4_current_over_hf_beam4": ratio("tmt_beam4_current", "hf_beam4"),
+            "tmt_greedy_over_hf_greedy": ratio("tmt_greedy", "hf_greedy"),
+            "ct2_beam4_over_tmt_beam4_current": ratio("ct2_beam4", "tmt_beam4_current"),
+            "ct2_greedy_over_tmt_greedy": ratio("ct2_greedy", "tmt_greedy"),
         },
-        "greedy_identical_outputs": {
-            "tmt_vs_hf": agree("tmt_greedy", "hf_greedy"),
-            "tmt_vs_ct2": agree("tmt_greedy", "ct2_greedy"),
+        "identical_outputs": {
+            "tmt_greedy_vs_hf": agree("tmt_greedy", "hf_greedy"),
+            "tmt_greedy_vs_ct2": agree("tmt_greedy", "ct2_greedy"),
+            "tmt_beam4_vs_hf_never": agree("tmt_beam4", "hf_beam4_never"),
+            "tmt_beam4_current_vs_hf": agree("tmt_beam4_current", "hf_beam4"),
+            "tmt_beam4_current_vs_ct2": agree("tmt_beam4_current", "ct2_beam4"),
+            "tmt_beam4_vs_tmt_beam4_current": agree("tmt_beam4", "tmt_beam4_current"),
         },
     }
     for key, value in summary["ratios"].items():
         print(f"{key}: {value:.2f}x")
-    same = summary["greedy_identical_outputs"]
-    print(f"greedy outputs identical to tmt's: HF {same['tmt_vs_hf']:.1%},", end=" ")
-    print(f"CTranslate2 {same['tmt_vs_ct2']:.1%}")
+    for key, value in summary["identical_outputs"].items():
+        print(f"identical outputs, {key}: {value:.1%}")
     print(json.dumps(summary))
 
 

@@ -111,6 +111,37 @@ def test_cache_reorder_follows_the_rows() -> None:
     torch.testing.assert_close(out[:, 0], full[:, 3], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_beams_sharing_one_source_equal_repeated_sources(pre_norm: bool) -> None:
+    # Beam search keeps the source once per sentence and lets its k beams attend as k queries;
+    # that must equal the plain cache over the source repeated k times, through reorders that
+    # shuffle beams within sentences and drop a sentence.
+    model, k = tiny_model(pre_norm), 3
+    src = torch.cat([tokens(2, 6), torch.full((1, 6), PAD)])
+    src[2, :2] = tokens(1, 2, seed=11)  # a padded row
+    tgt = tokens(3 * k, 6, seed=12)
+    mask = make_src_mask(src, PAD)
+    memory = model.encode(src, mask)
+    shared = model.start_cache(memory, beam=k)
+    plain = model.start_cache(memory.repeat_interleave(k, dim=0))
+    shared_mask, plain_mask = mask, mask.repeat_interleave(k, dim=0)
+    reorders = {2: torch.tensor([2, 0, 0, 3, 5, 4, 8, 8, 6]), 4: torch.tensor([7, 6, 8, 1, 1, 0])}
+    rows = torch.arange(3 * k)
+    for t in range(tgt.size(1)):
+        step = tgt[rows, t : t + 1]
+        a = model.decode(step, None, shared_mask, shared)
+        b = model.decode(step, None, plain_mask, plain)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        if t in reorders:
+            index = reorders[t]
+            sentences = shared.reorder(index)
+            if sentences is not None:
+                shared_mask = shared_mask.index_select(0, sentences)
+            plain.reorder(index)
+            plain_mask, rows = plain_mask.index_select(0, index), rows[index]
+    assert shared.cross_k[0].size(0) == 2  # the dropped sentence's source is gone
+
+
 def test_three_way_weight_tying() -> None:
     model = tiny_model()
     assert model.output_projection.weight is model.embedding.weight

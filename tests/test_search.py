@@ -231,3 +231,27 @@ def test_length_penalty_forms() -> None:
     assert length_penalty(7, 0.0) == 1.0 == length_penalty(7, 0.0, "power")
     with pytest.raises(ValueError, match="length penalty form"):
         length_penalty(3, 0.6, "wu")
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(2, 4))
+def test_current_length_early_stopping_is_never_better_and_never_longer(seed: int, k: int) -> None:
+    # "bound" and "current" follow the same trajectory until "current" stops a sentence; "bound"
+    # only searches on, so its best can only be at least as good, at the price of more steps.
+    sentences, limits = [0, 1, 2], [9, 5, 12]
+    runs = {}
+    for rule in ("bound", "current"):
+        step = toy_step(seed=seed)
+        state = ToyState([s for s in sentences for _ in range(k)])
+        hyps = beam_search(
+            step, state, limits, BOS, EOS, k, 0.6, banned=(PAD, BOS), early_stopping=rule
+        )
+        runs[rule] = ([h[0].score for h in hyps], sum(step.calls))
+    (bound_scores, bound_rows), (current_scores, current_rows) = runs["bound"], runs["current"]
+    assert current_rows <= bound_rows
+    assert all(c <= b + 1e-9 for c, b in zip(current_scores, bound_scores, strict=True))
+
+
+def test_unknown_early_stopping_rule_is_refused() -> None:
+    with pytest.raises(ValueError, match="early_stopping"):
+        beam_search(toy_step(), ToyState([0, 0]), [5], BOS, EOS, 2, early_stopping="never")

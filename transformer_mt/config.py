@@ -134,6 +134,11 @@ class DecodeConfig:
     length_penalty_form: Literal["gnmt", "power"] = (
         "gnmt"  # GNMT ((5+|Y|)/6)^α; power |Y|^α (fairseq, HF)
     )
+    # When a sentence's search stops once it has k finished hypotheses: "bound" when no live one
+    # can beat them under any length up to the maximum (tensor2tensor, the paper's code: exact,
+    # the same output as searching to the maximum length); "current" when none beats them at its
+    # current length (HF generate's default heuristic: fewer steps, may rarely differ).
+    early_stopping: Literal["bound", "current"] = "bound"
     max_len_a: float = 1.0  # §6.1 maximum output length a · input length + b
     max_len_b: int = 50
     max_tokens: int = 4096  # source tokens per translation batch (padded), before beam expansion

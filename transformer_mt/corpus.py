@@ -43,6 +43,7 @@ class RawSplit:
 
     def load(self, work_dir: Path) -> datasets.Dataset:
         """The split as a Dataset: `src`, `tgt` and, for text files, an `invalid` flag column."""
+        quiet_datasets()  # tmt reports its own progress; datasets' bars would interleave with it
         source = self.cfg.source
         if source in ("hf", "hf_disk"):
             return _text_columns(_load_hf(self.cfg, self.key, self.location), self.cfg, self.origin)
@@ -77,6 +78,13 @@ class RawSplit:
             return datasets.Dataset.from_dict(
                 {"src": [], "tgt": [], "invalid": []}, features=features
             )
+
+
+def quiet_datasets() -> None:
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
 
 
 def open_split(cfg: DataConfig, key: str) -> RawSplit:

@@ -72,7 +72,6 @@ def prepare_data(cfg: Config, tokenizer: Tokenizer | None = None) -> PreparedDat
 
         def load(key: str) -> Any:
             if key not in raw:
-                _quiet_datasets()
                 logger.info("reading %s (%s)", key, splits[key].origin)
                 raw[key] = splits[key].load(work / key)
             return raw[key]
@@ -482,10 +481,3 @@ def _remove_leftovers(cache: Path, older_than_s: float = 86_400) -> None:
                     shutil.rmtree(path)
                 else:
                     path.unlink()
-
-
-def _quiet_datasets() -> None:
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()

@@ -83,9 +83,9 @@ class _DecodeState:
         self.cache, self.src_mask = cache, src_mask
 
     def reorder(self, index: torch.Tensor) -> None:
-        index = index.to(self.src_mask.device)
-        self.cache.reorder(index)
-        self.src_mask = self.src_mask.index_select(0, index)
+        sentences = self.cache.reorder(index.to(self.src_mask.device))
+        if sentences is not None:  # the source mask is per sentence, like the cross K/V
+            self.src_mask = self.src_mask.index_select(0, sentences)
 
 
 @torch.inference_mode()
@@ -133,9 +133,8 @@ def _translate_batch(translator: Translator, sources: list[list[int]]) -> list[l
     k = decode.beam_size
     src_mask = make_src_mask(src, tok.pad_id)
     memory = model.encode(src, src_mask)
-    if k > 1:  # each sentence's rows repeated k times: (B·k, S, D)
-        memory, src_mask = memory.repeat_interleave(k, dim=0), src_mask.repeat_interleave(k, dim=0)
-    state = _DecodeState(model.start_cache(memory), src_mask)
+    # k decoder rows per sentence (B·k); the source stays (B, S, D): see DecoderCache.
+    state = _DecodeState(model.start_cache(memory, beam=k), src_mask)
 
     def step(tokens: torch.Tensor, s: _DecodeState) -> tuple[torch.Tensor, _DecodeState]:
         logits = model.decode(
@@ -150,7 +149,17 @@ def _translate_batch(translator: Translator, sources: list[list[int]]) -> list[l
             [h] for h in greedy(step, state, limits, tok.bos_id, tok.eos_id, banned, alpha, form)
         ]
     return beam_search(
-        step, state, limits, tok.bos_id, tok.eos_id, k, alpha, form, decode.nbest, banned
+        step,
+        state,
+        limits,
+        tok.bos_id,
+        tok.eos_id,
+        k,
+        alpha,
+        form,
+        decode.nbest,
+        banned,
+        decode.early_stopping,
     )
 
 

@@ -190,9 +190,15 @@ class EncoderLayer(nn.Module):
 @dataclass
 class DecoderCache:
     """Incremental decoding state per decoder layer: self-attention K/V of the positions decoded
-    so far (grow by one step per call) and cross-attention K/V of the source (computed once)."""
+    so far (grow by one step per call) and cross-attention K/V of the source (computed once).
 
-    self_k: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H, t, K)
+    In beam search each sentence has `beam` consecutive rows (B·k); they share one source, so the
+    cross-attention K/V are kept once per sentence (B) and the k beams attend as k queries of it:
+    no copies of the source, and nothing to reorder while the set of sentences stays the same.
+    """
+
+    beam: int = 1
+    self_k: list[torch.Tensor] = field(default_factory=list)  # per layer (B·k, H, t, K)
     self_v: list[torch.Tensor] = field(default_factory=list)
     cross_k: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H, S, K)
     cross_v: list[torch.Tensor] = field(default_factory=list)
@@ -202,10 +208,18 @@ class DecoderCache:
         """Target positions decoded so far."""
         return self.self_k[0].size(2) if self.self_k else 0
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows `index` (B',) in this order, e.g. the surviving beams."""
-        for tensors in (self.self_k, self.self_v, self.cross_k, self.cross_v):
+    def reorder(self, index: torch.Tensor) -> torch.Tensor | None:
+        """Keep rows `index` (B'·k,) in this order, e.g. the surviving beams; each group of k
+        must come from one sentence. Returns the sentences kept (B',), None if all stay as is."""
+        for tensors in (self.self_k, self.self_v):
             tensors[:] = [t.index_select(0, index) for t in tensors]
+        sentences = index.view(-1, self.beam)[:, 0] // self.beam  # (B',)
+        unchanged = torch.arange(self.cross_k[0].size(0), device=index.device)
+        if sentences.shape == unchanged.shape and torch.equal(sentences, unchanged):
+            return None
+        for tensors in (self.cross_k, self.cross_v):
+            tensors[:] = [t.index_select(0, sentences) for t in tensors]
+        return sentences
 
 
 class DecoderLayer(nn.Module):
@@ -245,7 +259,14 @@ class DecoderLayer(nn.Module):
             cross_k, cross_v = cache.cross_k[layer], cache.cross_v[layer]
         y = self.self_sub.output(y, attended)
         q = self.cross_attn.project_query(self.cross_sub.input(y))
-        y = self.cross_sub.output(y, self.cross_attn.attend(q, cross_k, cross_v, mask=src_mask))
+        if cache is not None and cache.beam > 1:  # (B·k, H, 1, K) -> (B, H, k, K): k queries
+            rows, heads, _, dim = q.shape
+            q = q.view(rows // cache.beam, cache.beam, heads, dim).transpose(1, 2)
+            crossed = self.cross_attn.attend(q, cross_k, cross_v, mask=src_mask)  # (B, k, D)
+            crossed = crossed.reshape(rows, 1, -1)  # (B·k, 1, D)
+        else:
+            crossed = self.cross_attn.attend(q, cross_k, cross_v, mask=src_mask)
+        y = self.cross_sub.output(y, crossed)
         return self.ffn_sub.output(y, self.ffn(self.ffn_sub.input(y)))
 
 
@@ -312,9 +333,10 @@ class Transformer(nn.Module):
             y = layer(y, memory, src_mask, cache, i)
         return self.output_projection(self.decoder_norm(y))
 
-    def start_cache(self, memory: torch.Tensor) -> DecoderCache:
-        """A decoding cache holding each layer's cross-attention K/V of `memory` (B, S, D)."""
-        cache = DecoderCache()
+    def start_cache(self, memory: torch.Tensor, beam: int = 1) -> DecoderCache:
+        """A decoding cache holding each layer's cross-attention K/V of `memory` (B, S, D), for
+        B·beam decoder rows (`beam` consecutive rows per sentence; src_mask stays (B, ...))."""
+        cache = DecoderCache(beam=beam)
         for layer in self.decoder_layers:
             k, v = layer.cross_attn.project_key_value(memory)
             cache.cross_k.append(k)

@@ -100,6 +100,7 @@ def beam_search(
     form: str = "gnmt",
     nbest: int = 1,
     banned: Sequence[int] = (),
+    early_stopping: str = "bound",
 ) -> list[list[Hypothesis]]:
     """Batched beam search; returns the `nbest` best hypotheses of each sentence, best first.
 
@@ -107,9 +108,12 @@ def beam_search(
     Per step the best 2k continuations of a sentence's k beams are ranked; an EOS continuation is
     finished if it ranks within the top k (so beam 1 is greedy), the best k others live on. A
     sentence stops once it has k finished hypotheses and no live one can beat the worst of them,
-    even under the most favourable length penalty, lp(max length) (tensor2tensor's bound): the
-    paper's "terminate early when possible".
+    even under the most favourable length penalty, lp(max length) (early_stopping "bound",
+    tensor2tensor's: the paper's "terminate early when possible"), or under lp(current length)
+    (early_stopping "current", HF generate's default heuristic).
     """
+    if early_stopping not in ("bound", "current"):
+        raise ValueError(f"early_stopping {early_stopping!r}: expected 'bound' or 'current'")
     n, k = len(max_lengths), beam_size
     limits = torch.as_tensor(list(max_lengths))
     live = torch.arange(n)  # sentence index of each live sentence (rows: k per sentence)
@@ -142,7 +146,9 @@ def beam_search(
         keep = [
             i
             for i, s in enumerate(live.tolist())
-            if not _done(finished[s], beam_scores[i], k, int(limits[s]), t, alpha, form)
+            if not _done(
+                finished[s], beam_scores[i], k, int(limits[s]), t, alpha, form, early_stopping
+            )
         ]
         if not keep:
             break
@@ -204,6 +210,7 @@ def _done(
     t: int,
     alpha: float,
     form: str,
+    early_stopping: str,
 ) -> bool:
     best_alive = float(alive_scores.max())
     if t >= limit or best_alive == -math.inf:  # nothing left that could still finish
@@ -211,5 +218,6 @@ def _done(
     if len(pool) < k:
         return False
     # Log-probabilities only fall, and lp grows with length: lp(limit) is the best any live
-    # hypothesis can still get, so this bound is exact.
-    return best_alive / length_penalty(limit, alpha, form) <= min(h.score for h in pool)
+    # hypothesis can still get, so that bound is exact; lp(t) assumes it finishes now.
+    horizon = limit if early_stopping == "bound" else t
+    return best_alive / length_penalty(horizon, alpha, form) <= min(h.score for h in pool)
