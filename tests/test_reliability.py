@@ -169,15 +169,14 @@ def test_without_rng_restore_a_resume_would_differ(
     ][5:]
 
 
-def test_exception_mid_save_at_byte_offsets(train_cfg: Config, tmp_path: Path) -> None:
+def test_exception_mid_save_at_byte_offsets(
+    train_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for offset in (10, 3000, 20000):
         run = tmp_path / str(offset)
-        os.environ["TMT_FAULT"] = f"save8_bytes@{offset}:raise"
-        try:
-            with pytest.raises(Exception, match="fault injected"):
-                train(with_train(train_cfg, out_dir=str(run)))
-        finally:
-            del os.environ["TMT_FAULT"]
+        monkeypatch.setenv("TMT_FAULT", f"save8_bytes@{offset}:raise")
+        with pytest.raises(Exception, match="fault injected"):
+            train(with_train(train_cfg, out_dir=str(run)))
         assert [p.name for p in (run / "checkpoints").iterdir() if p.name != "best"] == [
             "step_00000004"
         ]
@@ -217,13 +216,12 @@ def test_signal_to_one_of_two_gloo_ranks_stops_both(train_cfg: Config, tmp_path:
     assert max(r["step"] for r in records(run) if "loss" in r) == 3
 
 
-def test_signal_handling_in_process(train_cfg: Config, tmp_path: Path) -> None:
+def test_signal_handling_in_process(
+    train_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # SIGTERM sent to this very process during training: the loop saves and returns.
-    os.environ["TMT_FAULT"] = "step@2:sigterm"
-    try:
-        summary = train(with_train(train_cfg, out_dir=str(tmp_path)))
-    finally:
-        del os.environ["TMT_FAULT"]
+    monkeypatch.setenv("TMT_FAULT", "step@2:sigterm")
+    summary = train(with_train(train_cfg, out_dir=str(tmp_path)))
     assert summary["stop"] == "sigterm" and summary["step"] == 2
     assert checkpoint.latest_valid(tmp_path).name == "step_00000002"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
@@ -341,12 +339,11 @@ def test_fp16_overflow_is_the_scalers_business(tiny_cfg: Config) -> None:
     )
 
 
-def test_nan_steps_are_skipped_and_training_continues(train_cfg: Config, tmp_path: Path) -> None:
-    os.environ["TMT_FAULT"] = "loss@5:nan,loss@6:oom"
-    try:
-        summary = train(with_train(train_cfg, out_dir=str(tmp_path)))
-    finally:
-        del os.environ["TMT_FAULT"]
+def test_nan_steps_are_skipped_and_training_continues(
+    train_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMT_FAULT", "loss@5:nan,loss@6:oom")
+    summary = train(with_train(train_cfg, out_dir=str(tmp_path)))
     assert summary["step"] == 8 and summary["skipped_updates"] == 2
     assert [r["skipped"] for r in records(tmp_path) if "skipped" in r] == ["non_finite", "oom"]
 

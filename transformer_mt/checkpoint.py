@@ -60,18 +60,9 @@ class ModelCheckpoint:
 # --- writing -----------------------------------------------------------------------------------
 
 
-def save(
-    run_dir: Path,
-    step: int,
-    cfg: Config,
-    state_dict: dict[str, torch.Tensor],
-    tokenizer_bytes: bytes,
-    train_state: dict[str, Any] | None = None,
-    info: dict[str, Any] | None = None,
-) -> Path:
-    """Write checkpoints/step_{step} of a run atomically and return its path."""
-    final = run_dir / "checkpoints" / f"{_PREFIX}{step:08d}"
-    return write(final, step, cfg, state_dict, tokenizer_bytes, train_state, info)
+def save(run_dir: Path, step: int, *args: Any, **kwargs: Any) -> Path:
+    """Write checkpoints/step_{step} of a run atomically (the rest of `write`'s arguments)."""
+    return write(run_dir / "checkpoints" / f"{_PREFIX}{step:08d}", step, *args, **kwargs)
 
 
 def write(
