@@ -141,6 +141,7 @@ def test_exact_resume_after_kill_one_process(train_cfg: Config, tmp_path: Path) 
     again = run_tmt(args)  # the same command again
     assert again.returncode == 0, again.stderr
     assert "resuming" in again.stderr
+    assert "tmt: step 8: val_loss" in again.stderr  # validation shows without a terminal
     assert numbers(tmp_path / "resumed") == numbers(
         tmp_path / "straight"
     )  # every loss, bit for bit

@@ -259,6 +259,10 @@ def _train(
                 scores |= validation_bleu(model, tokenizer, cfg, info, *valid_text)
             if scores:
                 metrics.write({"step": progress.step, **scores})
+                if info.is_main:  # the bar is hidden off a terminal: validation always shows
+                    shown = ("val_loss", "val_ppl", "val_bleu", "val_chrf")
+                    figures = "  ".join(f"{k} {scores[k]:.3f}" for k in shown if k in scores)
+                    bar.write(f"tmt: step {progress.step}: {figures}", file=sys.stderr)
             is_best = _track_best(progress, scores, cfg)
         elif stats.skipped != "stopped":
             _record_skip(progress, stats, metrics, micro)
