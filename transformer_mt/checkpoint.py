@@ -262,9 +262,9 @@ def resolve(path: Path) -> Path:
     )
 
 
-def last_checkpoints(run_dir: Path, n: int) -> list[Path]:
+def last_checkpoints(run_dir: Path, n: int, allow_fewer: bool = False) -> list[Path]:
     """The newest `n` complete checkpoints of a run, oldest first (the paper averages the last 5
-    or 20); broken ones are reported and skipped."""
+    or 20); broken ones are reported and skipped. With allow_fewer, as many as there are (≥ 1)."""
     if not (run_dir / "checkpoints").is_dir():
         raise TmtError(f"{run_dir}: not a run directory (no checkpoints/)")
     valid: list[Path] = []
@@ -276,6 +276,8 @@ def last_checkpoints(run_dir: Path, n: int) -> list[Path]:
             logger.warning("skipping checkpoint %s: %s", path, problem)
         if len(valid) == n:
             return valid[::-1]
+    if allow_fewer and valid:
+        return valid[::-1]
     raise TmtError(f"{run_dir}: {len(valid)} complete checkpoints, {n} asked for")
 
 

@@ -149,18 +149,9 @@ def _translate_batch(translator: Translator, sources: list[list[int]]) -> list[l
             [h] for h in greedy(step, state, limits, tok.bos_id, tok.eos_id, banned, alpha, form)
         ]
     return beam_search(
-        step,
-        state,
-        limits,
-        tok.bos_id,
-        tok.eos_id,
-        k,
-        alpha,
-        form,
-        decode.nbest,
-        banned,
-        decode.early_stopping,
-    )
+        step, state, limits, tok.bos_id, tok.eos_id, k, alpha, form,
+        nbest=decode.nbest, banned=banned, early_stopping=decode.early_stopping,
+    )  # fmt: skip
 
 
 def translate_text(translator: Translator, lines: Sequence[str]) -> list[str]:

@@ -259,14 +259,11 @@ class DecoderLayer(nn.Module):
             cross_k, cross_v = cache.cross_k[layer], cache.cross_v[layer]
         y = self.self_sub.output(y, attended)
         q = self.cross_attn.project_query(self.cross_sub.input(y))
-        if cache is not None and cache.beam > 1:  # (B·k, H, 1, K) -> (B, H, k, K): k queries
-            rows, heads, _, dim = q.shape
+        if cache is not None:  # a sentence's k rows are k queries of its one source
+            rows, heads, _, dim = q.shape  # (B·k, H, 1, K) -> (B, H, k, K)
             q = q.view(rows // cache.beam, cache.beam, heads, dim).transpose(1, 2)
-            crossed = self.cross_attn.attend(q, cross_k, cross_v, mask=src_mask)  # (B, k, D)
-            crossed = crossed.reshape(rows, 1, -1)  # (B·k, 1, D)
-        else:
-            crossed = self.cross_attn.attend(q, cross_k, cross_v, mask=src_mask)
-        y = self.cross_sub.output(y, crossed)
+        crossed = self.cross_attn.attend(q, cross_k, cross_v, mask=src_mask)  # (B, k or T, D)
+        y = self.cross_sub.output(y, crossed.reshape(y.shape))
         return self.ffn_sub.output(y, self.ffn(self.ffn_sub.input(y)))
 
 

@@ -627,10 +627,7 @@ def _average_at_end(
         return None
     result = None
     if info.is_main:
-        available = len(
-            [p for p in checkpoint.list_checkpoints(run_dir) if checkpoint.verify(p) is None]
-        )
-        paths = checkpoint.last_checkpoints(run_dir, min(cfg.train.average_last, available))
+        paths = checkpoint.last_checkpoints(run_dir, cfg.train.average_last, allow_fewer=True)
         written = checkpoint.write_average(paths, run_dir / "average")
         result = {"path": str(written), "checkpoints": len(paths)}
         if valid_text:
@@ -736,13 +733,9 @@ def _save(
         weights, spm, info_ = model.state_dict(), tokenizer.model_bytes, {"epoch": progress.epoch}
         try:
             path = checkpoint.save(run_dir, progress.step, cfg, weights, spm, train_state, info_)
-        except (
-            OSError,
-            RuntimeError,
-        ) as err:  # disk full, quota, I/O: torch reports some as RuntimeError
-            reason = (err.strerror if isinstance(err, OSError) else None) or str(
-                err
-            ).strip().splitlines()[0]
+        except (OSError, RuntimeError) as err:  # disk full, quota, I/O (torch: RuntimeError)
+            strerror = err.strerror if isinstance(err, OSError) else None
+            reason = strerror or str(err).strip().splitlines()[0]
             raise TmtError(
                 f"saving checkpoint step {progress.step} failed ({reason}); nothing was left under"
                 " its name and the checkpoints before it are intact",
