@@ -238,3 +238,24 @@ def test_src_mask_helper_is_what_translation_uses(run_dir: Path) -> None:
     t = translator(run_dir)
     src = torch.tensor([[5, 6, t.tokenizer.eos_id, t.tokenizer.pad_id]])
     assert make_src_mask(src, t.tokenizer.pad_id).tolist() == [[[[True, True, True, False]]]]
+
+
+def test_early_stopping_setting_reaches_the_search(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["early_stopping"])
+        return real(*args, **kwargs)
+
+    real = evaluate.beam_search
+    monkeypatch.setattr(evaluate, "beam_search", recording)
+    bound = evaluate.translate_text(translator(run_dir, "decode.beam_size=3"), SOURCES[:3])
+    current = evaluate.translate_text(
+        translator(run_dir, "decode.beam_size=3", "decode.early_stopping=current"), SOURCES[:3]
+    )
+    assert seen[0] == "bound" and seen[-1] == "current"
+    assert len(bound) == len(current) == 3
+    with pytest.raises(TmtError, match="early_stopping"):
+        translator(run_dir, "decode.early_stopping=never")
