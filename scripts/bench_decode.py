@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from transformer_mt.cli import keep_freed_memory
+from transformer_mt.allocator import keep_freed_memory
 
 keep_freed_memory()  # as the tmt command does, before the models allocate
 

@@ -7,7 +7,7 @@ fresh process (its own peak RSS); systems are interleaved over --rounds and the 
 because this VM's timings drift by ±20 %.
 
 tmt runs as `tmt` runs: its CLI makes glibc keep freed memory before torch is imported
-(cli.keep_freed_memory). The peers run as shipped, and again with that same allocator setting
+(allocator.keep_freed_memory). The peers run as shipped, and again with that same allocator setting
 ("+alloc"), so the report separates what the allocator gives from what the model code gives.
 Needs the bench extra: pip install -e ".[bench]".
 
@@ -139,7 +139,7 @@ def build_torch_nn_transformer(cfg, tok):
 
 def child(system: str, args: argparse.Namespace) -> dict:
     if system == "tmt" or system.endswith("+alloc"):
-        from transformer_mt.cli import keep_freed_memory
+        from transformer_mt.allocator import keep_freed_memory
 
         keep_freed_memory()  # before torch is imported, as the tmt command does
     import torch

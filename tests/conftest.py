@@ -90,3 +90,18 @@ def tiny_cfg(tiny_corpus: dict[str, Path]) -> Config:
 
 def with_data(cfg: Config, **changes: object) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **changes))
+
+
+@pytest.fixture(scope="session")
+def trained_run(tiny_cfg: Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model trained for 30 steps, a checkpoint every 10 (all kept), validated every 10."""
+    from transformer_mt.train import train
+
+    out = tmp_path_factory.mktemp("trained_run")
+    changes = {"out_dir": str(out), "max_steps": 30, "save_every": 10, "valid_every": 10}
+    train(
+        dataclasses.replace(
+            tiny_cfg, train=dataclasses.replace(tiny_cfg.train, keep_last=5, **changes)
+        )
+    )
+    return out

@@ -1,4 +1,4 @@
-"""Checkpoints: round trip, atomic writes, corruption detection, no unsafe unpickling, retention."""
+"""One checkpoint: round trip, atomic writes, corruption detection, no unsafe unpickling."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from transformer_mt import checkpoint
-from transformer_mt.config import Config, TmtError, load_config
+from transformer_mt import checkpoint, run
+from transformer_mt.config import load_config
+from transformer_mt.exits import TmtError
 
 CFG = load_config("tiny")
 
@@ -23,9 +24,15 @@ def weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return {"a.weight": torch.randn(4, 3, generator=g), "b.bias": torch.randn(5, generator=g)}
 
 
-def save(run: Path, step: int, seed: int = 0, state: dict | None = None) -> Path:
-    return checkpoint.save(
-        run, step, CFG, weights(seed), b"spm-bytes", state or {"progress": {"step": step}}
+def save(run_dir: Path, step: int, seed: int = 0, state: dict | None = None) -> Path:
+    """A training checkpoint where a run directory keeps checkpoint `step`."""
+    return checkpoint.write(
+        run.checkpoint_dir(run_dir, step),
+        step,
+        CFG,
+        weights(seed),
+        b"spm-bytes",
+        state or {"progress": {"step": step}},
     )
 
 
@@ -36,10 +43,10 @@ def test_round_trip(tmp_path: Path) -> None:
         state={"optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.98)}]}},
     )
     assert path == tmp_path / "checkpoints" / "step_00000007"
-    model = checkpoint.load_model(path)
+    model = checkpoint.read(path)
     assert model.step == 7 and model.config == CFG and model.tokenizer_bytes == b"spm-bytes"
     assert all(torch.equal(model.state_dict[k], v) for k, v in weights().items())
-    state = checkpoint.load_train_state(path)
+    state = checkpoint.read(path, train_state=True).train_state
     assert state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.98)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["step"] == 7 and set(manifest["files"]) == {"model.pt", "train_state.pt"}
@@ -66,19 +73,19 @@ def test_exception_mid_save_keeps_the_previous_checkpoint(
     with pytest.raises(OSError):
         save(tmp_path, 20, seed=1)
     assert not (tmp_path / "checkpoints" / "step_00000020").exists()  # nothing under the final name
-    assert checkpoint.latest_valid(tmp_path) == good
-    assert torch.equal(checkpoint.load_model(good).state_dict["a.weight"], weights()["a.weight"])
+    assert run.latest_valid(tmp_path) == good
+    assert torch.equal(checkpoint.read(good).state_dict["a.weight"], weights()["a.weight"])
     # The failed save removed its staging directory; a killed one is swept at the next start.
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     (tmp_path / "checkpoints" / ".tmp-step_00000030-999").mkdir()
-    checkpoint.remove_leftovers(tmp_path)
+    run.sweep(tmp_path)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path: Path) -> None:
     save(tmp_path, 5, seed=0)
     path = save(tmp_path, 5, seed=1)
-    assert torch.equal(checkpoint.load_model(path).state_dict["a.weight"], weights(1)["a.weight"])
+    assert torch.equal(checkpoint.read(path).state_dict["a.weight"], weights(1)["a.weight"])
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000005"]
 
 
@@ -109,10 +116,9 @@ def test_corruption_is_detected_and_resume_falls_back(tmp_path: Path, damage, re
     damage(newer)
     problem = checkpoint.verify(newer)
     assert problem is not None and reason in problem
-    assert checkpoint.latest_valid(tmp_path) == older
-    loader = checkpoint.load_train_state if "train_state" in reason else checkpoint.load_model
+    assert run.latest_valid(tmp_path) == older
     with pytest.raises(TmtError):  # reading it directly (translate, average) is refused as well
-        loader(newer)
+        checkpoint.read(newer, train_state="train_state" in reason)
 
 
 def test_other_format_version_is_refused(tmp_path: Path) -> None:
@@ -121,7 +127,7 @@ def test_other_format_version_is_refused(tmp_path: Path) -> None:
     manifest["format_version"] = 99
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TmtError, match="checkpoint format version 99, this tmt reads 1"):
-        checkpoint.load_model(path)
+        checkpoint.read(path)
 
 
 class _Payload:
@@ -147,23 +153,8 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
     ).hexdigest()  # a forged manifest
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TmtError, match="refused: holds more than tensors"):
-        checkpoint.load_model(path)
+        checkpoint.read(path)
     assert not marker.exists()
-
-
-def test_prune_keeps_last_k_best_and_protected(tmp_path: Path) -> None:
-    paths = [save(tmp_path, step) for step in (10, 20, 30, 40, 50, 60)]
-    checkpoint.set_best(tmp_path, paths[1])
-    checkpoint.prune(tmp_path, keep_last=2, protect={paths[0]})
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
-        "step_00000010",
-        "step_00000020",
-        "step_00000050",
-        "step_00000060",
-    ]
-    assert checkpoint.best(tmp_path) == paths[1]
-    checkpoint.set_best(tmp_path, paths[5])
-    assert checkpoint.best(tmp_path) == paths[5]
 
 
 def test_rng_states_round_trip_as_plain_tensors(tmp_path: Path) -> None:
@@ -191,11 +182,10 @@ def test_unknown_config_key_in_checkpoint_is_reported(tmp_path: Path) -> None:
     manifest["files"]["model.pt"] = hashlib.sha256((path / "model.pt").read_bytes()).hexdigest()
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TmtError, match="unknown key model.d_modle"):
-        checkpoint.load_model(path)
+        checkpoint.read(path)
 
 
 def test_saved_config_is_the_resolved_config(tmp_path: Path) -> None:
     cfg = load_config("tiny", ["optim.eps=1e-8"])
-    path = checkpoint.save(tmp_path, 1, cfg, weights(), b"x")
-    assert checkpoint.load_model(path).config == cfg
-    assert isinstance(checkpoint.load_model(path).config, Config)
+    path = checkpoint.write(tmp_path / "model", 1, cfg, weights(), b"x")
+    assert checkpoint.read(path).config == cfg

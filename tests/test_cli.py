@@ -124,11 +124,11 @@ def test_train_runs_and_reports_where_it_ended(
 
 @pytest.fixture(scope="module")
 def trained(tiny_corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("cli_run")
+    run_dir = tmp_path_factory.mktemp("cli_run")
     args = [
         *tiny_args(tiny_corpus),
         "--set",
-        f"train.out_dir={run}",
+        f"train.out_dir={run_dir}",
         "--set",
         "train.max_steps=6",
         "--set",
@@ -136,7 +136,7 @@ def trained(tiny_corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
     ]
     result = runner.invoke(app, ["train", *args])
     assert result.exit_code == 0, result.output
-    return run
+    return run_dir
 
 
 def test_end_to_end_train_average_translate_evaluate(

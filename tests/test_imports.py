@@ -11,31 +11,55 @@ PACKAGE = Path(__file__).resolve().parent.parent / "transformer_mt"
 ALLOWED = {
     "__init__": set(),
     "__main__": {"cli"},
-    "config": set(),
-    "corpus": {"config"},
-    "tokenizer": {"config"},
-    "data": {"config", "corpus", "tokenizer"},  # data trains the tokenizer on the corpus it reads
+    "exits": set(),  # the leaf: exit codes, TmtError, stop signals
+    "files": set(),  # stdlib-only file primitives
+    "allocator": set(),  # stdlib only: runs before torch is imported
+    "config": {"exits"},
+    "corpus": {"config", "exits", "files"},
+    "tokenizer": {"config", "exits"},
+    "data": {"config", "corpus", "exits", "files", "tokenizer"},  # trains the tokenizer too
     "model": {"config"},
     "loss": set(),
     "optim": {"config"},
     "distributed": set(),
     "faults": set(),
-    "checkpoint": {"__init__", "config", "faults"},  # the version goes into each manifest
+    # One checkpoint's format; it rebuilds its own model and tokenizer (one loading path).
+    "checkpoint": {"__init__", "config", "exits", "faults", "files", "model", "tokenizer"},
+    # A run directory's lifetime; its metrics log all-reduces the sums since the last record.
+    "run": {"checkpoint", "config", "distributed", "exits", "files", "tokenizer"},
     "train": {
         "checkpoint",
         "config",
         "data",
         "distributed",
         "evaluate",  # validation BLEU decodes exactly as tmt evaluate does
+        "exits",
         "faults",
         "loss",
         "model",
         "optim",
+        "run",
+        "step",
         "tokenizer",
     },
+    # One update: loss, collectives, Adam; Batch from data and the fault points inside.
+    "step": {"config", "data", "distributed", "faults", "loss", "model"},
+    "dry_run": {"config", "data", "model"},
     "search": set(),  # a step function in, hypotheses out: no model, no config
-    "evaluate": {"checkpoint", "config", "corpus", "data", "model", "search", "tokenizer"},
-    "cli": {"checkpoint", "config", "evaluate", "train"},
+    "evaluate": {
+        "checkpoint",
+        "config",
+        "corpus",
+        "data",
+        "distributed",
+        "exits",
+        "files",
+        "model",
+        "run",
+        "search",
+        "tokenizer",
+    },
+    "cli": {"allocator", "checkpoint", "config", "dry_run", "evaluate", "exits", "run", "train"},
 }
 MODULES = set(ALLOWED)
 

@@ -26,13 +26,15 @@ from hypothesis import strategies as st
 from test_train import cli_args, final_weights, numbers, records, run_tmt, with_train
 from typer.testing import CliRunner
 
-from transformer_mt import checkpoint, corpus, evaluate
+from transformer_mt import checkpoint, corpus, evaluate, run
 from transformer_mt.cli import app
-from transformer_mt.config import Config, TmtError, apply_overrides
+from transformer_mt.config import Config, apply_overrides
 from transformer_mt.data import prepare_data
+from transformer_mt.exits import TmtError
 from transformer_mt.model import Transformer
 from transformer_mt.optim import build_optimizer
-from transformer_mt.train import train, train_step
+from transformer_mt.step import Optimization, train_step
+from transformer_mt.train import train
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "transformer_mt"
@@ -47,7 +49,7 @@ def train_cfg(tiny_cfg: Config) -> Config:
 @pytest.fixture(scope="module")
 def straight(tiny_cfg: Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted 8-step run every fault run is compared with."""
-    run = tmp_path_factory.mktemp("straight")
+    run_dir = tmp_path_factory.mktemp("straight")
     train(
         with_train(
             tiny_cfg,
@@ -56,18 +58,22 @@ def straight(tiny_cfg: Config, tmp_path_factory: pytest.TempPathFactory) -> Path
             valid_every=4,
             save_every=4,
             keep_last=5,
-            out_dir=str(run),
+            out_dir=str(run_dir),
         )
     )
-    return run
+    return run_dir
 
 
 def same_run(a: Path, b: Path, step: int = 8) -> None:
     assert numbers(a) == numbers(b)  # every logged loss and validation figure, bit for bit
     wa, wb = final_weights(a, step), final_weights(b, step)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    sa = checkpoint.load_train_state(a / "checkpoints" / f"step_{step:08d}")["optimizer"]["state"]
-    sb = checkpoint.load_train_state(b / "checkpoints" / f"step_{step:08d}")["optimizer"]["state"]
+    sa = checkpoint.read(a / "checkpoints" / f"step_{step:08d}", train_state=True).train_state[
+        "optimizer"
+    ]["state"]
+    sb = checkpoint.read(b / "checkpoints" / f"step_{step:08d}", train_state=True).train_state[
+        "optimizer"
+    ]["state"]
     assert all(
         torch.equal(sa[i][k], sb[i][k])
         for i in sa
@@ -76,8 +82,8 @@ def same_run(a: Path, b: Path, step: int = 8) -> None:
     )
 
 
-def checkpoint_size(run: Path, step: int) -> int:
-    path = run / "checkpoints" / f"step_{step:08d}"
+def checkpoint_size(run_dir: Path, step: int) -> int:
+    path = run_dir / "checkpoints" / f"step_{step:08d}"
     return (path / "model.pt").stat().st_size + (path / "train_state.pt").stat().st_size
 
 
@@ -92,22 +98,7 @@ def checkpoint_size(run: Path, step: int) -> int:
 def test_kill_and_resume_is_bit_exact(
     train_cfg: Config, straight: Path, tmp_path: Path, fault: str, survivor: int | None
 ) -> None:
-    fault = fault.format(mid=checkpoint_size(straight, 8) // 2)
-    run = tmp_path / "run"
-    args = cli_args(train_cfg, run)
-    killed = run_tmt(args, fault=fault)
-    assert killed.returncode != 0
-    assert not list((run / "checkpoints").glob("step_00000008")), (
-        "no checkpoint under a final name is partial"
-    )
-    latest = checkpoint.latest_valid(run)
-    assert (latest and latest.name) == (survivor and f"step_{survivor:08d}")
-    again = run_tmt(args)
-    assert again.returncode == 0, again.stderr
-    assert not list((run / "checkpoints").glob(".tmp-*")), (
-        "leftovers of the killed save are cleaned"
-    )
-    same_run(straight, run)
+    kill_and_resume(train_cfg, straight, tmp_path, fault, survivor)
 
 
 @pytest.mark.slow
@@ -118,7 +109,30 @@ def test_kill_and_resume_is_bit_exact(
 def test_kill_and_resume_is_bit_exact_more_points(
     train_cfg: Config, straight: Path, tmp_path: Path, fault: str, survivor: int | None
 ) -> None:
-    test_kill_and_resume_is_bit_exact(train_cfg, straight, tmp_path, fault, survivor)
+    kill_and_resume(train_cfg, straight, tmp_path, fault, survivor)
+
+
+def kill_and_resume(
+    train_cfg: Config, straight: Path, tmp_path: Path, fault: str, survivor: int | None
+) -> None:
+    """Run with `fault`, check what survived it, run the same command again: the uninterrupted
+    run, bit for bit."""
+    fault = fault.format(mid=checkpoint_size(straight, 8) // 2)
+    run_dir = tmp_path / "run"
+    args = cli_args(train_cfg, run_dir)
+    killed = run_tmt(args, fault=fault)
+    assert killed.returncode != 0
+    assert not list((run_dir / "checkpoints").glob("step_00000008")), (
+        "no checkpoint under a final name is partial"
+    )
+    latest = run.latest_valid(run_dir)
+    assert (latest and latest.name) == (survivor and f"step_{survivor:08d}")
+    again = run_tmt(args)
+    assert again.returncode == 0, again.stderr
+    assert not list((run_dir / "checkpoints").glob(".tmp-*")), (
+        "leftovers of the killed save are cleaned"
+    )
+    same_run(straight, run_dir)
 
 
 @pytest.mark.slow
@@ -129,11 +143,11 @@ def test_kill_during_save_at_twenty_offsets_never_corrupts(
     offsets = [1, 512, 4096, *(size * i // 17 for i in range(1, 17)), size - 1]
     assert len(offsets) >= 20
     for offset in offsets:
-        run = tmp_path / f"run{offset}"
-        killed = run_tmt(cli_args(train_cfg, run), fault=f"save8_bytes@{offset}:kill")
+        run_dir = tmp_path / f"run{offset}"
+        killed = run_tmt(cli_args(train_cfg, run_dir), fault=f"save8_bytes@{offset}:kill")
         assert killed.returncode == -9
-        assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_00000004"]
-        assert checkpoint.verify(run / "checkpoints" / "step_00000004") is None
+        assert [p.name for p in run.list_checkpoints(run_dir)] == ["step_00000004"]
+        assert checkpoint.verify(run_dir / "checkpoints" / "step_00000004") is None
     # One of them resumed: bit-exact with the uninterrupted run, leftovers cleaned.
     again = run_tmt(cli_args(train_cfg, tmp_path / f"run{offsets[10]}"))
     assert again.returncode == 0, again.stderr
@@ -145,16 +159,16 @@ def test_kill_during_save_at_twenty_offsets_never_corrupts(
 def test_kill_and_resume_two_gloo_ranks_during_save(train_cfg: Config, tmp_path: Path) -> None:
     straight_ddp = run_tmt(cli_args(train_cfg, tmp_path / "straight"), ranks=2)
     assert straight_ddp.returncode == 0, straight_ddp.stderr
-    run = tmp_path / "run"
+    run_dir = tmp_path / "run"
     killed = run_tmt(
-        cli_args(train_cfg, run),
+        cli_args(train_cfg, run_dir),
         ranks=2,
         fault=f"save8_bytes@{checkpoint_size(tmp_path / 'straight', 8) // 3}:kill",
     )
     assert killed.returncode != 0
-    again = run_tmt(cli_args(train_cfg, run), ranks=2)
+    again = run_tmt(cli_args(train_cfg, run_dir), ranks=2)
     assert again.returncode == 0, again.stderr
-    same_run(tmp_path / "straight", run)
+    same_run(tmp_path / "straight", run_dir)
 
 
 def test_without_rng_restore_a_resume_would_differ(
@@ -173,14 +187,14 @@ def test_exception_mid_save_at_byte_offsets(
     train_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for offset in (10, 3000, 20000):
-        run = tmp_path / str(offset)
+        run_dir = tmp_path / str(offset)
         monkeypatch.setenv("TMT_FAULT", f"save8_bytes@{offset}:raise")
         with pytest.raises(Exception, match="fault injected"):
-            train(with_train(train_cfg, out_dir=str(run)))
-        assert [p.name for p in (run / "checkpoints").iterdir() if p.name != "best"] == [
+            train(with_train(train_cfg, out_dir=str(run_dir)))
+        assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name != "best"] == [
             "step_00000004"
         ]
-        assert checkpoint.verify(run / "checkpoints" / "step_00000004") is None
+        assert checkpoint.verify(run_dir / "checkpoints" / "step_00000004") is None
 
 
 # --- F3 SIGTERM / SIGINT -------------------------------------------------------------------------
@@ -190,30 +204,30 @@ def test_exception_mid_save_at_byte_offsets(
 def test_signal_saves_the_last_step_and_exits(
     train_cfg: Config, straight: Path, tmp_path: Path, fault: str, code: int
 ) -> None:
-    run = tmp_path / "run"
-    args = cli_args(train_cfg, run)
+    run_dir = tmp_path / "run"
+    args = cli_args(train_cfg, run_dir)
     start = time.monotonic()
     stopped = run_tmt(args, fault=fault)
     assert stopped.returncode == code, stopped.stderr
     assert time.monotonic() - start < 60
-    saved = checkpoint.latest_valid(run)
+    saved = run.latest_valid(run_dir)
     assert saved is not None and saved.name == "step_00000003"
-    last_logged = max(r["step"] for r in records(run) if "loss" in r)
+    last_logged = max(r["step"] for r in records(run_dir) if "loss" in r)
     assert checkpoint.read_manifest(saved)["step"] == last_logged == 3
     assert run_tmt(args).returncode == 0
-    same_run(straight, run)
+    same_run(straight, run_dir)
 
 
 def test_signal_to_one_of_two_gloo_ranks_stops_both(train_cfg: Config, tmp_path: Path) -> None:
-    run = tmp_path / "run"
+    run_dir = tmp_path / "run"
     start = time.monotonic()
     stopped = run_tmt(
-        cli_args(train_cfg, run), ranks=2, fault="step@3:sigterm@rank1"
+        cli_args(train_cfg, run_dir), ranks=2, fault="step@3:sigterm@rank1"
     )  # rank 1 only
     assert stopped.returncode != 0 and time.monotonic() - start < 60, stopped.stderr[-2000:]
     assert "exitcode  : 143" in stopped.stderr  # torchrun's report: the ranks exited 143
-    assert checkpoint.latest_valid(run).name == "step_00000003"
-    assert max(r["step"] for r in records(run) if "loss" in r) == 3
+    assert run.latest_valid(run_dir).name == "step_00000003"
+    assert max(r["step"] for r in records(run_dir) if "loss" in r) == 3
 
 
 def test_signal_handling_in_process(
@@ -223,7 +237,7 @@ def test_signal_handling_in_process(
     monkeypatch.setenv("TMT_FAULT", "step@2:sigterm")
     summary = train(with_train(train_cfg, out_dir=str(tmp_path)))
     assert summary["stop"] == "sigterm" and summary["step"] == 2
-    assert checkpoint.latest_valid(tmp_path).name == "step_00000002"
+    assert run.latest_valid(tmp_path).name == "step_00000002"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
 
 
@@ -231,21 +245,21 @@ def test_signal_handling_in_process(
 
 
 def test_a_crashed_rank_makes_the_other_exit_naming_it(train_cfg: Config, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    args = cli_args(with_train(train_cfg, distributed_timeout_s=20.0), run)
+    run_dir = tmp_path / "run"
+    args = cli_args(with_train(train_cfg, distributed_timeout_s=20.0), run_dir)
     start = time.monotonic()
     out = run_tmt(args, ranks=2, fault="step@3:exit@rank1")
     assert out.returncode != 0 and time.monotonic() - start < 60
     assert "a collective failed: rank 1 last reported step 3" in out.stderr, out.stderr[-2000:]
-    assert not orphans(run)
+    assert not orphans(run_dir)
 
 
 @pytest.mark.slow
 def test_a_stalled_rank_makes_the_other_exit_within_the_timeout(
     train_cfg: Config, tmp_path: Path
 ) -> None:
-    run = tmp_path / "run"
-    args = cli_args(with_train(train_cfg, distributed_timeout_s=5.0), run)
+    run_dir = tmp_path / "run"
+    args = cli_args(with_train(train_cfg, distributed_timeout_s=5.0), run_dir)
     start = time.monotonic()
     out = run_tmt(args, ranks=2, fault="step@3:hang@rank1")
     assert out.returncode != 0
@@ -253,11 +267,11 @@ def test_a_stalled_rank_makes_the_other_exit_within_the_timeout(
     assert (
         time.monotonic() - start < 5 + 10 + 30 + 25
     )  # start-up + timeout + 10 s + the hung rank's grace
-    assert not orphans(run)
+    assert not orphans(run_dir)
 
 
-def orphans(run: Path) -> list[str]:
-    out = subprocess.run(["pgrep", "-af", str(run)], capture_output=True, text=True)
+def orphans(run_dir: Path) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True)
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
 
 
@@ -274,7 +288,7 @@ def step_fixture(tiny_cfg: Config, precision: str = "fp32", init_scale: float = 
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=precision == "fp16")
     batch = data.train.batch(data.train.sampler(1024, 1).epoch_batches(0)[0], data.tokenizer)
     info = DistInfo(0, 1, 0, torch.device("cpu"))
-    return model, optimizer, scheduler, scaler, [batch], info, data.tokenizer.pad_id
+    return model, Optimization(optimizer, scheduler, scaler), [batch], info
 
 
 def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> tuple:
@@ -302,41 +316,29 @@ def assert_unchanged(before: tuple, after: tuple) -> None:
 def test_a_bad_update_changes_nothing(
     tiny_cfg: Config, monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
-    model, optimizer, scheduler, scaler, micro, info, pad = step_fixture(tiny_cfg)
-    train_step(
-        model, micro, optimizer, scheduler, scaler, tiny_cfg, info, pad, attempt=1
-    )  # Adam state exists
-    before = snapshot(model, optimizer, scheduler)
+    model, opt, micro, info = step_fixture(tiny_cfg)
+    train_step(model, micro, opt, tiny_cfg, info, attempt=1)  # Adam state exists
+    before = snapshot(model, opt.optimizer, opt.scheduler)
     monkeypatch.setenv("TMT_FAULT", f"loss@2:{fault}")
-    stats = train_step(model, micro, optimizer, scheduler, scaler, tiny_cfg, info, pad, attempt=2)
+    stats = train_step(model, micro, opt, tiny_cfg, info, attempt=2)
     assert stats.skipped == ("non_finite" if fault == "nan" else "oom")
-    assert_unchanged(before, snapshot(model, optimizer, scheduler))
+    assert_unchanged(before, snapshot(model, opt.optimizer, opt.scheduler))
     monkeypatch.delenv("TMT_FAULT")
-    assert (
-        train_step(
-            model, micro, optimizer, scheduler, scaler, tiny_cfg, info, pad, attempt=3
-        ).skipped
-        is None
-    )
+    assert train_step(model, micro, opt, tiny_cfg, info, attempt=3).skipped is None
 
 
 def test_fp16_overflow_is_the_scalers_business(tiny_cfg: Config) -> None:
-    model, optimizer, scheduler, scaler, micro, info, pad = step_fixture(tiny_cfg, "fp16")
-    before = snapshot(model, optimizer, scheduler)
-    scale = scaler.get_scale()
+    model, opt, micro, info = step_fixture(tiny_cfg, "fp16")
+    before = snapshot(model, opt.optimizer, opt.scheduler)
+    scale = opt.scaler.get_scale()
     # An overflowing fp16 backward: finite loss, infinite gradients.
     hook = model.embedding.weight.register_hook(lambda grad: grad * float("inf"))
-    stats = train_step(model, micro, optimizer, scheduler, scaler, tiny_cfg, info, pad, attempt=1)
+    stats = train_step(model, micro, opt, tiny_cfg, info, attempt=1)
     hook.remove()
     assert stats.skipped == "overflow"  # not "non_finite": it does not count towards stopping
-    assert_unchanged(before, snapshot(model, optimizer, scheduler))
-    assert scaler.get_scale() == scale / 2  # the scaler backed off
-    assert (
-        train_step(
-            model, micro, optimizer, scheduler, scaler, tiny_cfg, info, pad, attempt=2
-        ).skipped
-        is None
-    )
+    assert_unchanged(before, snapshot(model, opt.optimizer, opt.scheduler))
+    assert opt.scaler.get_scale() == scale / 2  # the scaler backed off
+    assert train_step(model, micro, opt, tiny_cfg, info, attempt=2).skipped is None
 
 
 def test_nan_steps_are_skipped_and_training_continues(
@@ -349,46 +351,46 @@ def test_nan_steps_are_skipped_and_training_continues(
 
 
 def test_consecutive_nan_steps_stop_with_exit_3(train_cfg: Config, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    args = cli_args(with_train(train_cfg, nonfinite_patience=3), run)
+    run_dir = tmp_path / "run"
+    args = cli_args(with_train(train_cfg, nonfinite_patience=3), run_dir)
     result = run_tmt(args, fault="loss@5:nan,loss@6:nan,loss@7:nan")
     assert result.returncode == 3
     assert "training diverged: 3 consecutive non-finite updates after step 4" in result.stderr
-    newest = checkpoint.latest_valid(run)
+    newest = run.latest_valid(run_dir)
     assert newest.name == "step_00000004"
-    assert all(torch.isfinite(t).all() for t in checkpoint.load_model(newest).state_dict.values())
+    assert all(torch.isfinite(t).all() for t in checkpoint.read(newest).state_dict.values())
 
 
 def test_nan_and_oom_on_one_of_two_ranks_skip_everywhere(train_cfg: Config, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    out = run_tmt(cli_args(train_cfg, run), ranks=2, fault="loss@3:nan@rank1,loss@5:oom@rank1")
+    run_dir = tmp_path / "run"
+    out = run_tmt(cli_args(train_cfg, run_dir), ranks=2, fault="loss@3:nan@rank1,loss@5:oom@rank1")
     assert out.returncode == 0, out.stderr
-    assert [r["skipped"] for r in records(run) if "skipped" in r] == ["non_finite", "oom"]
-    assert max(r["step"] for r in records(run) if "loss" in r) == 8
+    assert [r["skipped"] for r in records(run_dir) if "skipped" in r] == ["non_finite", "oom"]
+    assert max(r["step"] for r in records(run_dir) if "loss" in r) == 8
 
 
 def test_non_finite_weights_are_never_saved(tiny_cfg: Config, tmp_path: Path) -> None:
     weights = {"w": torch.tensor([1.0, float("nan")])}
     with pytest.raises(TmtError, match="non-finite values in w"):
-        checkpoint.save(tmp_path, 1, tiny_cfg, weights, b"spm")
+        checkpoint.write(tmp_path / "c", 1, tiny_cfg, weights, b"spm")
     state = {"optimizer": {"state": {0: {"exp_avg": torch.tensor([float("inf")])}}}}
     with pytest.raises(TmtError, match=r"non-finite values in optimizer.state.0.exp_avg"):
-        checkpoint.save(tmp_path, 1, tiny_cfg, {"w": torch.ones(2)}, b"spm", state)
-    assert not (tmp_path / "checkpoints" / "step_00000001").exists()
+        checkpoint.write(tmp_path / "c", 1, tiny_cfg, {"w": torch.ones(2)}, b"spm", state)
+    assert not (tmp_path / "c").exists() and not list(tmp_path.iterdir())
 
 
 # --- F8 disk full ------------------------------------------------------------------------------
 
 
 def test_disk_full_during_a_save(train_cfg: Config, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    result = run_tmt(cli_args(train_cfg, run), fault="save8_bytes@2000:enospc")
+    run_dir = tmp_path / "run"
+    result = run_tmt(cli_args(train_cfg, run_dir), fault="save8_bytes@2000:enospc")
     assert result.returncode == 4
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("tmt: error: saving checkpoint step 8 failed (No space left on device")
-    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_00000004"]
-    assert checkpoint.verify(run / "checkpoints" / "step_00000004") is None
-    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert [p.name for p in run.list_checkpoints(run_dir)] == ["step_00000004"]
+    assert checkpoint.verify(run_dir / "checkpoints" / "step_00000004") is None
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
 def _limit_file_size(limit: int):
@@ -407,8 +409,8 @@ def test_file_size_limit_makes_torch_save_fail_cleanly(
     prepare_data(train_cfg)  # a warm cache: only the run's own files meet the limit
     # Room for the tokenizer file (with its normaliser table), not for a checkpoint (which holds it too).
     limit = (straight / "tokenizer.model").stat().st_size + 10_000
-    run = tmp_path / "run"
-    command = [sys.executable, "-m", "transformer_mt", *cli_args(train_cfg, run)]
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "transformer_mt", *cli_args(train_cfg, run_dir)]
     result = subprocess.run(
         command,
         capture_output=True,
@@ -422,8 +424,8 @@ def test_file_size_limit_makes_torch_save_fail_cleanly(
         "saving checkpoint step 4 failed (File too large)" in result.stderr
         and "Traceback" not in result.stderr
     )
-    assert checkpoint.list_checkpoints(run) == []
-    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert run.list_checkpoints(run_dir) == []
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
 def test_preflight_refuses_without_room_for_two_checkpoints(
@@ -468,15 +470,17 @@ KINDS = ["truncated", "zero_byte", "bit_flip", "missing_file", "manifest_mismatc
 def test_corruption_is_caught_by_translate_average_and_resume(
     straight: Path, tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = tmp_path / "run"
-    shutil.copytree(straight, run, symlinks=True)
-    newest = run / "checkpoints" / "step_00000008"
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir, symlinks=True)
+    newest = run_dir / "checkpoints" / "step_00000008"
     corrupt(newest, kind)
     with pytest.raises(TmtError):
         evaluate.load_translator(newest)
     with pytest.raises(TmtError):
-        checkpoint.average([run / "checkpoints" / "step_00000004", newest])
-    assert checkpoint.latest_valid(run).name == "step_00000004"  # resume falls back...
+        checkpoint.average(
+            map(checkpoint.read, [run_dir / "checkpoints" / "step_00000004", newest])
+        )
+    assert run.latest_valid(run_dir).name == "step_00000004"  # resume falls back...
     assert any(
         "skipping checkpoint" in r.message and "step_00000008" in r.message for r in caplog.records
     )  # ...and says so
@@ -485,41 +489,48 @@ def test_corruption_is_caught_by_translate_average_and_resume(
 def test_resume_falls_back_past_a_corrupt_checkpoint(
     train_cfg: Config, straight: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = tmp_path / "run"
-    shutil.copytree(straight, run, symlinks=True)
-    corrupt(run / "checkpoints" / "step_00000008", "bit_flip")
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir, symlinks=True)
+    corrupt(run_dir / "checkpoints" / "step_00000008", "bit_flip")
     with caplog.at_level("INFO"):
-        summary = train(with_train(train_cfg, out_dir=str(run), max_steps=10))
+        summary = train(with_train(train_cfg, out_dir=str(run_dir), max_steps=10))
     assert summary["step"] == 10
     messages = [r.getMessage() for r in caplog.records]
     assert any("skipping checkpoint" in m and "step_00000008" in m for m in messages)
     assert any(m.startswith("resuming") and "step_00000004" in m for m in messages)
 
 
+@pytest.mark.parametrize("file", ["model.pt", "train_state.pt"])
 def test_malicious_checkpoint_is_refused_by_translate_and_resume(
-    train_cfg: Config, straight: Path, tmp_path: Path
+    train_cfg: Config, straight: Path, tmp_path: Path, file: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     import hashlib
 
-    run = tmp_path / "run"
-    shutil.copytree(straight, run, symlinks=True)
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir, symlinks=True)
     marker = tmp_path / "pwned"
 
     class Payload:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    newest = run / "checkpoints" / "step_00000008"
-    torch.save({"optimizer": Payload()}, newest / "train_state.pt")
+    newest = run_dir / "checkpoints" / "step_00000008"
+    torch.save({"model": Payload()}, newest / file)
     manifest = json.loads((newest / "manifest.json").read_text())
-    manifest["files"]["train_state.pt"] = hashlib.sha256(
-        (newest / "train_state.pt").read_bytes()
-    ).hexdigest()
-    (newest / "manifest.json").write_text(
-        json.dumps(manifest)
-    )  # a forged, self-consistent manifest
+    manifest["files"][file] = hashlib.sha256((newest / file).read_bytes()).hexdigest()
+    (newest / "manifest.json").write_text(json.dumps(manifest))  # forged, self-consistent
     with pytest.raises(TmtError, match="refused: holds more than tensors"):
-        train(with_train(train_cfg, out_dir=str(run), max_steps=10))
+        checkpoint.read(newest, train_state=True)  # what translate (model.pt) and resume read
+    if file == "model.pt":
+        with pytest.raises(TmtError, match="refused: holds more than tensors"):
+            evaluate.load_translator(newest)
+    # Resume never runs it either: the checkpoint is reported, skipped, and the one before it used.
+    with caplog.at_level("INFO"):
+        summary = train(with_train(train_cfg, out_dir=str(run_dir), max_steps=10))
+    assert summary["step"] == 10
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("skipping checkpoint" in m and "refused" in m for m in messages)
+    assert any(m.startswith("resuming") and "step_00000004" in m for m in messages)
     assert not marker.exists()
 
 
@@ -543,22 +554,22 @@ def test_no_unsafe_loading_anywhere_in_the_source() -> None:
 def test_resume_with_another_tokenizer_or_architecture_is_refused_before_compute(
     train_cfg: Config, straight: Path, tmp_path: Path
 ) -> None:
-    run = tmp_path / "run"
-    shutil.copytree(straight, run, symlinks=True)
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir, symlinks=True)
     for change in (["tokenizer.vocab_size=80"], ["model.n_heads=4"], ["model.pre_norm=true"]):
         with pytest.raises(TmtError, match="differ from"):
-            train(apply_overrides(with_train(train_cfg, out_dir=str(run), max_steps=10), change))
-    assert checkpoint.latest_valid(run).name == "step_00000008"  # nothing trained, nothing written
+            train(
+                apply_overrides(with_train(train_cfg, out_dir=str(run_dir), max_steps=10), change)
+            )
+    assert run.latest_valid(run_dir).name == "step_00000008"  # nothing trained, nothing written
 
 
 def test_weights_that_do_not_fit_are_named(tiny_cfg: Config, tmp_path: Path) -> None:
-    from transformer_mt.train import _load_weights
-
     model = Transformer(tiny_cfg.model, 64, 0)
     weights = model.state_dict()
     weights["embedding.weight"] = torch.zeros(65, 32)
     with pytest.raises(TmtError, match=r"embedding.weight \(65, 32\) vs \(64, 32\)"):
-        _load_weights(model, weights, tmp_path)
+        checkpoint.load_weights(model, weights, tmp_path)
 
 
 # --- F12 retention -------------------------------------------------------------------------------
@@ -566,12 +577,14 @@ def test_weights_that_do_not_fit_are_named(tiny_cfg: Config, tmp_path: Path) -> 
 
 def test_retention_keeps_best_newest_and_resume_source(tiny_cfg: Config, tmp_path: Path) -> None:
     paths = [
-        checkpoint.save(tmp_path, s, tiny_cfg, {"w": torch.ones(1) * s}, b"spm")
+        checkpoint.write(
+            run.checkpoint_dir(tmp_path, s), s, tiny_cfg, {"w": torch.ones(1) * s}, b"spm"
+        )
         for s in range(1, 8)
     ]
-    checkpoint.set_best(tmp_path, paths[0])
-    checkpoint.prune(tmp_path, keep_last=1, protect={paths[2], paths[6]})
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+    run.set_best(tmp_path, paths[0])
+    run.prune(tmp_path, keep_last=1, protect={paths[2], paths[6]})
+    assert [p.name for p in run.list_checkpoints(tmp_path)] == [
         "step_00000001",
         "step_00000003",
         "step_00000007",

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer_mt import checkpoint
-from transformer_mt.config import Config, TmtError, load_config, to_dict
+from transformer_mt import checkpoint, run
+from transformer_mt.config import Config, load_config, to_dict
+from transformer_mt.exits import TmtError
 from transformer_mt.train import train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,20 +25,20 @@ def with_train(cfg: Config, **changes: object) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes))
 
 
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def numbers(run: Path) -> list[dict]:
+def numbers(run_dir: Path) -> list[dict]:
     """metrics.jsonl without wall-clock figures: what must be identical between two runs."""
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records(run)]
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records(run_dir)]
 
 
-def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return checkpoint.load_model(run / "checkpoints" / f"step_{step:08d}").state_dict
+def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return checkpoint.read(run_dir / "checkpoints" / f"step_{step:08d}").state_dict
 
 
-def cli_args(cfg: Config, run: Path) -> list[str]:
+def cli_args(cfg: Config, run_dir: Path) -> list[str]:
     """`tmt train` arguments reproducing `cfg` exactly (every key through --set)."""
     args = ["train", "-c", "tiny"]
     for section, values in to_dict(cfg).items():
@@ -46,7 +47,7 @@ def cli_args(cfg: Config, run: Path) -> list[str]:
             for key, value in values.items()
             for arg in ("--set", f"{section}.{key}={_text(value)}")
         ]
-    return [*args, "--set", f"train.out_dir={run}"]
+    return [*args, "--set", f"train.out_dir={run_dir}"]
 
 
 def _text(value: object) -> str:
@@ -127,9 +128,9 @@ def test_run_directory_contents(train_cfg: Config, tmp_path: Path) -> None:
     } <= set(steps[0])
     assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
     assert steps[-1]["loss"] < steps[0]["loss"]
-    saved = checkpoint.load_model(tmp_path / "checkpoints" / "step_00000008")
+    saved = checkpoint.read(tmp_path / "checkpoints" / "step_00000008")
     assert saved.tokenizer_bytes == (tmp_path / "tokenizer.model").read_bytes()
-    assert checkpoint.best(tmp_path) is not None
+    assert run.best(tmp_path) is not None
 
 
 def test_exact_resume_after_kill_one_process(train_cfg: Config, tmp_path: Path) -> None:
@@ -137,7 +138,7 @@ def test_exact_resume_after_kill_one_process(train_cfg: Config, tmp_path: Path) 
     args = cli_args(train_cfg, tmp_path / "resumed")
     killed = run_tmt(args, fault="after_save@4:kill")
     assert killed.returncode == -9, killed.stderr
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "resumed")] == ["step_00000004"]
+    assert [p.name for p in run.list_checkpoints(tmp_path / "resumed")] == ["step_00000004"]
     again = run_tmt(args)  # the same command again
     assert again.returncode == 0, again.stderr
     assert "resuming" in again.stderr
@@ -165,12 +166,20 @@ def test_exact_resume_after_kill_two_gloo_ranks(train_cfg: Config, tmp_path: Pat
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+# clip_norm 1.6 clips the first three of six updates (gradient norms 2.00, 1.89, 1.78, then 1.51,
+# 1.41, 1.23): with clipping on every update or on none, Adam's scale invariance would hide a
+# wrongly scaled gradient; a gradient off by the factor world_size (0.5 here) would clip none.
+@pytest.mark.parametrize("clip_norm", [0.0, 1.6])
 def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
-    train_cfg: Config, tmp_path: Path
+    train_cfg: Config, tmp_path: Path, clip_norm: float
 ) -> None:
     # Without dropout, rank r's micro-batch i is global batch 2i + r, and one process with
     # update_freq 2 takes global batches 2i and 2i + 1 together: the same updates.
-    cfg = dataclasses.replace(train_cfg, model=dataclasses.replace(train_cfg.model, dropout=0.0))
+    cfg = dataclasses.replace(
+        train_cfg,
+        model=dataclasses.replace(train_cfg.model, dropout=0.0),
+        optim=dataclasses.replace(train_cfg.optim, clip_norm=clip_norm),
+    )
     cfg = with_train(cfg, max_steps=6, valid_every=3, save_every=0, save_every_minutes=0.0)
     from transformer_mt.data import prepare_data
 
@@ -206,7 +215,7 @@ def test_epoch_and_time_budgets(train_cfg: Config, tmp_path: Path) -> None:
         )
     )
     assert by_epoch["stop"] == "max_epochs" and by_epoch["epoch"] == 2
-    assert checkpoint.latest_valid(tmp_path / "e").name == f"step_{by_epoch['step']:08d}"
+    assert run.latest_valid(tmp_path / "e").name == f"step_{by_epoch['step']:08d}"
     by_time = train(
         with_train(train_cfg, out_dir=str(tmp_path / "t"), max_steps=0, max_minutes=1e-6)
     )
@@ -230,8 +239,8 @@ def test_keep_last_and_best(train_cfg: Config, tmp_path: Path) -> None:
             train_cfg, out_dir=str(tmp_path), max_steps=12, save_every=2, keep_last=2, valid_every=4
         )
     )
-    names = [p.name for p in checkpoint.list_checkpoints(tmp_path)]
-    best = checkpoint.best(tmp_path)
+    names = [p.name for p in run.list_checkpoints(tmp_path)]
+    best = run.best(tmp_path)
     assert best is not None and best.name in names
     assert names[-2:] == ["step_00000010", "step_00000012"]
     assert len(names) <= 3
@@ -241,7 +250,7 @@ def test_bf16_autocast_trains_on_cpu(train_cfg: Config, tmp_path: Path) -> None:
     summary = train(with_train(train_cfg, out_dir=str(tmp_path), precision="bf16", max_steps=4))
     losses = [r["loss"] for r in records(tmp_path) if "loss" in r]
     assert summary["step"] == 4 and all(math.isfinite(x) for x in losses)
-    saved = checkpoint.load_model(tmp_path / "checkpoints" / "step_00000004")
+    saved = checkpoint.read(tmp_path / "checkpoints" / "step_00000004")
     assert all(t.dtype == torch.float32 for t in saved.state_dict.values())  # weights stay fp32
 
 
@@ -287,16 +296,22 @@ def test_best_by_bleu_and_average_at_the_end(train_cfg: Config, tmp_path: Path) 
     )
     summary = train(cfg)
     bleus = [r for r in records(tmp_path) if "val_bleu" in r]
-    assert [r["step"] for r in bleus] == [3, 6] and all(0 <= r["val_bleu"] <= 100 for r in bleus)
-    assert (
-        summary["best_metric"] == "val_bleu"
-        and checkpoint.best(tmp_path).name == f"step_{summary['best_step']:08d}"
-    )
-    average = summary["average"]
-    assert average["checkpoints"] == 2 and 0 <= average["val_bleu"] <= 100
-    assert checkpoint.verify(Path(average["path"])) is None
-    # The validation BLEU of training is the BLEU tmt evaluate reports for the same model.
+    assert [r["step"] for r in bleus] == [3, 6]
+    # The best is the first validation with the highest BLEU; checkpoints/best points at it.
+    best = max(bleus, key=lambda r: (r["val_bleu"], -r["step"]))
+    assert (summary["best_metric"], summary["best_value"]) == ("val_bleu", best["val_bleu"])
+    assert summary["best_step"] == best["step"]
+    assert run.best(tmp_path).name == f"step_{best['step']:08d}"
+    # The validation BLEU of training is the BLEU tmt evaluate reports for the same model: for
+    # the checkpoint of step 6 and for the final average.
     from transformer_mt import evaluate
 
+    step6 = evaluate.load_translator(run.checkpoint_dir(tmp_path, 6), ["decode.beam_size=1"])
+    report = evaluate.evaluate(step6, split="valid")
+    assert (report["bleu"], report["chrf"]) == (bleus[-1]["val_bleu"], bleus[-1]["val_chrf"])
+    average = summary["average"]
+    assert average["checkpoints"] == 2
+    assert checkpoint.verify(Path(average["path"])) is None
     t = evaluate.load_translator(Path(average["path"]), ["decode.beam_size=1"])
-    assert evaluate.evaluate(t, split="valid")["bleu"] == average["val_bleu"]
+    report = evaluate.evaluate(t, split="valid")
+    assert (report["bleu"], report["chrf"]) == (average["val_bleu"], average["val_chrf"])

@@ -6,7 +6,6 @@ Heavy modules (torch, datasets) are imported inside the commands so `tmt --help`
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import json
 import logging
@@ -18,7 +17,8 @@ from typing import Annotated, Any, BinaryIO, TextIO
 
 import typer
 
-from transformer_mt.config import TmtError, load_config
+from transformer_mt.config import load_config
+from transformer_mt.exits import TmtError
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -73,17 +73,19 @@ def train(
     ] = False,
 ) -> None:
     """Train a model. Multi-GPU: torchrun --nproc_per_node=N -m transformer_mt train -c CONFIG."""
+    from transformer_mt import dry_run as dry_run_lib
+    from transformer_mt import exits
     from transformer_mt import train as train_lib
 
     cfg = load_config(config, set_ or [])
     if dry_run:
-        train_lib.dry_run(cfg)
-    else:
-        summary = train_lib.train(cfg)
-        if summary["rank"] == 0:  # a single process, or rank 0 of a distributed run
-            typer.echo(json.dumps({k: v for k, v in summary.items() if k != "rank"}))
-        if summary["stop"] in train_lib.EXIT_CODES:  # stopped by a signal, after saving
-            raise typer.Exit(train_lib.EXIT_CODES[summary["stop"]])
+        dry_run_lib.dry_run(cfg)
+        return
+    summary = train_lib.train(cfg)
+    if summary["rank"] == 0:  # a single process, or rank 0 of a distributed run
+        typer.echo(json.dumps({k: v for k, v in summary.items() if k != "rank"}))
+    if summary["stop"] in exits.SIGNAL_EXIT:  # stopped by a signal, after saving
+        raise typer.Exit(exits.SIGNAL_EXIT[summary["stop"]])
 
 
 CheckpointOption = Annotated[
@@ -181,13 +183,13 @@ def average(
     ] = 0,
 ) -> None:
     """Average checkpoints into one self-contained model (§6.1: the last 5 for base, 20 for big)."""
-    from transformer_mt import checkpoint as lib
+    from transformer_mt import checkpoint, run
 
-    paths = lib.last_checkpoints(inputs[0], last) if last else inputs
     if last and len(inputs) != 1:
         raise TmtError("--last takes exactly one run directory")
-    written = lib.write_average(paths, output)
-    typer.echo(json.dumps({"output": str(written), "averaged": [str(p) for p in paths]}))
+    models = run.newest_models(inputs[0], last) if last else map(checkpoint.read, inputs)
+    mean = checkpoint.write_average(models, output)
+    typer.echo(json.dumps({"output": str(mean.path), "averaged": list(mean.sources)}))
 
 
 @contextlib.contextmanager
@@ -216,26 +218,8 @@ def _open_out(path: str) -> Iterator[TextIO]:
         yield handle
 
 
-def keep_freed_memory() -> None:
-    """Make glibc keep freed memory instead of returning it to the OS.
-
-    By default glibc serves every block over 32 MiB (logits and their gradients: hundreds of MB
-    per step) with a fresh mmap and unmaps it when freed, so each step page-faults and zeroes the
-    same memory again. Reusing it makes CPU training 20-35 % faster on our benchmark machine
-    (scripts/bench_train.py). Called before torch is imported; MALLOC_* variables set by the user
-    win; a no-op where libc is not glibc.
-    """
-    if any(name.startswith("MALLOC_") for name in os.environ):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
-    libc.mallopt(m_mmap_max, 0)
-    libc.mallopt(m_trim_threshold, 2**31 - 1)
-
-
 def main() -> None:
-    keep_freed_memory()
+    from transformer_mt.allocator import keep_freed_memory
+
+    keep_freed_memory()  # before torch is imported and allocates
     app()

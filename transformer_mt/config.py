@@ -21,15 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class TmtError(Exception):
-    """A failure the user can act on: the CLI prints it on one line and exits with `exit_code`:
-    2 bad input (config, data, checkpoint), 3 training diverged, 4 no room for checkpoints,
-    1 a distributed job lost a rank."""
-
-    def __init__(self, message: str, exit_code: int = 2) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+from transformer_mt.exits import TmtError
 
 
 @dataclass(frozen=True)
@@ -205,6 +197,8 @@ class Config:
 
 _SECTION_TYPES: dict[str, type] = typing.get_type_hints(Config)  # section name -> dataclass
 SECTIONS = list(_SECTION_TYPES)
+# The sections that define a model: fixed for a run, its checkpoints and their averages.
+MODEL_SECTIONS = ("model", "tokenizer")
 
 
 def presets() -> dict[str, Path]:
@@ -240,13 +234,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return config_from_dict(tree, origin=origin)
 
 
-def apply_overrides(cfg: Config, overrides: Sequence[str], frozen: Sequence[str] = ()) -> Config:
-    """`cfg` with `section.key=value` overrides; keys of `frozen` sections may not change."""
+def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
+    """`cfg` with `section.key=value` overrides."""
     tree = to_dict(cfg)
     for item in overrides:
         section, key, value = _parse_override(item)
-        if section in frozen:
-            raise TmtError(f"--set {item}: {section}.* is fixed by the checkpoint")
         if section not in tree:
             raise TmtError(
                 f"--set {item}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
@@ -293,6 +285,12 @@ def to_yaml(cfg: Config) -> str:
 def config_hash(cfg: Config) -> str:
     """SHA-256 of the resolved config in canonical JSON."""
     return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
+
+
+def changed_keys(old: Config, new: Config, sections: Sequence[str] = SECTIONS) -> list[str]:
+    """`section.key` of every value of `sections` that differs between two configs."""
+    a, b = to_dict(old), to_dict(new)
+    return [f"{s}.{k}" for s in sections for k in b[s] if a[s][k] != b[s][k]]
 
 
 class _Text(str):

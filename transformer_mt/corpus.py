@@ -20,7 +20,9 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transformer_mt.config import DataConfig, TmtError
+from transformer_mt import files
+from transformer_mt.config import DataConfig
+from transformer_mt.exits import TmtError
 
 if TYPE_CHECKING:
     import datasets
@@ -117,12 +119,8 @@ def read_lines(path: Path) -> Iterator[bytes]:
     lineno = 0
     try:
         with opener(path, "rb") as handle:
-            for lineno, line in enumerate(handle, 1):
-                line = line[:-1] if line.endswith(b"\n") else line
-                line = line[:-1] if line.endswith(b"\r") else line
-                if lineno == 1 and line.startswith(_BOM):
-                    line = line[len(_BOM) :]
-                yield line
+            for lineno, line in enumerate(files.split_lines(handle), 1):
+                yield line[len(_BOM) :] if lineno == 1 and line.startswith(_BOM) else line
     except (gzip.BadGzipFile, EOFError, zlib.error) as err:
         raise TmtError(f"{path}:{lineno + 1}: corrupt gzip data ({err})") from None
     except OSError as err:
@@ -256,14 +254,10 @@ def _existing_file(location: str, key: str) -> Path:
 
 
 def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
     try:
-        with open(path, "rb") as handle:
-            while chunk := handle.read(1 << 20):
-                digest.update(chunk)
+        return files.sha256_file(path)
     except OSError as err:
         raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
-    return digest.hexdigest()
 
 
 # --- Hugging Face datasets ---------------------------------------------------------------------

@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from transformer_mt import corpus
-from transformer_mt.config import Config, DataConfig, TmtError, TokenizerConfig
+from transformer_mt import corpus, files
+from transformer_mt.config import Config, DataConfig, TokenizerConfig
+from transformer_mt.exits import TmtError
 from transformer_mt.tokenizer import Tokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,9 @@ class PreparedData:
 def prepare_data(cfg: Config, tokenizer: Tokenizer | None = None) -> PreparedData:
     """Read, tokenize (training the joint model unless one is given), encode, filter the splits."""
     cache = cache_root(cfg.data)
-    _remove_leftovers(cache)
+    # Scratch and staging entries of runs that were killed: hidden names, older than a day (a
+    # live build is younger than that). They never look complete: meta.json is written last.
+    files.remove_leftovers(cache, (".work.*", "encoded/.*", "tokenizers/.*"), older_than_s=86_400)
     splits = {key: corpus.open_split(cfg.data, key) for key in ("data.train", "data.valid")}
     with _work_dir(cache) as work:
         raw: dict[str, Any] = {}  # raw Arrow datasets, built only on a cold cache
@@ -114,7 +116,7 @@ def load_or_train_tokenizer(
     dataset = load(train_split.key)
     logger.info("tokenizer: training %s, %d pieces", cfg.model_type, cfg.vocab_size)
     tokenizer = train_tokenizer(_sample_sentences(dataset, cfg.max_sentences), cfg)
-    _atomic_write(path, tokenizer.model_bytes)
+    files.atomic_write(path, tokenizer.model_bytes)
     return tokenizer
 
 
@@ -159,14 +161,14 @@ def _encoded_table(
         dataset = load(split.key)
         staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=_mkdir(cache / "encoded")))
         logger.info("encoding %s: %d pairs", split.key, len(dataset))
-        files = _encode(dataset, tokenizer, staging, key, num_proc)
+        arrow_files = _encode(dataset, tokenizer, staging, key, num_proc)
         meta = {
             "origin": split.origin,
             "pairs": len(dataset),
-            "files": files,
+            "files": arrow_files,
             "tokenizer": tokenizer.sha256,
         }
-        _atomic_write(staging / "meta.json", json.dumps(meta).encode())
+        files.atomic_write(staging / "meta.json", json.dumps(meta).encode())
         try:
             os.replace(staging, final)
         except OSError:  # another process finished the same entry first: use theirs
@@ -354,7 +356,8 @@ class TokenBucketSampler:
     A batch's cost is its sentence count × its longest padded length on either side, at most
     max_tokens. Pairs are sorted by (source, target) length after a seeded shuffle that breaks ties,
     packed greedily, and the batch order is shuffled. Batches are split until their count divides
-    world_size, so every rank gets the same number and each pair appears exactly once per epoch.
+    world_size, so every rank gets the same number of non-empty batches and each pair appears
+    exactly once per epoch (see _split_until_divisible for the one case that exceeds max_tokens).
     Pure numpy: no torch, no state besides the arguments, so (epoch, index) resumes exactly.
     """
 
@@ -388,15 +391,11 @@ class TokenBucketSampler:
         order = rng.permutation(len(self.longest)) if self.shuffle else np.arange(len(self.longest))
         order = order[np.lexsort((self.tgt_lengths[order], self.src_lengths[order]))]  # stable
         batches = _split_until_divisible(
-            _pack(order, self.longest, self.max_tokens), self.world_size
+            _pack(order, self.longest, self.max_tokens), self.world_size, self.longest
         )
         if self.shuffle:
             batches = [batches[i] for i in rng.permutation(len(batches))]
         return batches[self.rank :: self.world_size]
-
-    def iter_epoch(self, epoch: int, start: int = 0) -> Iterator[np.ndarray]:
-        """Resume inside an epoch: the batches from index `start` on."""
-        yield from self.epoch_batches(epoch)[start:]
 
 
 def _pack(order: np.ndarray, longest: np.ndarray, max_tokens: int) -> list[np.ndarray]:
@@ -412,14 +411,37 @@ def _pack(order: np.ndarray, longest: np.ndarray, max_tokens: int) -> list[np.nd
     return batches
 
 
-def _split_until_divisible(batches: list[np.ndarray], world_size: int) -> list[np.ndarray]:
-    """Halve the largest batches until the count is a multiple of world_size (no pair dropped)."""
+def _split_until_divisible(
+    batches: list[np.ndarray], world_size: int, longest: np.ndarray
+) -> list[np.ndarray]:
+    """Halve the largest batches until the count is a multiple of world_size (no pair dropped).
+
+    When every batch already holds a single pair (data.max_tokens near data.max_len) none can be
+    halved: the shortest pairs are then merged in twos instead, the one case in which a batch may
+    exceed max_tokens (by at most a factor 2), since an empty batch would give a rank nothing."""
     while len(batches) % world_size:
         largest = max(range(len(batches)), key=lambda i: len(batches[i]))
+        if len(batches[largest]) == 1:
+            return _merge_singles(batches, world_size, longest)
         batch = batches.pop(largest)
         half = len(batch) // 2
         batches[largest:largest] = [batch[:half], batch[half:]]
     return batches
+
+
+def _merge_singles(
+    batches: list[np.ndarray], world_size: int, longest: np.ndarray
+) -> list[np.ndarray]:
+    """Single-pair batches, their count cut to a multiple of world_size by merging the shortest
+    pairs two by two (len(batches) >= world_size, so there are enough of them)."""
+    extra = len(batches) % world_size
+    by_length = sorted(range(len(batches)), key=lambda i: int(longest[batches[i][0]]))
+    merged = by_length[: 2 * extra]
+    is_merged = set(merged)
+    kept = [b for i, b in enumerate(batches) if i not in is_merged]
+    firsts, seconds = merged[::2], merged[1::2]
+    pairs = [np.concatenate([batches[a], batches[b]]) for a, b in zip(firsts, seconds, strict=True)]
+    return pairs + kept
 
 
 def padding_efficiency(
@@ -442,22 +464,6 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def _atomic_write(path: Path, payload: bytes) -> None:
-    """Write to a temporary file beside `path`, fsync, rename: readers never see a partial file."""
-    _mkdir(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 @contextlib.contextmanager
 def _work_dir(cache: Path) -> Iterator[Path]:
     """A scratch directory for raw Arrow files, removed afterwards (also after an error)."""
@@ -466,18 +472,3 @@ def _work_dir(cache: Path) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _remove_leftovers(cache: Path, older_than_s: float = 86_400) -> None:
-    """Scratch and staging entries of runs that were killed: hidden names, older than a day (a
-    live build is younger than that). They never look complete: meta.json is written last."""
-    cutoff = time.time() - older_than_s
-    for pattern in (".work.*", "encoded/.*", "tokenizers/.*"):
-        for path in cache.glob(pattern):
-            with contextlib.suppress(OSError):
-                if path.lstat().st_mtime >= cutoff:
-                    continue
-                if path.is_dir():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()

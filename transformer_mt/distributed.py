@@ -74,13 +74,12 @@ def gather_to_main(value: Any, info: DistInfo) -> list[Any] | None:
     return gathered
 
 
-def scatter_from_main(values: list[Any] | None, info: DistInfo) -> Any:
-    """Rank r receives values[r] from rank 0."""
+def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
+    """`model` for data-parallel training: DDP-wrapped when there are several ranks."""
     if not info.distributed:
-        return values[0] if values else None
-    received: list[Any] = [None]
-    dist.scatter_object_list(received, values if info.is_main else None, src=0)
-    return received[0]
+        return model
+    device_ids = [info.local_rank] if info.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
 def barrier(info: DistInfo) -> None:

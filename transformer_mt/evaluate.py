@@ -9,6 +9,7 @@ positions is truncated with a warning.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import re
@@ -23,9 +24,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_mt import checkpoint, corpus
-from transformer_mt.config import Config, TmtError, apply_overrides
+from transformer_mt import checkpoint, corpus, distributed, files, run
+from transformer_mt.config import Config, apply_overrides
 from transformer_mt.data import TokenBucketSampler
+from transformer_mt.distributed import DistInfo
+from transformer_mt.exits import TmtError
 from transformer_mt.model import DecoderCache, Transformer, make_src_mask
 from transformer_mt.search import Hypothesis, beam_search, greedy
 from transformer_mt.tokenizer import Tokenizer
@@ -49,27 +52,22 @@ def load_translator(
     path: str | Path, overrides: Sequence[str] = (), average_last: int = 0, device: str = "auto"
 ) -> Translator:
     """A checkpoint directory, an averaged model, or a run directory (its best checkpoint, else its
-    newest; with average_last=N the average of its newest N)."""
-    path = Path(path)
+    newest; with average_last=N the average of its newest N), each checkpoint read once."""
     if average_last > 0:
-        paths = checkpoint.last_checkpoints(path, average_last)
-        saved = checkpoint.average(paths)
-        origin = f"average of {', '.join(p.name for p in paths)}"
+        saved = checkpoint.average(run.newest_models(Path(path), average_last))
+        origin = f"average of {', '.join(Path(p).name for p in saved.sources)}"
     else:
-        saved = checkpoint.load_model(checkpoint.resolve(path))
+        saved = run.load_model(Path(path))
         origin = str(saved.path)
-    cfg = apply_overrides(saved.config, overrides, frozen=("model", "tokenizer"))
-    tokenizer = Tokenizer(saved.tokenizer_bytes, origin=f"{saved.path} tokenizer")
-    model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
-    try:
-        model.load_state_dict(saved.state_dict)
-    except RuntimeError as err:
-        raise TmtError(
-            f"{saved.path}: weights do not fit the saved config ({str(err).splitlines()[0]})"
-        ) from None
+    cfg = apply_overrides(saved.config, overrides)
+    fixed = checkpoint.model_differences(saved.config, b"", cfg, b"")
+    if fixed:
+        raise TmtError(f"--set {', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
     target = torch.device(
         "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
     )
+    tokenizer = saved.tokenizer()
+    model = checkpoint.build_model(saved, tokenizer)
     return Translator(model.to(target).eval(), tokenizer, cfg, target, origin)
 
 
@@ -191,9 +189,7 @@ def translate_stream(translator: Translator, source: BinaryIO, sink: TextIO) -> 
 
 
 def _read_lines(source: BinaryIO) -> Iterator[str]:
-    for lineno, raw in enumerate(source, 1):
-        line = raw[:-1] if raw.endswith(b"\n") else raw
-        line = line[:-1] if line.endswith(b"\r") else line
+    for lineno, line in enumerate(files.split_lines(source), 1):
         try:
             yield line.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -267,6 +263,39 @@ def format_report(report: dict[str, Any]) -> str:
         + (f"; model = {report['model']}" if report.get("model") else ""),
     ]
     return "\n".join(lines)
+
+
+def validation_bleu(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    cfg: Config,
+    info: DistInfo,
+    sources: list[str],
+    references: list[str],
+) -> dict[str, float]:
+    """BLEU and chrF of training's validation split, decoded by the tmt evaluate path with beam
+    train.bleu_beam_size; each rank translates every world_size-th line, rank 0 scores, and every
+    rank gets rank 0's figures (the same best-checkpoint and early-stopping decisions)."""
+    decode = dataclasses.replace(cfg.decode, beam_size=cfg.train.bleu_beam_size, nbest=1)
+    translator = Translator(
+        model, tokenizer, dataclasses.replace(cfg, decode=decode), info.device, "training"
+    )
+    was_training = model.training
+    model.eval()
+    mine = translate_text(translator, sources[info.rank :: info.world_size])
+    model.train(was_training)
+    shards = distributed.gather_to_main(mine, info)
+    figures = torch.zeros(2, dtype=torch.float64, device=info.device)
+    if info.is_main:
+        hypotheses = [
+            shards[i % info.world_size][i // info.world_size] for i in range(len(sources))
+        ]
+        result = score(hypotheses, references)
+        figures += torch.tensor(
+            [result["bleu"], result["chrf"]], dtype=torch.float64, device=info.device
+        )
+    distributed.all_reduce_sum(figures, info)
+    return {"val_bleu": figures[0].item(), "val_chrf": figures[1].item()}
 
 
 def read_split(cfg: Config, key: str) -> tuple[list[str], list[str]]:

@@ -111,6 +111,10 @@ def beam_search(
     even under the most favourable length penalty, lp(max length) (early_stopping "bound",
     tensor2tensor's: the paper's "terminate early when possible"), or under lp(current length)
     (early_stopping "current", HF generate's default heuristic).
+
+    Longer than 60 lines because one step is one indivisible algorithm over shared tensors
+    (expand, rank, finish, keep alive, drop finished sentences, reorder the state); its separable
+    parts are helpers (_mask, _collect_finished, _done).
     """
     if early_stopping not in ("bound", "current"):
         raise ValueError(f"early_stopping {early_stopping!r}: expected 'bound' or 'current'")

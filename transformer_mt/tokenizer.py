@@ -15,7 +15,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from transformer_mt.config import TmtError, TokenizerConfig
+from transformer_mt.config import TokenizerConfig
+from transformer_mt.exits import TmtError
 
 
 class Tokenizer:
@@ -53,12 +54,6 @@ class Tokenizer:
         if not ids:  # sentencepiece would read [] as one empty sequence
             return []
         return self._sp.decode([list(map(int, seq)) for seq in ids])
-
-    def pieces(self, text: str) -> list[str]:
-        return self._sp.encode(text, out_type=str)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_bytes(self.model_bytes)
 
     # Workers of datasets.map(num_proc > 1) receive the tokenizer pickled: send the bytes only.
     def __getstate__(self) -> dict[str, object]:

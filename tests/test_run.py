@@ -1,0 +1,138 @@
+"""The run directory: finding models, retention, leftovers, and each checkpoint read once."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from transformer_mt import checkpoint, evaluate, run
+from transformer_mt.cli import app
+from transformer_mt.config import Config, load_config
+from transformer_mt.exits import TmtError
+from transformer_mt.train import train
+
+CFG = load_config("tiny")
+
+
+def save(run_dir: Path, step: int) -> Path:
+    weights = {"w": torch.ones(2) * step}
+    return checkpoint.write(run.checkpoint_dir(run_dir, step), step, CFG, weights, b"spm", {})
+
+
+def test_prune_keeps_last_k_best_and_protected(tmp_path: Path) -> None:
+    paths = [save(tmp_path, step) for step in (10, 20, 30, 40, 50, 60)]
+    run.set_best(tmp_path, paths[1])
+    run.prune(tmp_path, keep_last=2, protect={paths[0]})
+    assert [p.name for p in run.list_checkpoints(tmp_path)] == [
+        "step_00000010",
+        "step_00000020",
+        "step_00000050",
+        "step_00000060",
+    ]
+    assert run.best(tmp_path) == paths[1]
+    run.set_best(tmp_path, paths[5])
+    assert run.best(tmp_path) == paths[5]
+
+
+def test_sweep_removes_interrupted_writes_only(tmp_path: Path) -> None:
+    kept = save(tmp_path, 1)
+    root = tmp_path / "checkpoints"
+    leftovers = [root / ".tmp-step_00000002-99", root / ".old-step_00000001-99"]
+    for path in leftovers:
+        path.mkdir()
+    (root / ".best-99").symlink_to(kept.name)
+    (tmp_path / ".config.yaml.abc123.tmp").write_text("half")
+    run.sweep(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoints"]
+    assert checkpoint.verify(kept) is None
+
+
+def test_load_model_takes_a_checkpoint_or_a_run(tmp_path: Path) -> None:
+    first, second = save(tmp_path, 1), save(tmp_path, 2)
+    assert run.load_model(first).path == first  # a checkpoint directory as given
+    assert run.load_model(tmp_path).path == second  # a run: its newest, without a best
+    run.set_best(tmp_path, first)
+    assert run.load_model(tmp_path).path == first  # ... its best when it has one
+    (first / "model.pt").write_bytes(b"broken")
+    assert run.load_model(tmp_path).path == second  # a broken best: the newest that reads
+    with pytest.raises(TmtError, match="not a checkpoint .* nor a run directory"):
+        run.load_model(tmp_path / "elsewhere")
+
+
+def test_newest_models_reads_lazily_and_counts(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        save(tmp_path, step)
+    newest = run.newest_models(tmp_path, 2)
+    assert next(newest).step == 3  # read as taken, newest first
+    assert [c.step for c in newest] == [2]
+    with pytest.raises(TmtError, match="3 complete checkpoints, 5 asked for"):
+        list(run.newest_models(tmp_path, 5))
+    assert [c.step for c in run.newest_models(tmp_path, 5, allow_fewer=True)] == [3, 2, 1]
+
+
+# --- each checkpoint file is opened (read, hashed, verified) once per command -------------------
+
+
+@pytest.fixture
+def opened(monkeypatch: pytest.MonkeyPatch):
+    """Counts the opens for reading of files inside checkpoint directories, by path."""
+    counts: Counter[str] = Counter()
+    real_open = io.open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if "r" in mode and "checkpoints" in str(file):
+            counts[str(Path(file).resolve())] += 1
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counting_open)  # pathlib's read_bytes/read_text
+    monkeypatch.setattr(builtins, "open", counting_open)
+    return counts
+
+
+def assert_each_once(counts: Counter[str], checkpoints: list[Path], names: list[str]) -> None:
+    expected = {str((c / n).resolve()): 1 for c in checkpoints for n in names}
+    assert dict(counts) == expected
+
+
+def test_translate_reads_its_checkpoint_once(trained_run: Path, opened: Counter[str]) -> None:
+    translator = evaluate.load_translator(trained_run)  # a run directory: its best checkpoint
+    assert evaluate.translate_text(translator, ["kalo mi"])
+    assert_each_once(opened, [run.best(trained_run)], ["manifest.json", "model.pt"])
+
+
+def test_average_reads_each_checkpoint_once(
+    trained_run: Path, tmp_path: Path, opened: Counter[str]
+) -> None:
+    result = CliRunner().invoke(
+        app, ["average", str(trained_run), "--last", "3", "-o", str(tmp_path / "avg")]
+    )
+    assert result.exit_code == 0, result.output
+    averaged = run.list_checkpoints(trained_run)[-3:]
+    assert json.loads(result.stdout)["averaged"] == [str(p) for p in averaged]
+    assert_each_once(opened, averaged, ["manifest.json", "model.pt"])
+
+
+def test_resume_reads_its_checkpoint_once(
+    tiny_cfg: Config, trained_run: Path, tmp_path: Path, opened: Counter[str]
+) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(trained_run, copy, symlinks=True)
+    opened.clear()
+    cfg = load_config(copy / "config.yaml", [f"train.out_dir={copy}", "train.max_steps=31"])
+    assert train(cfg)["step"] == 31
+    resumed = run.checkpoint_dir(copy, 30)
+    reads = {path: n for path, n in opened.items() if path.startswith(str(resumed.resolve()))}
+    assert reads == {
+        str((resumed / name).resolve()): 1
+        for name in ("manifest.json", "model.pt", "train_state.pt")
+    }

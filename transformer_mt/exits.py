@@ -1,0 +1,76 @@
+"""How a tmt command ends: its exit codes, the error a user can act on, and the stop signals.
+
+Exit codes:
+    0    done
+    1    a distributed job lost a rank (any other exit 1 with a traceback is a bug)
+    2    bad input: config, data, checkpoint, command-line option
+    3    training diverged (train.nonfinite_patience consecutive non-finite updates)
+    4    the run directory has no room, or a write to it failed (disk full, quota, I/O)
+    130  stopped by SIGINT, after saving the last completed step
+    143  stopped by SIGTERM, after saving the last completed step
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LOST_RANK = 1
+BAD_INPUT = 2
+DIVERGED = 3
+NO_ROOM = 4
+# Runs stopped by a signal exit like a shell would report them: 128 + the signal number.
+SIGNAL_EXIT = {"sigterm": 128 + signal.SIGTERM, "sigint": 128 + signal.SIGINT}
+# A signalled run that reaches no step boundary within this time exits unsaved; torchrun sends
+# SIGKILL 30 s after SIGTERM, so this leaves room for the last save and a clean exit.
+SIGNAL_GRACE_S = 25.0
+
+
+class TmtError(Exception):
+    """A failure the user can act on: the CLI prints it on one line and exits with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int = BAD_INPUT) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopSignals:
+    """SIGTERM and SIGINT only set a flag: training stops at the next step boundary (every rank
+    agrees through the step's collective), saves that step and exits 143 or 130. A second signal,
+    or no step boundary within SIGNAL_GRACE_S, exits at once without saving."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:  # asked twice: stop now
+            os._exit(128 + signum)
+        self.received = "sigterm" if signum == signal.SIGTERM else "sigint"
+        self._timer = threading.Timer(SIGNAL_GRACE_S, self._expire, (signum,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self, signum: int) -> None:
+        logger.error(
+            "%s: no step boundary within %.0f s; exiting unsaved", self.received, SIGNAL_GRACE_S
+        )
+        os._exit(128 + signum)

@@ -1,0 +1,347 @@
+"""A run directory from start to finish: what `tmt train` writes there, and where models are found.
+
+    OUT_DIR/config.yaml                 the resolved config of the latest session
+    OUT_DIR/tokenizer.model             the joint sentencepiece model (also inside every checkpoint)
+    OUT_DIR/metrics.jsonl               one JSON object per log step, validation and skipped update
+    OUT_DIR/checkpoints/step_00001000/  a checkpoint (checkpoint.py owns the format of one)
+    OUT_DIR/checkpoints/best            -> step_00000500: the best by train.best_metric
+    OUT_DIR/average/                    the last train.average_last checkpoints averaged (§6.1)
+
+Start: sweep what killed writers left, refuse a directory without room, write the config and the
+tokenizer, drop metrics past the resume step. Resume: the newest checkpoint that reads (verified
+and read once), checked against the config. Save: a checkpoint, the best link, retention. Every file
+is written atomically, and only by rank 0. Translating, evaluating and averaging find their models
+here too (load_model, newest_models), each checkpoint read once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Collection, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from transformer_mt import checkpoint, distributed, exits, files
+from transformer_mt.checkpoint import Checkpoint
+from transformer_mt.config import MODEL_SECTIONS, SECTIONS, Config, changed_keys, to_yaml
+from transformer_mt.distributed import DistInfo
+from transformer_mt.exits import TmtError
+from transformer_mt.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+_PREFIX = "step_"
+# Hidden names of interrupted writes: checkpoint staging and swaps, best-link swaps, atomic files.
+_LEFTOVERS = (".tmp-*", ".old-*", ".best-*", f".*{files.TEMP_SUFFIX}")
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS / f"{_PREFIX}{step:08d}"
+
+
+# --- start -------------------------------------------------------------------------------------
+
+
+def start(
+    run_dir: Path, cfg: Config, tokenizer: Tokenizer, step: int, checkpoint_bytes: int
+) -> None:
+    """Prepare the run directory for a session resuming at `step` (0: a new run).
+
+    Refuses to start without room for checkpoints: a new one is written beside the last, so twice
+    a checkpoint's size must be free. Metrics past `step` are dropped (those steps are trained
+    again)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=run_dir).close()
+    except OSError as err:
+        raise TmtError(
+            f"{run_dir}: cannot write there ({err.strerror or err})", exit_code=exits.NO_ROOM
+        ) from None
+    sweep(run_dir)
+    free = shutil.disk_usage(run_dir).free
+    if free < 2 * checkpoint_bytes:
+        raise TmtError(
+            f"{run_dir}: {free / 2**20:.0f} MiB free, but a checkpoint takes about"
+            f" {checkpoint_bytes / 2**20:.0f} MiB and twice that must be free",
+            exit_code=exits.NO_ROOM,
+        )
+    try:
+        files.atomic_write(run_dir / "config.yaml", to_yaml(cfg).encode())
+        files.atomic_write(run_dir / "tokenizer.model", tokenizer.model_bytes)
+        _trim_metrics(run_dir / "metrics.jsonl", step)
+    except OSError as err:
+        raise TmtError(
+            f"{run_dir}: cannot write the run's files ({err.strerror or err})",
+            exit_code=exits.NO_ROOM,
+        ) from None
+
+
+def sweep(run_dir: Path) -> None:
+    """Remove what interrupted writes left in a run directory (never a checkpoint's final name)."""
+    files.remove_leftovers(run_dir, [f".*{files.TEMP_SUFFIX}"])
+    files.remove_leftovers(run_dir / CHECKPOINTS, _LEFTOVERS)
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if _record_step(line) <= step]
+        files.atomic_write(path, "".join(line + "\n" for line in kept).encode())
+
+
+def _record_step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return sys.maxsize  # a torn last line from a kill: dropped
+
+
+class MetricsLog:
+    """What training reports: metrics.jsonl (rank 0 writes one JSON object per line, flushed as
+    written) and the progress bar (rank 0 shows it), with the sums of the updates since the last
+    record, which `flush` all-reduces over ranks (every rank calls it at the same steps)."""
+
+    def __init__(self, run_dir: Path, info: DistInfo, max_steps: int, step: int) -> None:
+        from tqdm import tqdm
+
+        self.info = info
+        self.handle = (
+            open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+            if info.is_main
+            else None
+        )
+        self.bar = tqdm(
+            total=max_steps or None, initial=step, disable=not info.is_main or None,
+            unit="step", dynamic_ncols=True, file=sys.stderr,
+        )  # fmt: skip
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss = self.nll = 0.0  # sums over this rank's target tokens
+        self.tokens = self.real_tokens = self.padded_tokens = 0
+        self.start = time.monotonic()
+
+    def update(
+        self, loss: float, nll: float, tokens: int, real: int, padded: int, lr: float
+    ) -> None:
+        """One applied update: its sums on this rank, and the learning rate it used."""
+        self.loss += loss
+        self.nll += nll
+        self.tokens += tokens
+        self.real_tokens += real
+        self.padded_tokens += padded
+        self.lr = lr
+        self.bar.update(1)
+
+    def flush(self, step: int, epoch: int) -> dict[str, Any]:
+        """The record of the updates since the last one (all ranks), written and shown."""
+        sums = [self.loss, self.nll, self.tokens]
+        totals = torch.tensor(sums, dtype=torch.float64, device=self.info.device)
+        loss, nll, tokens = distributed.all_reduce_sum(totals, self.info).tolist()
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss / tokens,
+            "nll": nll / tokens,
+            "ppl": math.exp(min(nll / tokens, 100.0)),
+            "lr": self.lr,
+            "tokens_per_s": tokens / max(time.monotonic() - self.start, 1e-9),
+            "padding_efficiency": self.real_tokens / self.padded_tokens,
+        }
+        self._reset()
+        self.write(record)
+        self.bar.set_postfix(
+            loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+            tok_s=f"{record['tokens_per_s']:.0f}", pad=f"{record['padding_efficiency']:.2f}",
+        )  # fmt: skip
+        return record
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.handle is not None:
+            self.handle.write(json.dumps(record) + "\n")
+            self.handle.flush()
+
+    def show(self, message: str) -> None:
+        """A line on stderr past the bar (which is hidden off a terminal), from rank 0."""
+        if self.info.is_main:
+            self.bar.write(f"tmt: {message}", file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.handle is not None:
+            self.handle.close()
+
+
+# --- resume ------------------------------------------------------------------------------------
+
+
+def resume(run_dir: Path, cfg: Config) -> Checkpoint | None:
+    """The newest checkpoint of the run that reads, with its training state (newer broken ones
+    are reported and skipped); refused when it holds another model than `cfg` describes."""
+    saved = next(newest_valid(run_dir, train_state=True), None)
+    if saved is None:
+        return None
+    differ = checkpoint.model_differences(
+        saved.config, saved.tokenizer_bytes, cfg, saved.tokenizer_bytes
+    )
+    if differ:
+        raise TmtError(
+            f"{cfg.train.out_dir}: holds a run with other settings"
+            f" ({', '.join(differ)} differ from {saved.path});"
+            " use a new train.out_dir or the saved values"
+        )
+    changed = changed_keys(saved.config, cfg, [s for s in SECTIONS if s not in MODEL_SECTIONS])
+    if changed:
+        logger.warning("resuming with changed settings: %s", ", ".join(changed))
+    return saved
+
+
+# --- save and retention ------------------------------------------------------------------------
+
+
+def save(
+    run_dir: Path,
+    cfg: Config,
+    model: dict[str, torch.Tensor],
+    tokenizer_bytes: bytes,
+    train_state: dict[str, Any],
+    *,
+    step: int,
+    epoch: int,
+    is_best: bool,
+    protect: Collection[Path] = (),
+) -> Path:
+    """Write checkpoint `step` atomically, point `best` at it if it is, and prune old ones."""
+    final = checkpoint_dir(run_dir, step)
+    try:
+        path = checkpoint.write(
+            final, step, cfg, model, tokenizer_bytes, train_state, {"epoch": epoch}
+        )
+    except (OSError, RuntimeError) as err:  # disk full, quota, I/O (torch: RuntimeError)
+        strerror = err.strerror if isinstance(err, OSError) else None
+        reason = strerror or str(err).strip().splitlines()[0]
+        raise TmtError(
+            f"saving checkpoint step {step} failed ({reason}); nothing was left under"
+            " its name and the checkpoints before it are intact",
+            exit_code=exits.NO_ROOM,
+        ) from None
+    if is_best:
+        set_best(run_dir, path)
+    prune(run_dir, cfg.train.keep_last, protect={path, *protect})
+    return path
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint directories of a run, oldest step first (complete or not)."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def set_best(run_dir: Path, path: Path) -> None:
+    """Point checkpoints/best at `path` (a relative symlink, swapped atomically)."""
+    link = run_dir / CHECKPOINTS / "best"
+    if link.is_dir() and not link.is_symlink():  # a copy of the run turned the link into a copy
+        shutil.rmtree(link)
+    tmp = link.with_name(f".best-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    os.symlink(path.name, tmp)
+    os.replace(tmp, link)
+    files.fsync_dir(link.parent)
+
+
+def best(run_dir: Path) -> Path | None:
+    link = run_dir / CHECKPOINTS / "best"
+    if not link.is_symlink():
+        return None
+    target = link.parent / os.readlink(link)
+    return target if target.is_dir() else None
+
+
+def prune(run_dir: Path, keep_last: int, protect: Collection[Path] = ()) -> None:
+    """Delete all but the newest `keep_last` checkpoints; never the best or a protected one (the
+    trainer protects the one it just wrote and the one it resumed from)."""
+    checkpoints = list_checkpoints(run_dir)
+    keep = set(checkpoints[-keep_last:] if keep_last > 0 else []) | set(protect)
+    keep |= {best(run_dir)} - {None}
+    keep = {p.resolve() for p in keep}
+    for path in checkpoints:
+        if path.resolve() not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# --- finding models: each checkpoint read (and so verified) once --------------------------------
+
+
+def newest_valid(
+    run_dir: Path, train_state: bool = False, skip: Collection[Path] = ()
+) -> Iterator[Checkpoint]:
+    """The run's checkpoints that read, newest first; broken ones are reported and skipped."""
+    for path in reversed(list_checkpoints(run_dir)):
+        if path in skip:
+            continue
+        try:
+            yield checkpoint.read(path, train_state=train_state)
+        except TmtError as err:
+            logger.warning("skipping checkpoint %s: %s", path, err)
+
+
+def latest_valid(run_dir: Path) -> Path | None:
+    """The newest complete, uncorrupted checkpoint of a run (what a resume would start from)."""
+    saved = next(newest_valid(run_dir, train_state=True), None)
+    return saved.path if saved else None
+
+
+def newest_models(run_dir: Path, n: int, allow_fewer: bool = False) -> Iterator[Checkpoint]:
+    """The newest `n` checkpoints of a run that read, newest first, each read as it is taken (the
+    paper averages the last 5 or 20); with allow_fewer, as many as there are (at least 1)."""
+    if not (run_dir / CHECKPOINTS).is_dir():
+        raise TmtError(f"{run_dir}: not a run directory (no {CHECKPOINTS}/)")
+    taken = 0
+    for saved in newest_valid(run_dir):
+        yield saved
+        taken += 1
+        if taken == n:
+            return
+    if not (allow_fewer and taken):
+        raise TmtError(f"{run_dir}: {taken} complete checkpoints, {n} asked for")
+
+
+def load_model(path: Path) -> Checkpoint:
+    """A checkpoint or averaged-model directory as given; for a run directory its best
+    checkpoint, else its newest that reads."""
+    path = Path(path)
+    if (path / checkpoint.MANIFEST_FILE).is_file():
+        return checkpoint.read(path)
+    if not (path / CHECKPOINTS).is_dir():
+        raise TmtError(
+            f"{path}: not a checkpoint (no {checkpoint.MANIFEST_FILE})"
+            f" nor a run directory (no {CHECKPOINTS}/)"
+        )
+    best_path = best(path)
+    if best_path is not None:
+        try:
+            return checkpoint.read(best_path)
+        except TmtError as err:
+            logger.warning("skipping the best checkpoint %s: %s", best_path, err)
+    saved = next(newest_valid(path, skip={best_path} if best_path else ()), None)
+    if saved is None:
+        raise TmtError(f"{path}: the run has no complete checkpoint")
+    return saved
