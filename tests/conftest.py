@@ -105,3 +105,31 @@ def trained_run(tiny_cfg: Config, tmp_path_factory: pytest.TempPathFactory) -> P
         )
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_spm(tiny_cfg: Config) -> bytes:
+    """The sentencepiece model of the tiny corpus (64 pieces), as bytes."""
+    from transformer_mt.data import prepare_data
+
+    return prepare_data(tiny_cfg).tokenizer.model_bytes
+
+
+def model_parts(cfg: Config, spm: bytes, seed: int = 0) -> tuple[dict, dict]:
+    """Weights and a training state of a real model of `cfg` (freshly initialised from `seed`):
+    what checkpoint.read verifies a checkpoint against."""
+    import torch
+
+    from transformer_mt import checkpoint
+    from transformer_mt.model import Transformer
+    from transformer_mt.optim import build_optimizer
+    from transformer_mt.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(spm)
+    torch.manual_seed(seed)
+    model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
+    optimizer, scheduler = build_optimizer(model, cfg.model, cfg.optim)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ranks = [{"rng": checkpoint.capture_rng(), "metrics": {}}]
+    state = checkpoint.train_state(optimizer, scheduler, scaler, ranks, {"step": 0})
+    return model.state_dict(), state

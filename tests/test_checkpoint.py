@@ -6,11 +6,13 @@ import hashlib
 import json
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import model_parts
 
 from transformer_mt import checkpoint, run
 from transformer_mt.config import load_config
@@ -19,32 +21,30 @@ from transformer_mt.exits import TmtError
 CFG = load_config("tiny")
 
 
-def weights(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"a.weight": torch.randn(4, 3, generator=g), "b.bias": torch.randn(5, generator=g)}
+@pytest.fixture
+def weights(tiny_spm: bytes) -> Callable[..., dict[str, torch.Tensor]]:
+    """The weights of a tiny model initialised from `seed`."""
+    return lambda seed=0: model_parts(CFG, tiny_spm, seed)[0]
 
 
-def save(run_dir: Path, step: int, seed: int = 0, state: dict | None = None) -> Path:
-    """A training checkpoint where a run directory keeps checkpoint `step`."""
-    return checkpoint.write(
-        run.checkpoint_dir(run_dir, step),
-        step,
-        CFG,
-        weights(seed),
-        b"spm-bytes",
-        state or {"progress": {"step": step}},
-    )
+@pytest.fixture
+def save(tiny_spm: bytes) -> Callable[..., Path]:
+    """Write a training checkpoint of a tiny model where a run directory keeps step `step`."""
+
+    def save(run_dir: Path, step: int, seed: int = 0) -> Path:
+        model, state = model_parts(CFG, tiny_spm, seed)
+        return checkpoint.write(
+            run.checkpoint_dir(run_dir, step), step, CFG, model, tiny_spm, state
+        )
+
+    return save
 
 
-def test_round_trip(tmp_path: Path) -> None:
-    path = save(
-        tmp_path,
-        7,
-        state={"optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.98)}]}},
-    )
+def test_round_trip(tmp_path: Path, save, weights, tiny_spm: bytes) -> None:
+    path = save(tmp_path, 7)
     assert path == tmp_path / "checkpoints" / "step_00000007"
     model = checkpoint.read(path)
-    assert model.step == 7 and model.config == CFG and model.tokenizer_bytes == b"spm-bytes"
+    assert model.step == 7 and model.config == CFG and model.tokenizer_bytes == tiny_spm
     assert all(torch.equal(model.state_dict[k], v) for k, v in weights().items())
     state = checkpoint.read(path, train_state=True).train_state
     assert state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.98)
@@ -54,11 +54,11 @@ def test_round_trip(tmp_path: Path) -> None:
         manifest["files"]["model.pt"]
         == hashlib.sha256((path / "model.pt").read_bytes()).hexdigest()
     )
-    assert manifest["tokenizer_sha256"] == hashlib.sha256(b"spm-bytes").hexdigest()
+    assert manifest["tokenizer_sha256"] == hashlib.sha256(tiny_spm).hexdigest()
 
 
 def test_exception_mid_save_keeps_the_previous_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save, weights
 ) -> None:
     good = save(tmp_path, 10)
     real_write = checkpoint._write_torch
@@ -74,7 +74,9 @@ def test_exception_mid_save_keeps_the_previous_checkpoint(
         save(tmp_path, 20, seed=1)
     assert not (tmp_path / "checkpoints" / "step_00000020").exists()  # nothing under the final name
     assert run.latest_valid(tmp_path) == good
-    assert torch.equal(checkpoint.read(good).state_dict["a.weight"], weights()["a.weight"])
+    assert torch.equal(
+        checkpoint.read(good).state_dict["embedding.weight"], weights()["embedding.weight"]
+    )
     # The failed save removed its staging directory; a killed one is swept at the next start.
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     (tmp_path / "checkpoints" / ".tmp-step_00000030-999").mkdir()
@@ -82,10 +84,12 @@ def test_exception_mid_save_keeps_the_previous_checkpoint(
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
-def test_saving_the_same_step_again_replaces_it(tmp_path: Path) -> None:
+def test_saving_the_same_step_again_replaces_it(tmp_path: Path, save, weights) -> None:
     save(tmp_path, 5, seed=0)
     path = save(tmp_path, 5, seed=1)
-    assert torch.equal(checkpoint.read(path).state_dict["a.weight"], weights(1)["a.weight"])
+    assert torch.equal(
+        checkpoint.read(path).state_dict["embedding.weight"], weights(1)["embedding.weight"]
+    )
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000005"]
 
 
@@ -110,7 +114,9 @@ def flip_bit(path: Path) -> None:
         (lambda p: (p / "manifest.json").write_text("{"), "unreadable manifest"),
     ],
 )
-def test_corruption_is_detected_and_resume_falls_back(tmp_path: Path, damage, reason: str) -> None:
+def test_corruption_is_detected_and_resume_falls_back(
+    tmp_path: Path, damage, reason: str, save
+) -> None:
     older = save(tmp_path, 1)
     newer = save(tmp_path, 2, seed=1)
     damage(newer)
@@ -121,7 +127,7 @@ def test_corruption_is_detected_and_resume_falls_back(tmp_path: Path, damage, re
         checkpoint.read(newer, train_state="train_state" in reason)
 
 
-def test_other_format_version_is_refused(tmp_path: Path) -> None:
+def test_other_format_version_is_refused(tmp_path: Path, save) -> None:
     path = save(tmp_path, 3)
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["format_version"] = 99
@@ -140,7 +146,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
+def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path, save) -> None:
     path = save(tmp_path, 4)
     marker = tmp_path / "pwned"
     torch.save(
@@ -173,7 +179,7 @@ def test_rng_states_round_trip_as_plain_tensors(tmp_path: Path) -> None:
     ) == expected
 
 
-def test_unknown_config_key_in_checkpoint_is_reported(tmp_path: Path) -> None:
+def test_unknown_config_key_in_checkpoint_is_reported(tmp_path: Path, save) -> None:
     path = save(tmp_path, 5)
     payload = torch.load(path / "model.pt", weights_only=True)
     payload["config"]["model"]["d_modle"] = 3
@@ -185,7 +191,7 @@ def test_unknown_config_key_in_checkpoint_is_reported(tmp_path: Path) -> None:
         checkpoint.read(path)
 
 
-def test_saved_config_is_the_resolved_config(tmp_path: Path) -> None:
+def test_saved_config_is_the_resolved_config(tmp_path: Path, weights, tiny_spm: bytes) -> None:
     cfg = load_config("tiny", ["optim.eps=1e-8"])
-    path = checkpoint.write(tmp_path / "model", 1, cfg, weights(), b"x")
+    path = checkpoint.write(tmp_path / "model", 1, cfg, weights(), tiny_spm)
     assert checkpoint.read(path).config == cfg

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
 from transformer_mt.config import (
+    NON_EMPTY,
+    SECTIONS,
     Config,
+    Interval,
     config_from_dict,
     config_hash,
     load_config,
@@ -157,12 +161,97 @@ def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
         ("model.n_heads=7", "model.d_model must be divisible by model.n_heads"),
         ("data.max_len=5000", "data.max_len + 1 must be <= data.max_tokens"),
         ("data.tgt_lang=de", "data.src_lang and data.tgt_lang must differ"),
-        ("data.max_len_ratio=0.5", "data.max_len_ratio must be >= 1"),
+        ("decode.nbest=5", "decode.nbest must be <= decode.beam_size"),
     ],
 )
 def test_cross_field_checks(override: str, message: str) -> None:
     with pytest.raises(TmtError, match=message.replace("+", r"\+")):
         load_config(None, [override])
+
+
+# --- every field has a range -------------------------------------------------------------------
+
+# Text fields where "" means "none" or "the default"; every other text field must be non-empty.
+MAY_BE_EMPTY = {
+    "tokenizer.model_path",
+    "data.path",
+    "data.hf_config",
+    "data.src_field",
+    "data.tgt_field",
+    "data.cache_dir",
+}
+
+
+def every_field() -> list[tuple[str, object]]:
+    fields = []
+    for section, cls in typing.get_type_hints(Config).items():
+        hints = typing.get_type_hints(cls, include_extras=True)
+        fields += [(f"{section}.{f.name}", hints[f.name]) for f in dataclasses.fields(cls)]
+    return fields
+
+
+def test_every_field_has_a_range() -> None:
+    """Numbers carry an Interval, text is non-empty or listed as optional, the rest are choices."""
+    assert {key.split(".")[0] for key, _ in every_field()} == set(SECTIONS)
+    for key, kind in every_field():
+        base, rule = kind, None
+        if typing.get_origin(kind) is typing.Annotated:
+            base, rule = typing.get_args(kind)
+        if base in (int, float):
+            assert isinstance(rule, Interval), f"{key}: a number without a range"
+        elif base is str:
+            assert (rule == NON_EMPTY) != (key in MAY_BE_EMPTY), f"{key}: may it be empty?"
+        else:
+            assert base is bool or typing.get_origin(base) is typing.Literal, key
+
+
+def outside(rule: Interval, base: type) -> list[object]:
+    """Values just outside the interval, and a non-finite one for floats."""
+    step = 1 if base is int else 0.5
+    values: list[object] = []
+    if rule.low is not None:
+        values.append(rule.low if rule.low_open else rule.low - step)
+    if rule.high is not None:
+        values.append(rule.high if rule.high_open else rule.high + step)
+    if base is float:
+        values.append(float("nan"))
+    return values
+
+
+@pytest.mark.parametrize(("key", "kind"), every_field(), ids=[k for k, _ in every_field()])
+def test_out_of_range_values_are_one_line_errors_naming_key_value_and_range(key, kind) -> None:
+    if typing.get_origin(kind) is not typing.Annotated:
+        return  # bool and Literal fields: their choices are their range (test_bad_overrides_...)
+    base, rule = typing.get_args(kind)
+    bad_values = [""] if rule == NON_EMPTY else outside(rule, base)
+    assert bad_values, key
+    for bad in bad_values:
+        with pytest.raises(TmtError) as err:
+            load_config("tiny", [f"{key}={bad}"])
+        message = str(err.value)
+        assert message.startswith(f"--set {key}={bad}: {key} = "), message
+        expected = "a non-empty string" if rule == NON_EMPTY else str(rule).removeprefix("in ")
+        assert expected in message and "\n" not in message
+
+
+def test_ranges_hold_for_configs_built_in_code() -> None:
+    cfg = Config()
+    with pytest.raises(TmtError, match=r"model.dropout = 1.5: expected in \[0, 1\)"):
+        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=1.5))
+
+
+def test_set_errors_blame_the_set_not_the_yaml(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  d_model: 32\n")
+    with pytest.raises(TmtError) as err:
+        load_config(path, ["model.d_ff=abc"])
+    assert str(err.value).startswith("--set model.d_ff=abc: model.d_ff = 'abc'")
+    with pytest.raises(TmtError) as err:
+        load_config(path, ["model.d_fff=3"])
+    assert str(err.value).startswith("--set model.d_fff=3: unknown key model.d_fff")
+    bad_file = write(tmp_path, "model:\n  d_ff: abc\n")
+    with pytest.raises(TmtError) as err:
+        load_config(bad_file, ["model.d_model=64"])
+    assert str(err.value).startswith(f"{bad_file}: model.d_ff = 'abc'")
 
 
 def test_config_is_frozen() -> None:

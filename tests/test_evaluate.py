@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import reverse_pairs
+from conftest import model_parts, reverse_pairs
 
 from transformer_mt import checkpoint, evaluate, run
 from transformer_mt.config import Config, apply_overrides
@@ -158,27 +158,25 @@ def test_load_translator_from_run_directory_and_average(trained_run: Path) -> No
 # --- averaging ---------------------------------------------------------------------------------
 
 
-def fake(
-    tmp_path: Path,
-    name: str,
-    cfg: Config,
-    weights: dict[str, torch.Tensor],
-    step: int,
-    spm: bytes = b"spm",
-) -> Path:
+def fake(tmp_path: Path, name: str, cfg: Config, spm: bytes, step: int, **rows: list) -> Path:
+    """A model checkpoint of `cfg` whose first embedding rows are set to `rows` (by row index)."""
+    weights, _ = model_parts(cfg, spm)
+    for index, values in rows.items():
+        weights["embedding.weight"][int(index.removeprefix("row")), : len(values)] = torch.tensor(
+            values
+        )
     return checkpoint.write(tmp_path / name, step, cfg, weights, spm)
 
 
-def test_average_golden_values(tiny_cfg: Config, tmp_path: Path) -> None:
-    a = fake(
-        tmp_path, "a", tiny_cfg, {"w": torch.tensor([1.0, 2.0, 3.0]), "n": torch.tensor([1, 5])}, 1
-    )
-    b = fake(
-        tmp_path, "b", tiny_cfg, {"w": torch.tensor([3.0, 4.0, 8.0]), "n": torch.tensor([3, 5])}, 2
-    )
+def test_average_golden_values(tiny_cfg: Config, tiny_spm: bytes, tmp_path: Path) -> None:
+    a = fake(tmp_path, "a", tiny_cfg, tiny_spm, 1, row0=[1.0, 2.0, 3.0], row1=[-1.0])
+    b = fake(tmp_path, "b", tiny_cfg, tiny_spm, 2, row0=[3.0, 4.0, 8.0], row1=[2.5])
     mean = checkpoint.average(map(checkpoint.read, [b, a]))  # any order: sources sorted by step
-    assert torch.equal(mean.state_dict["w"], torch.tensor([2.0, 3.0, 5.5]))
-    assert torch.equal(mean.state_dict["n"], torch.tensor([2, 5]))
+    embedding = mean.state_dict["embedding.weight"]
+    assert torch.equal(embedding[0, :3], torch.tensor([2.0, 3.0, 5.5]))
+    assert torch.equal(embedding[1, :1], torch.tensor([0.75]))
+    # The tied pre-softmax projection is the same averaged matrix.
+    assert torch.equal(mean.state_dict["output_projection.weight"], embedding)
     assert mean.step == 2 and mean.sources == (str(a), str(b))
 
 
@@ -189,15 +187,22 @@ def test_average_of_copies_is_bitwise_the_original(trained_run: Path) -> None:
     assert all(torch.equal(original[k], mean.state_dict[k]) for k in original)
 
 
-def test_average_refuses_different_models(tiny_cfg: Config, tmp_path: Path) -> None:
-    w = {"w": torch.zeros(2)}
-    a = fake(tmp_path, "a", tiny_cfg, w, 1)
+def test_average_refuses_different_models(
+    tiny_cfg: Config, tiny_spm: bytes, tmp_path: Path
+) -> None:
+    from transformer_mt.tokenizer import train_tokenizer
+
+    a = fake(tmp_path, "a", tiny_cfg, tiny_spm, 1)
     wider = apply_overrides(tiny_cfg, ["model.d_ff=128"])
     with pytest.raises(TmtError, match="cannot average .*: model.d_ff differ"):
-        checkpoint.average(map(checkpoint.read, [a, fake(tmp_path, "b", wider, w, 2)]))
+        checkpoint.average(map(checkpoint.read, [a, fake(tmp_path, "b", wider, tiny_spm, 2)]))
+    sentences = [s for pair in reverse_pairs(200, seed=9) for s in pair]
+    other_spm = train_tokenizer(
+        sentences, tiny_cfg.tokenizer.__class__(vocab_size=48, byte_fallback=False)
+    )
     with pytest.raises(TmtError, match="the tokenizer model differ"):
-        other_tokenizer = fake(tmp_path, "c", tiny_cfg, w, 3, spm=b"other")
-        checkpoint.average(map(checkpoint.read, [a, other_tokenizer]))
+        other = fake(tmp_path, "c", tiny_cfg, other_spm.model_bytes, 3)
+        checkpoint.average(map(checkpoint.read, [a, other]))
 
 
 def test_write_average_is_a_loadable_model(trained_run: Path, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ ALLOWED = {
     "model": {"config"},
     "loss": set(),
     "optim": {"config"},
-    "distributed": set(),
+    "distributed": {"exits"},
     "faults": set(),
     # One checkpoint's format; it rebuilds its own model and tokenizer (one loading path).
     "checkpoint": {"__init__", "config", "exits", "faults", "files", "model", "tokenizer"},

@@ -5,11 +5,12 @@ from __future__ import annotations
 import builtins
 import io
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import model_parts
 from typer.testing import CliRunner
 
 from transformer_mt import checkpoint, evaluate, run
@@ -21,12 +22,19 @@ from transformer_mt.train import train
 CFG = load_config("tiny")
 
 
-def save(run_dir: Path, step: int) -> Path:
-    weights = {"w": torch.ones(2) * step}
-    return checkpoint.write(run.checkpoint_dir(run_dir, step), step, CFG, weights, b"spm", {})
+@pytest.fixture
+def save(tiny_spm: bytes):
+    """Write training checkpoint `step` of a tiny model into a run directory."""
+
+    def save(run_dir: Path, step: int) -> Path:
+        weights, state = model_parts(CFG, tiny_spm, seed=step)
+        final = run.checkpoint_dir(run_dir, step)
+        return checkpoint.write(final, step, CFG, weights, tiny_spm, state)
+
+    return save
 
 
-def test_prune_keeps_last_k_best_and_protected(tmp_path: Path) -> None:
+def test_prune_keeps_last_k_best_and_protected(tmp_path: Path, save) -> None:
     paths = [save(tmp_path, step) for step in (10, 20, 30, 40, 50, 60)]
     run.set_best(tmp_path, paths[1])
     run.prune(tmp_path, keep_last=2, protect={paths[0]})
@@ -41,7 +49,7 @@ def test_prune_keeps_last_k_best_and_protected(tmp_path: Path) -> None:
     assert run.best(tmp_path) == paths[5]
 
 
-def test_sweep_removes_interrupted_writes_only(tmp_path: Path) -> None:
+def test_sweep_removes_interrupted_writes_only(tmp_path: Path, save) -> None:
     kept = save(tmp_path, 1)
     root = tmp_path / "checkpoints"
     leftovers = [root / ".tmp-step_00000002-99", root / ".old-step_00000001-99"]
@@ -55,7 +63,7 @@ def test_sweep_removes_interrupted_writes_only(tmp_path: Path) -> None:
     assert checkpoint.verify(kept) is None
 
 
-def test_load_model_takes_a_checkpoint_or_a_run(tmp_path: Path) -> None:
+def test_load_model_takes_a_checkpoint_or_a_run(tmp_path: Path, save) -> None:
     first, second = save(tmp_path, 1), save(tmp_path, 2)
     assert run.load_model(first).path == first  # a checkpoint directory as given
     assert run.load_model(tmp_path).path == second  # a run: its newest, without a best
@@ -67,7 +75,7 @@ def test_load_model_takes_a_checkpoint_or_a_run(tmp_path: Path) -> None:
         run.load_model(tmp_path / "elsewhere")
 
 
-def test_newest_models_reads_lazily_and_counts(tmp_path: Path) -> None:
+def test_newest_models_reads_lazily_and_counts(tmp_path: Path, save) -> None:
     for step in (1, 2, 3):
         save(tmp_path, step)
     newest = run.newest_models(tmp_path, 2)
@@ -83,17 +91,28 @@ def test_newest_models_reads_lazily_and_counts(tmp_path: Path) -> None:
 
 @pytest.fixture
 def opened(monkeypatch: pytest.MonkeyPatch):
-    """Counts the opens for reading of files inside checkpoint directories, by path."""
+    """Counts the opens for reading of files inside checkpoint directories, by path, whichever
+    way they are opened (builtins.open, pathlib through io.open, os.open)."""
     counts: Counter[str] = Counter()
-    real_open = io.open
+    real_open, real_os_open = io.open, os.open
+
+    def count(file: object) -> None:
+        if "checkpoints" in str(file):
+            counts[str(Path(str(file)).resolve())] += 1
 
     def counting_open(file, mode="r", *args, **kwargs):
-        if "r" in mode and "checkpoints" in str(file):
-            counts[str(Path(file).resolve())] += 1
+        if "r" in mode and "+" not in mode:
+            count(file)
         return real_open(file, mode, *args, **kwargs)
+
+    def counting_os_open(path, flags, *args, **kwargs):
+        if not flags & (os.O_WRONLY | os.O_RDWR):
+            count(path)
+        return real_os_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(io, "open", counting_open)  # pathlib's read_bytes/read_text
     monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(os, "open", counting_os_open)
     return counts
 
 

@@ -61,7 +61,7 @@ def free_port() -> int:
 
 
 def run_tmt(
-    args: list[str], ranks: int = 1, fault: str | None = None
+    args: list[str], ranks: int = 1, fault: str | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
     env = {**__import__("os").environ, "PYTHONUNBUFFERED": "1"}
     if fault:  # on rank 0 unless the fault names its rank ("exit@rank1")
@@ -79,7 +79,9 @@ def run_tmt(
             "transformer_mt",
             *args,
         ]
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    return subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout
+    )
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ command reads a file twice. Where checkpoints live in a run directory is run.py'
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -27,6 +28,7 @@ import os
 import pickle
 import random
 import shutil
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from transformer_mt import __version__, faults, files
+from transformer_mt import __version__, exits, faults, files
 from transformer_mt.config import (
     MODEL_SECTIONS,
     Config,
@@ -52,6 +54,7 @@ from transformer_mt.tokenizer import Tokenizer
 FORMAT_VERSION = 1
 _MIN_TORCH = "2.10"  # weights_only bypasses before: CVE-2025-32434 (< 2.6), CVE-2026-24747 (< 2.10)
 MODEL_FILE, STATE_FILE, MANIFEST_FILE = "model.pt", "train_state.pt", "manifest.json"
+CHECKPOINTS = "checkpoints"  # a run keeps its training checkpoints in this directory (run.py)
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,7 @@ def write(
         raise TmtError(f"refusing to save {final}: non-finite values in {', '.join(bad[:5])}")
     root, name = final.parent, final.name
     root.mkdir(parents=True, exist_ok=True)
+    recover(root, live_writers=True)
     staging = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -153,6 +157,34 @@ def _swap_into_place(staging: Path, final: Path) -> None:
         shutil.rmtree(previous, ignore_errors=True)
 
 
+def recover(root: Path, live_writers: bool) -> None:
+    """Clean up after saves into `root` that were interrupted: a staging directory is removed; a
+    checkpoint renamed aside by a save at the same step (".old-NAME-PID") is put back when NAME is
+    missing (the kill came between the two renames), else removed. With live_writers, leftovers
+    of processes still running on this host are left alone."""
+    for path in [*root.glob(".tmp-*"), *root.glob(".old-*")]:
+        name, _, pid = path.name[len(".tmp-") :].rpartition("-")
+        if not name or not pid.isdigit() or (live_writers and _running(int(pid))):
+            continue
+        if path.name.startswith(".old-") and not (root / name).exists():
+            os.rename(path, root / name)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    files.fsync_dir(root)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class _HashingWriter:
     """A write-only file wrapper that hashes what passes through (torch.save streams into it).
 
@@ -202,20 +234,29 @@ def _write_torch(path: Path, payload: Any, written: list[int], step: int) -> str
 
 # --- reading -----------------------------------------------------------------------------------
 
+_MANIFEST_LIMIT = 1 << 20  # a manifest is a few hundred bytes; a bigger one is not a manifest
+_SHA256_HEX = frozenset("0123456789abcdef")
+
 
 def read(path: str | Path, train_state: bool = False) -> Checkpoint:
     """Read model.pt (and train_state.pt) of a checkpoint directory, each file once, verified
-    against the manifest before it is unpickled (tensors and plain values only)."""
+    against the manifest before it is unpickled (tensors and plain values only), then checked
+    against the model its own config describes: a checkpoint that reads is one that loads."""
     path = Path(path)
     manifest = read_manifest(path)
     payload = _load_verified(path, MODEL_FILE, manifest)
-    try:
-        cfg = config_from_dict(payload["config"], origin=f"{path / MODEL_FILE} config")
-        step, weights, spm = int(payload["step"]), payload["model"], bytes(payload["tokenizer"])
-        # The config as stored: a newer tmt fills in keys added since; the hash is of the stored.
-        stored = json.dumps(payload["config"], sort_keys=True).encode()
-    except (KeyError, TypeError, ValueError) as err:
-        raise TmtError(f"{path / MODEL_FILE}: malformed checkpoint ({err})") from None
+    where = path / MODEL_FILE
+    if not isinstance(payload, dict):
+        raise TmtError(f"{where}: malformed checkpoint (holds a {type(payload).__name__})")
+    missing = sorted({"config", "model", "step", "tokenizer"} - set(payload))
+    if missing:
+        raise TmtError(f"{where}: malformed checkpoint (no {', '.join(missing)})")
+    cfg = config_from_dict(payload["config"], origin=f"{where} config")
+    step, weights, spm = payload["step"], payload["model"], payload["tokenizer"]
+    if not isinstance(step, int) or not isinstance(spm, bytes):
+        raise TmtError(f"{where}: malformed checkpoint (step or tokenizer of the wrong type)")
+    # The config as stored: a newer tmt fills in keys added since; the hash is of the stored.
+    stored = json.dumps(payload["config"], sort_keys=True).encode()
     found = {
         "step": step,
         "config_sha256": hashlib.sha256(stored).hexdigest(),
@@ -224,41 +265,74 @@ def read(path: str | Path, train_state: bool = False) -> Checkpoint:
     differ = [key for key, value in found.items() if manifest.get(key) != value]
     if differ:
         raise TmtError(f"{path}: manifest does not match {MODEL_FILE} ({', '.join(differ)} differ)")
-    state = _load_verified(path, STATE_FILE, manifest) if train_state else None
-    sources = tuple(str(s) for s in manifest.get("averaged", ()))
+    parameters = _check_weights(cfg, spm, weights, where)
+    state = None
+    if train_state:
+        state = _load_verified(path, STATE_FILE, manifest)
+        _check_train_state(state, parameters, path / STATE_FILE)
+    sources = tuple(str(s) for s in manifest.get("averaged", ()) if isinstance(s, str))
     return Checkpoint(path, step, cfg, weights, spm, state, sources)
 
 
 def verify(path: Path) -> str | None:
     """None if `path` is a complete, uncorrupted checkpoint, else the reason it is not."""
     try:
-        manifest = read_manifest(path)
-        unexpected = sorted(set(manifest["files"]) - {MODEL_FILE, STATE_FILE})
-        if unexpected:
-            return f"{path}: manifest lists unexpected files {unexpected}"
-        read(path, train_state=STATE_FILE in manifest["files"])
+        read(path, train_state=STATE_FILE in read_manifest(path)["files"])
     except TmtError as err:
         return str(err)
     return None
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint directory, checked: a format version this tmt reads, a step,
+    and SHA-256 digests for model.pt (and train_state.pt), no other file."""
     file = path / MANIFEST_FILE
     try:
-        manifest = json.loads(file.read_bytes())
+        manifest = json.loads(_read_plain(file, _MANIFEST_LIMIT))
     except FileNotFoundError:
         raise TmtError(f"{path}: not a complete checkpoint (no {MANIFEST_FILE})") from None
-    except (OSError, ValueError) as err:
-        raise TmtError(f"{file}: unreadable manifest ({err})") from None
+    except (ValueError, RecursionError) as err:
+        raise TmtError(f"{file}: unreadable manifest ({str(err)[:200]})") from None
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
         found = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise TmtError(
             f"{path}: checkpoint format version {found}, this tmt reads {FORMAT_VERSION}"
         )
+    listed = manifest.get("files")
+    if not isinstance(listed, dict) or MODEL_FILE not in listed:
+        raise TmtError(f"{file}: malformed manifest (no file list with {MODEL_FILE})")
+    unexpected = sorted(set(listed) - {MODEL_FILE, STATE_FILE})
+    if unexpected:
+        raise TmtError(f"{file}: malformed manifest (lists files it may not name: {unexpected})")
+    for digest in listed.values():
+        if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _SHA256_HEX):
+            raise TmtError(f"{file}: malformed manifest (a file digest is not a SHA-256)")
     return manifest
 
 
-def _load_verified(path: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+def _read_plain(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of the plain file at `path`, refusing anything else without waiting: a symbolic
+    link, a FIFO or a device (a naive read of one hangs, or never ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        what = "a symbolic link" if err.errno == errno.ELOOP else (err.strerror or str(err))
+        raise TmtError(f"{path}: cannot read: {what}; checkpoint files are plain files") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TmtError(f"{path}: not a plain file; checkpoint files are plain files")
+        if limit is not None and info.st_size > limit:
+            raise TmtError(f"{path}: {info.st_size} bytes, larger than it can be ({limit})")
+        try:
+            return handle.read()
+        except OSError as err:
+            raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
+
+
+def _load_verified(path: Path, name: str, manifest: dict[str, Any]) -> Any:
     if torch.__version__ < _MIN_TORCH:
         raise TmtError(
             f"torch {torch.__version__}: checkpoints are read with torch >= {_MIN_TORCH} only"
@@ -266,9 +340,9 @@ def _load_verified(path: Path, name: str, manifest: dict[str, Any]) -> dict[str,
     if name not in manifest["files"]:
         raise TmtError(f"{path}: checkpoint has no {name}")
     try:
-        data = (path / name).read_bytes()
-    except OSError as err:
-        raise TmtError(f"{path / name}: cannot read: {err.strerror or err}") from None
+        data = _read_plain(path / name)
+    except FileNotFoundError:
+        raise TmtError(f"{path / name}: cannot read: no such file") from None
     if hashlib.sha256(data).hexdigest() != manifest["files"][name]:
         raise TmtError(f"{path / name}: does not match its manifest hash (corrupted or truncated)")
     try:
@@ -281,6 +355,58 @@ def _load_verified(path: Path, name: str, manifest: dict[str, Any]) -> dict[str,
         ) from None
     except (RuntimeError, EOFError, ValueError) as err:
         raise TmtError(f"{path / name}: unreadable ({str(err).splitlines()[0]})") from None
+
+
+def _check_weights(cfg: Config, spm: bytes, weights: Any, where: Path) -> list[torch.nn.Parameter]:
+    """Refuse weights that are not the tensors of the model `cfg` describes (names, shapes,
+    floating point); returns that model's parameters (shapes only: built on the meta device)."""
+    tokenizer = Tokenizer(spm, origin=f"{where} tokenizer")
+    with torch.device("meta"):
+        expected = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
+    if not isinstance(weights, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()
+    ):
+        raise TmtError(f"{where}: malformed checkpoint (the weights are not named tensors)")
+    shapes = {name: tuple(t.shape) for name, t in expected.state_dict().items()}
+    differ = [f"{n} unexpected" for n in weights if n not in shapes]
+    for name, shape in shapes.items():
+        found = tuple(weights[name].shape) if name in weights else "missing"
+        if found != shape or (name in weights and not weights[name].is_floating_point()):
+            differ.append(f"{name} {found} vs {shape}")
+    if differ:
+        raise TmtError(f"{where}: weights do not fit its config's model: {'; '.join(differ[:4])}")
+    return list(expected.parameters())
+
+
+def _check_train_state(state: Any, parameters: list[torch.nn.Parameter], where: Path) -> None:
+    """Refuse a training state that could not be restored into the model's optimizer."""
+
+    def bad(what: str) -> TmtError:
+        return TmtError(f"{where}: malformed training state ({what})")
+
+    kinds = {"optimizer": dict, "scheduler": dict, "scaler": dict, "rng": list, "progress": dict}
+    if not isinstance(state, dict):
+        raise bad(f"holds a {type(state).__name__}")
+    for key, kind in kinds.items():
+        if not isinstance(state.get(key), kind):
+            raise bad(f"{key}: expected a {kind.__name__}")
+    groups, per_param = state["optimizer"].get("param_groups"), state["optimizer"].get("state")
+    if not isinstance(groups, list) or not isinstance(per_param, dict):
+        raise bad("optimizer: no param_groups or state")
+    indices = [i for g in groups if isinstance(g, dict) for i in g.get("params", [None])]
+    if sorted(map(str, indices)) != sorted(str(i) for i in range(len(parameters))):
+        raise bad(f"optimizer: {len(indices)} parameters, the model has {len(parameters)}")
+    for index, moments in per_param.items():
+        if not isinstance(moments, dict) or index not in range(len(parameters)):
+            raise bad(f"optimizer state of parameter {index!r}")
+        for name in ("exp_avg", "exp_avg_sq"):
+            value = moments.get(name)
+            if value is not None and getattr(value, "shape", None) != parameters[index].shape:
+                raise bad(f"optimizer {name} of parameter {index} has the wrong shape")
+    if not all(isinstance(r, dict) for r in state["rng"] + state.get("metrics", [])):
+        raise bad("rng or metrics: expected one mapping per rank")
+    if not all(isinstance(k, str) for k in state["progress"]):
+        raise bad("progress: expected named values")
 
 
 # --- the model of a checkpoint -----------------------------------------------------------------
@@ -354,14 +480,45 @@ def average(checkpoints: Iterable[Checkpoint]) -> Checkpoint:
 def write_average(checkpoints: Iterable[Checkpoint], output: Path) -> Checkpoint:
     """Average `checkpoints` into a self-contained model directory at `output` (written
     atomically); returns the averaged model as written."""
-    if output.exists() and not (output / MANIFEST_FILE).is_file():
-        if output.is_file() or any(output.iterdir()):
-            raise TmtError(f"{output}: exists and is not a checkpoint; choose another output")
-        output.rmdir()
+    _check_average_output(output)
     mean = average(checkpoints)
     info = {"averaged": list(mean.sources)}
-    write(output, mean.step, mean.config, mean.state_dict, mean.tokenizer_bytes, info=info)
+    try:
+        write(output, mean.step, mean.config, mean.state_dict, mean.tokenizer_bytes, info=info)
+    except (OSError, RuntimeError) as err:  # disk full, quota, I/O (torch: RuntimeError)
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise TmtError(
+            f"{output}: writing the averaged model failed ({reason.splitlines()[0]});"
+            " nothing was left there",
+            exit_code=exits.NO_ROOM,
+        ) from None
     return dataclasses.replace(mean, path=output)
+
+
+def _check_average_output(output: Path) -> None:
+    """An average may replace an averaged model, never a training checkpoint (its training state
+    would be lost) nor a file or directory that is not a model."""
+    if output.parent.name == CHECKPOINTS:
+        raise TmtError(
+            f"{output}: inside a run's {CHECKPOINTS}/ directory, where it would be taken for a"
+            " training checkpoint; choose another output"
+        )
+    if not output.exists() and not output.is_symlink():
+        return
+    if output.is_symlink() or not output.is_dir():
+        raise TmtError(f"{output}: exists and is not a model directory; choose another output")
+    if (output / MANIFEST_FILE).exists():
+        try:
+            listed = read_manifest(output)["files"]
+        except TmtError:
+            listed = {STATE_FILE: "unreadable"}
+        if STATE_FILE in listed:
+            raise TmtError(
+                f"{output}: a training checkpoint; averaging into it would destroy its training"
+                " state; choose another output"
+            )
+    elif any(output.iterdir()):
+        raise TmtError(f"{output}: exists and is not a checkpoint; choose another output")
 
 
 def _check_same_model(first: Checkpoint, other: Checkpoint, names: set[str]) -> None:
@@ -381,42 +538,53 @@ def train_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: torch.amp.GradScaler,
-    rng: list[dict[str, Any]],
+    ranks: list[dict[str, Any]],
     progress: dict[str, Any],
 ) -> dict[str, Any]:
-    """What train_state.pt holds: Adam's state, the schedule, the fp16 scaler, every rank's RNG
-    states (capture_rng, in rank order) and the trainer's progress (plain values)."""
+    """What train_state.pt holds: Adam's state, the schedule, the fp16 scaler, the trainer's
+    progress (plain values), and per rank (in rank order) its RNG states (capture_rng) and its
+    metrics since the last record."""
     return {
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
-        "rng": rng,
+        "rng": [r["rng"] for r in ranks],
+        "metrics": [r["metrics"] for r in ranks],
         "progress": progress,
     }
 
 
 def restore_train_state(
-    state: dict[str, Any],
+    saved: Checkpoint,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: torch.amp.GradScaler,
     rank: int,
     world_size: int,
-) -> dict[str, Any]:
-    """Load a train_state.pt into the optimizer, schedule and scaler, restore this rank's RNG
-    states; returns the saved progress."""
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
-    if len(state["rng"]) == world_size:
-        restore_rng(state["rng"][rank])
-    else:  # another world size: the data order resumes exactly, the dropout streams cannot
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Load a checkpoint's train_state.pt into the optimizer, schedule and scaler and restore this
+    rank's RNG states; returns the saved progress and this rank's metrics since the last record
+    (None when the world size changed or the checkpoint predates them)."""
+    state = saved.train_state or {}
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        same_world = len(state["rng"]) == world_size
+        if same_world:
+            restore_rng(state["rng"][rank])
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
+        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise TmtError(f"{saved.path / STATE_FILE}: cannot be restored ({reason})") from None
+    if not same_world:  # another world size: the data order resumes exactly, the dropout cannot
         logger.warning(
-            "checkpoint has %d ranks, this run %d: random streams restart",
+            "checkpoint has %d ranks, this run %d: random streams and the metrics since the"
+            " last record restart",
             len(state["rng"]),
             world_size,
         )
-    return state["progress"]
+    metrics = state.get("metrics", [])
+    return state["progress"], metrics[rank] if same_world and len(metrics) == world_size else None
 
 
 # --- RNG state as tensors and primitives (loadable with weights_only) ----------------------------

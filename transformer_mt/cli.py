@@ -5,18 +5,19 @@ Heavy modules (torch, datasets) are imported inside the commands so `tmt --help`
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import functools
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO, TextIO
+from typing import Annotated, Any
 
 import typer
 
+from transformer_mt import exits
 from transformer_mt.config import load_config
 from transformer_mt.exits import TmtError
 
@@ -59,6 +60,13 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             typer.echo(f"tmt: error: {err}", err=True)
             raise typer.Exit(err.exit_code) from None
+        except OSError as err:  # what the library did not name itself: still one line
+            if os.environ.get("TMT_DEBUG") or isinstance(err, BrokenPipeError):
+                raise
+            where = f"{err.filename}: " if err.filename else ""
+            full = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+            typer.echo(f"tmt: error: {where}{err.strerror or err}", err=True)
+            raise typer.Exit(exits.NO_ROOM if full else exits.BAD_INPUT) from None
 
     return run
 
@@ -74,7 +82,6 @@ def train(
 ) -> None:
     """Train a model. Multi-GPU: torchrun --nproc_per_node=N -m transformer_mt train -c CONFIG."""
     from transformer_mt import dry_run as dry_run_lib
-    from transformer_mt import exits
     from transformer_mt import train as train_lib
 
     cfg = load_config(config, set_ or [])
@@ -121,11 +128,10 @@ def translate(
 
     overrides = [*(set_ or []), *([f"decode.nbest={nbest}"] if nbest != 1 else [])]
     translator = lib.load_translator(checkpoint, overrides, average_last)
-    with _open_in(input_) as source, _open_out(output) as sink:
-        try:
-            lib.translate_stream(translator, source, sink)
-        except BrokenPipeError:  # the reader left (e.g. `| head -1`): stop quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    try:
+        lib.translate_file(translator, input_, output)
+    except BrokenPipeError:  # the reader left (e.g. `| head -1`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 @app.command()
@@ -190,32 +196,6 @@ def average(
     models = run.newest_models(inputs[0], last) if last else map(checkpoint.read, inputs)
     mean = checkpoint.write_average(models, output)
     typer.echo(json.dumps({"output": str(mean.path), "averaged": list(mean.sources)}))
-
-
-@contextlib.contextmanager
-def _open_in(path: str) -> Iterator[BinaryIO]:
-    if path == "-":
-        yield sys.stdin.buffer
-        return
-    try:
-        handle = open(path, "rb")  # noqa: SIM115
-    except OSError as err:
-        raise TmtError(f"--input {path}: {err.strerror or err}") from None
-    with handle:
-        yield handle
-
-
-@contextlib.contextmanager
-def _open_out(path: str) -> Iterator[TextIO]:
-    if path == "-":
-        yield sys.stdout
-        return
-    try:
-        handle = open(path, "w", encoding="utf-8", newline="\n")  # noqa: SIM115
-    except OSError as err:
-        raise TmtError(f"--output {path}: {err.strerror or err}") from None
-    with handle:
-        yield handle
 
 
 def main() -> None:

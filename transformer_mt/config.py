@@ -12,12 +12,13 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
@@ -25,29 +26,70 @@ from transformer_mt.exits import TmtError
 
 
 @dataclass(frozen=True)
+class Interval:
+    """The values a number field accepts (always finite); a field's type carries its interval."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        if self.low is None and self.high is None:
+            return "a finite number"
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        return (
+            f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+            f"{')' if self.high_open else ']'}"
+        )
+
+
+def _number(x: float | None) -> str:
+    return str(int(x)) if x is not None and float(x).is_integer() else f"{x:g}"
+
+
+NON_EMPTY = "non-empty"  # the range of a text field that may not be ""
+# The ranges of most fields, by meaning; the type of every number field carries one.
+Count = Annotated[int, Interval(1)]  # sizes, layers, heads, steps per event: at least 1
+Number = Annotated[int, Interval(0)]  # budgets and intervals: 0 = none / off
+Fraction = Annotated[float, Interval(0.0, 1.0, high_open=True)]  # dropout, smoothing, β: [0, 1)
+Amount = Annotated[float, Interval(0.0)]  # scales, minutes, lengths: >= 0
+Positive = Annotated[float, Interval(0.0, low_open=True)]  # ε, timeouts: > 0
+Real = Annotated[float, Interval()]  # any finite number
+Text = Annotated[str, NON_EMPTY]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    d_model: int = 512  # §3.1 width of every sublayer output and embedding
-    d_ff: int = 2048  # §3.3 inner width of the position-wise feed-forward network
-    n_heads: int = 8  # §3.2.2 h, parallel attention heads
-    n_encoder_layers: int = 6  # §3.1 N, encoder stack depth
-    n_decoder_layers: int = 6  # §3.1 N, decoder stack depth
-    dropout: float = 0.1  # §5.4 P_drop on sublayer outputs and embedding+position sums
-    attention_dropout: float = 0.0  # departure (fairseq/t2t option): dropout on attention weights
-    max_positions: int = (
-        1024  # rows of the sinusoidal table (§3.5): longest sequence, specials included
-    )
-    pre_norm: bool = (
-        False  # departure: LayerNorm before each sublayer (+ final norms); paper is post-norm
-    )
+    d_model: Count = 512  # §3.1 width of every sublayer output and embedding
+    d_ff: Count = 2048  # §3.3 inner width of the position-wise feed-forward network
+    n_heads: Count = 8  # §3.2.2 h, parallel attention heads
+    n_encoder_layers: Count = 6  # §3.1 N, encoder stack depth
+    n_decoder_layers: Count = 6  # §3.1 N, decoder stack depth
+    dropout: Fraction = 0.1  # §5.4 P_drop on sublayer outputs and embedding+position sums
+    attention_dropout: Fraction = 0.0  # departure (fairseq/t2t): dropout on attention weights
+    # Rows of the sinusoidal table (§3.5): the longest sequence, specials included.
+    max_positions: Annotated[int, Interval(2)] = 1024
+    pre_norm: bool = False  # departure: LayerNorm before each sublayer (+ final norms)
 
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    vocab_size: int = 37000  # §5.1 shared source-target vocabulary of about 37000 tokens (EN-DE)
+    # §5.1 shared source-target vocabulary of about 37000 tokens (EN-DE).
+    vocab_size: Annotated[int, Interval(8)] = 37000
     model_type: Literal["bpe", "unigram"] = "bpe"  # §5.1 byte-pair encoding
-    character_coverage: float = 0.9995  # sentencepiece: share of characters kept as pieces
+    # sentencepiece: the share of characters kept as pieces.
+    character_coverage: Annotated[float, Interval(0.0, 1.0, low_open=True)] = 0.9995
     byte_fallback: bool = True  # rare characters become byte pieces instead of <unk>
-    max_sentences: int = 2_000_000  # sampling cap: at most this many sentences train the model
+    max_sentences: Count = 2_000_000  # sampling cap: at most this many sentences train the model
     model_path: str = ""  # an existing sentencepiece .model to use instead of training one
 
 
@@ -61,81 +103,82 @@ class DataConfig:
     #   hf        datasets.load_dataset(path, hf_config, split=...): a hub name or a local directory
     #   hf_disk   datasets.load_from_disk(path): a DatasetDict written by save_to_disk
     source: Literal["multi30k", "files", "tsv", "jsonl", "hf", "hf_disk"] = "multi30k"
-    src_lang: str = "de"
-    tgt_lang: str = "en"
+    src_lang: Text = "de"
+    tgt_lang: Text = "en"
     path: str = ""  # hf: dataset name or directory; hf_disk: the saved DatasetDict's directory
     hf_config: str = ""  # hf: configuration name, e.g. "de-en" for wmt14
     # Splits: a split name (multi30k, hf, hf_disk), a path prefix (files) or a file (tsv, jsonl).
-    train: str = "train"
-    valid: str = "val"
-    test: str = "test_2016_flickr"
+    train: Text = "train"
+    valid: Text = "val"
+    test: Text = "test_2016_flickr"
     # tsv: "" reads columns 0 and 1 with no header; names pick columns of a header line; digits pick
     # columns by index. jsonl/hf: "" reads record["translation"][lang]; names read top-level fields.
     src_field: str = ""
     tgt_field: str = ""
     encoding_errors: Literal["strict", "replace", "skip"] = "strict"  # invalid UTF-8 policy
-    max_len: int = 256  # training pairs with more subword tokens on either side are filtered
-    max_len_ratio: float = (
-        3.0  # ... and pairs whose longer side exceeds this multiple of the shorter
-    )
-    max_tokens: int = 4096  # batch budget per rank: sentences × padded length of the longer side
-    num_proc: int = 1  # processes that encode the corpus (datasets.map)
+    max_len: Count = 256  # training pairs with more subword tokens on either side are filtered
+    # ... and pairs whose longer side exceeds this multiple of the shorter.
+    max_len_ratio: Annotated[float, Interval(1.0)] = 3.0
+    max_tokens: Count = 4096  # batch budget per rank: sentences × padded length of the longer side
+    num_proc: Count = 1  # processes that encode the corpus (datasets.map)
     cache_dir: str = ""  # tokenized-corpus cache; "" = $TMT_CACHE or ~/.cache/transformer_mt
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr_scale: float = 1.0  # §5.3 multiplier of d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)
-    warmup_steps: int = 4000  # §5.3
-    beta1: float = 0.9  # §5.3 Adam β1
-    beta2: float = 0.98  # §5.3 Adam β2
-    eps: float = 1e-9  # §5.3 Adam ε
-    label_smoothing: float = 0.1  # §5.4 ε_ls
-    clip_norm: float = 0.0  # departure: clip the global gradient norm to this value (0 = off)
+    lr_scale: Amount = 1.0  # §5.3 multiplier of d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)
+    warmup_steps: Count = 4000  # §5.3
+    beta1: Fraction = 0.9  # §5.3 Adam β1
+    beta2: Fraction = 0.98  # §5.3 Adam β2
+    eps: Positive = 1e-9  # §5.3 Adam ε
+    label_smoothing: Fraction = 0.1  # §5.4 ε_ls
+    clip_norm: Amount = 0.0  # departure: clip the global gradient norm to this value (0 = off)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    out_dir: str = "runs/default"  # run directory: config, metrics, tokenizer, checkpoints
-    seed: int = 1
-    max_steps: int = 100_000  # §5.2 base model: 100K steps; whichever budget ends first stops
-    max_epochs: int = 0  # 0 = no epoch budget
-    max_minutes: float = 0.0  # wall-clock budget; 0 = none
-    update_freq: int = 1  # micro-batches accumulated per optimizer step
+    out_dir: Text = "runs/default"  # run directory: config, metrics, tokenizer, checkpoints
+    seed: Annotated[int, Interval(0, 2**31 - 1)] = 1
+    max_steps: Number = 100_000  # §5.2 base model: 100K steps; whichever budget ends first stops
+    max_epochs: Number = 0  # 0 = no epoch budget
+    max_minutes: Amount = 0.0  # wall-clock budget; 0 = none
+    update_freq: Count = 1  # micro-batches accumulated per optimizer step
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     compile: bool = False  # torch.compile the model
-    log_every: int = 100  # steps between metrics.jsonl records
-    valid_every: int = 1000  # steps between validation loss measurements
-    save_every: int = 1000  # steps between checkpoints (0 = off)
-    save_every_minutes: float = 10.0  # §6.1 checkpoints written at 10-minute intervals (0 = off)
-    keep_last: int = 5  # checkpoints kept besides the best; §6.1 averages the last 5 (base)
-    bleu_every: int = 0  # steps between validation BLEU (decoded like tmt evaluate); 0 = off
-    bleu_beam_size: int = 1  # beam size of validation BLEU decoding (1 = greedy)
+    log_every: Count = 100  # steps between metrics.jsonl records
+    valid_every: Number = 1000  # steps between validation loss measurements (0 = off)
+    save_every: Number = 1000  # steps between checkpoints (0 = off)
+    save_every_minutes: Amount = 10.0  # §6.1 checkpoints written at 10-minute intervals (0 = off)
+    keep_last: Number = 5  # checkpoints kept besides the best; §6.1 averages the last 5 (base)
+    bleu_every: Number = 0  # steps between validation BLEU (decoded like tmt evaluate); 0 = off
+    bleu_beam_size: Count = 1  # beam size of validation BLEU decoding (1 = greedy)
     best_metric: Literal["val_loss", "val_bleu"] = "val_loss"  # what checkpoints/best tracks
-    patience: int = 0  # stop after this many validations without a better best_metric; 0 = never
-    average_last: int = 0  # at the end, average the newest N checkpoints into OUT_DIR/average
-    nonfinite_patience: int = 5  # consecutive non-finite updates (each skipped) before stopping
+    patience: Number = 0  # stop after this many validations without a better best_metric; 0 = never
+    average_last: Number = 0  # at the end, average the newest N checkpoints into OUT_DIR/average
+    nonfinite_patience: Count = 5  # consecutive non-finite updates (each skipped) before stopping
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when available
-    distributed_timeout_s: float = 600.0  # a collective waiting longer fails instead of hanging
+    distributed_timeout_s: Positive = 600.0  # a collective waiting longer fails, not hangs
+    # A run directory whose checkpoint was trained with other settings (anything but budgets,
+    # logging, checkpoint cadence, decoding and execution): "auto" refuses to resume it, naming
+    # the keys; "force" resumes anyway and records the change in metrics.jsonl.
+    resume: Literal["auto", "force"] = "auto"
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    beam_size: int = 4  # §6.1; 1 = greedy
-    length_penalty: float = 0.6  # §6.1 α
-    length_penalty_form: Literal["gnmt", "power"] = (
-        "gnmt"  # GNMT ((5+|Y|)/6)^α; power |Y|^α (fairseq, HF)
-    )
+    beam_size: Count = 4  # §6.1; 1 = greedy
+    length_penalty: Real = 0.6  # §6.1 α
+    length_penalty_form: Literal["gnmt", "power"] = "gnmt"  # ((5+|Y|)/6)^α; |Y|^α (fairseq, HF)
     # When a sentence's search stops once it has k finished hypotheses: "bound" when no live one
     # can beat them under any length up to the maximum (tensor2tensor, the paper's code: exact,
     # the same output as searching to the maximum length); "current" when none beats them at its
     # current length (HF generate's default heuristic: fewer steps, may rarely differ).
     early_stopping: Literal["bound", "current"] = "bound"
-    max_len_a: float = 1.0  # §6.1 maximum output length a · input length + b
-    max_len_b: int = 50
-    max_tokens: int = 4096  # source tokens per translation batch (padded), before beam expansion
-    nbest: int = 1  # hypotheses written per input line (tmt translate --nbest)
-    buffer_lines: int = 256  # stdin lines translated together when they are already waiting
+    max_len_a: Amount = 1.0  # §6.1 maximum output length a · input length + b
+    max_len_b: Number = 50
+    max_tokens: Count = 4096  # source tokens per translation batch (padded), before beam expansion
+    nbest: Count = 1  # hypotheses written per input line (tmt translate --nbest)
+    buffer_lines: Count = 256  # stdin lines translated together when they are already waiting
 
 
 @dataclass(frozen=True)
@@ -148,6 +191,14 @@ class Config:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self) -> None:
+        for section in dataclasses.fields(self):
+            values = getattr(self, section.name)
+            hints = typing.get_type_hints(type(values), include_extras=True)
+            for f in dataclasses.fields(values):
+                key, value = f"{section.name}.{f.name}", getattr(values, f.name)
+                problem = _out_of_range(value, hints[f.name])
+                if problem:
+                    raise TmtError(f"{key} = {value!r}: expected {problem}")
         checks = [
             (
                 self.model.d_model % self.model.n_heads == 0,
@@ -166,29 +217,25 @@ class Config:
                 self.data.max_len + 1 <= self.model.max_positions,
                 "data.max_len + 1 must be <= model.max_positions",
             ),
-            (self.data.max_len_ratio >= 1.0, "data.max_len_ratio must be >= 1"),
-            (self.tokenizer.vocab_size >= 8, "tokenizer.vocab_size must be >= 8"),
-            (self.train.update_freq >= 1, "train.update_freq must be >= 1"),
             (
                 self.train.max_steps > 0 or self.train.max_epochs > 0 or self.train.max_minutes > 0,
                 "set a budget: train.max_steps, train.max_epochs or train.max_minutes",
             ),
-            (self.train.log_every >= 1, "train.log_every must be >= 1"),
-            (self.train.bleu_beam_size >= 1, "train.bleu_beam_size must be >= 1"),
             (
                 self.train.best_metric != "val_bleu" or self.train.bleu_every > 0,
                 "train.best_metric=val_bleu needs train.bleu_every > 0",
             ),
-            (self.decode.beam_size >= 1, "decode.beam_size must be >= 1"),
             (
-                1 <= self.decode.nbest <= self.decode.beam_size,
-                "decode.nbest must be in 1..decode.beam_size",
+                not self.train.patience
+                or (self.train.bleu_every if self.train.best_metric == "val_bleu" else 0)
+                or self.train.valid_every,
+                "train.patience needs validation: train.valid_every > 0 (or train.bleu_every > 0"
+                " with train.best_metric=val_bleu)",
             ),
             (
-                self.decode.max_tokens >= 1 and self.decode.buffer_lines >= 1,
-                "decode.max_tokens and decode.buffer_lines must be >= 1",
+                self.decode.nbest <= self.decode.beam_size,
+                "decode.nbest must be <= decode.beam_size",
             ),
-            (self.data.num_proc >= 1, "data.num_proc must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -228,15 +275,18 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         file = resolve_config_path(path)
         origin = str(file)
         tree = _read_yaml(file)
+    overridden = {}
     for item in overrides:
         section, key, value = _parse_override(item)
         tree.setdefault(section, {})[key] = value
-    return config_from_dict(tree, origin=origin)
+        overridden[f"{section}.{key}"] = f"--set {item}"
+    return config_from_dict(tree, origin=origin, origins=overridden)
 
 
 def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     """`cfg` with `section.key=value` overrides."""
     tree = to_dict(cfg)
+    overridden = {}
     for item in overrides:
         section, key, value = _parse_override(item)
         if section not in tree:
@@ -244,11 +294,15 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
                 f"--set {item}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
             )
         tree[section][key] = value
-    return config_from_dict(tree, origin="--set")
+        overridden[f"{section}.{key}"] = f"--set {item}"
+    return config_from_dict(tree, origin="config", origins=overridden)
 
 
-def config_from_dict(tree: Mapping[str, Any], origin: str = "config") -> Config:
-    """A Config from a nested mapping (YAML, a checkpoint's copy), checking every key and type."""
+def config_from_dict(
+    tree: Mapping[str, Any], origin: str = "config", origins: Mapping[str, str] | None = None
+) -> Config:
+    """A Config from a nested mapping (YAML, a checkpoint's copy), checking every key, type and
+    range; errors name where each value came from (`origins` by key, else `origin`)."""
     if not isinstance(tree, Mapping):
         raise TmtError(f"{origin}: expected a mapping of sections, got {type(tree).__name__}")
     unknown = sorted(set(tree) - set(SECTIONS))
@@ -261,16 +315,17 @@ def config_from_dict(tree: Mapping[str, Any], origin: str = "config") -> Config:
         values = tree.get(name) or {}
         if not isinstance(values, Mapping):
             raise TmtError(f"{origin}: section {name!r} must be a mapping of key: value")
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)
         valid = [f.name for f in dataclasses.fields(cls)]
-        for key in values:
+        coerced = {}
+        for key, value in values.items():
+            where = (origins or {}).get(f"{name}.{key}", origin)
             if key not in hints:
                 raise TmtError(
-                    f"{origin}: unknown key {name}.{key}; valid keys in {name}: {', '.join(valid)}"
+                    f"{where}: unknown key {name}.{key}; valid keys in {name}: {', '.join(valid)}"
                 )
-        sections[name] = cls(
-            **{k: _coerce(v, hints[k], f"{name}.{k}", origin) for k, v in values.items()}
-        )
+            coerced[key] = _coerce(value, hints[key], f"{name}.{key}", where)
+        sections[name] = cls(**coerced)
     return Config(**sections)
 
 
@@ -323,13 +378,19 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def _coerce(value: Any, kind: Any, key: str, origin: str) -> Any:
-    """Convert `value` to the field type `kind`, or raise a TmtError naming the key."""
+    """Convert `value` to the field type `kind` and check its range, or raise a TmtError naming
+    the key and where the value came from."""
+    if typing.get_origin(kind) is Annotated:
+        base = typing.get_args(kind)[0]
+        coerced = _coerce(value, base, key, origin)
+        problem = _out_of_range(coerced, kind)
+        if problem:
+            raise TmtError(f"{origin}: {key} = {coerced!r}: expected {problem}")
+        return coerced
     if isinstance(value, _Text):
         if kind is str:
             return str(value)
-        with contextlib.suppress(
-            yaml.YAMLError
-        ):  # unparsable text is reported as a bad value below
+        with contextlib.suppress(yaml.YAMLError):  # unparsable text is reported as a bad value
             value = yaml.safe_load(value) if value != "" else ""
     bad = TmtError(f"{origin}: {key} = {value!r}: expected {_type_name(kind)}")
     if typing.get_origin(kind) is Literal:
@@ -362,6 +423,18 @@ def _coerce(value: Any, kind: Any, key: str, origin: str) -> Any:
     raise TypeError(f"unsupported config field type {kind!r} for {key}")  # a bug in this module
 
 
+def _out_of_range(value: Any, kind: Any) -> str | None:
+    """The range `value` misses, as words ("in [0, 1)"), or None (also for unranged kinds)."""
+    if typing.get_origin(kind) is not Annotated:
+        return None
+    rule = typing.get_args(kind)[1]
+    if rule == NON_EMPTY:
+        return None if value.strip() else "a non-empty string"
+    if value in rule:
+        return None
+    return str(rule) if math.isfinite(value) else f"a finite number {str(rule).removeprefix('in ')}"
+
+
 def _as_float(value: Any) -> float | None:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
@@ -374,6 +447,8 @@ def _as_float(value: Any) -> float | None:
 
 
 def _type_name(kind: Any) -> str:
+    if typing.get_origin(kind) is Annotated:
+        return _type_name(typing.get_args(kind)[0])
     if typing.get_origin(kind) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(kind))
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]

@@ -71,7 +71,7 @@ class RawSplit:
                 gen, gen_kwargs=kwargs, cache_dir=str(work_dir), features=features
             )
         except datasets.exceptions.DatasetGenerationError as err:
-            if isinstance(err.__cause__, TmtError):
+            if isinstance(err.__cause__, TmtError | OSError):  # OSError: writing the Arrow file
                 raise err.__cause__ from None
             raise
         except ValueError as err:  # from_generator cannot make zero rows: an empty file
@@ -127,15 +127,19 @@ def read_lines(path: Path) -> Iterator[bytes]:
         raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
 
 
-def decode_line(line: bytes, path: str, lineno: int, errors: str) -> tuple[str, bool]:
+_ENCODING_HINT = " (set data.encoding_errors=replace or skip to accept such lines)"
+
+
+def decode_line(
+    line: bytes, path: str, lineno: int, errors: str, hint: str = _ENCODING_HINT
+) -> tuple[str, bool]:
     """(text, invalid): UTF-8 text of one line under the encoding policy; skip gives ""."""
     try:
         return line.decode("utf-8"), False
     except UnicodeDecodeError as err:
         if errors == "strict":
             raise TmtError(
-                f"{path}:{lineno}: invalid UTF-8 at byte offset {err.start}"
-                " (set data.encoding_errors=replace or skip to accept such lines)"
+                f"{path}:{lineno}: invalid UTF-8 at byte offset {err.start}{hint}"
             ) from None
         return (line.decode("utf-8", "replace") if errors == "replace" else ""), True
 
@@ -192,8 +196,11 @@ def _generate_jsonl(path: str, cfg: DataConfig) -> Iterator[dict[str, Any]]:
             continue
         try:
             record = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise TmtError(f"{path}:{lineno}: invalid JSON: {err.msg}") from None
+        except RecursionError:
+            raise TmtError(f"{path}:{lineno}: JSON nested too deeply to read") from None
+        except ValueError as err:  # JSONDecodeError, and a number too long to convert
+            reason = err.msg if isinstance(err, json.JSONDecodeError) else str(err).split(";")[0]
+            raise TmtError(f"{path}:{lineno}: invalid JSON: {reason}") from None
         if not isinstance(record, dict):
             raise TmtError(
                 f"{path}:{lineno}: expected a JSON object, found {type(record).__name__}"
@@ -240,14 +247,20 @@ def _parallel_paths(cfg: DataConfig, key: str, location: str) -> tuple[Path, Pat
 
 
 def _prefixed_file(prefix: str, lang: str, key: str) -> Path:
-    for candidate in (Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")):
+    candidates = (Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz"))
+    for candidate in candidates:
         if candidate.is_file():
             return candidate
+    for candidate in candidates:
+        if candidate.is_dir():
+            raise TmtError(f"{key}: {candidate}: is a directory, expected a text file")
     raise TmtError(f"{key}: neither {prefix}.{lang} nor {prefix}.{lang}.gz exists")
 
 
 def _existing_file(location: str, key: str) -> Path:
     path = Path(location)
+    if path.is_dir():
+        raise TmtError(f"{key}: {location}: is a directory, expected a file")
     if not path.is_file():
         raise TmtError(f"{key}: no such file: {location}")
     return path

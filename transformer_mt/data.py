@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from transformer_mt import corpus, files
+from transformer_mt import corpus, exits, files
 from transformer_mt.config import Config, DataConfig, TokenizerConfig
 from transformer_mt.exits import TmtError
 from transformer_mt.tokenizer import Tokenizer, train_tokenizer
@@ -65,6 +65,17 @@ class PreparedData:
 def prepare_data(cfg: Config, tokenizer: Tokenizer | None = None) -> PreparedData:
     """Read, tokenize (training the joint model unless one is given), encode, filter the splits."""
     cache = cache_root(cfg.data)
+    try:
+        return _prepare(cfg, tokenizer, cache)
+    except OSError as err:  # reading errors are TmtErrors already: this is the cache's disk
+        raise TmtError(
+            f"{cache}: cannot write the data cache ({err.strerror or err}); free some space or"
+            " set data.cache_dir to another disk",
+            exit_code=exits.NO_ROOM,
+        ) from None
+
+
+def _prepare(cfg: Config, tokenizer: Tokenizer | None, cache: Path) -> PreparedData:
     # Scratch and staging entries of runs that were killed: hidden names, older than a day (a
     # live build is younger than that). They never look complete: meta.json is written last.
     files.remove_leftovers(cache, (".work.*", "encoded/.*", "tokenizers/.*"), older_than_s=86_400)
@@ -111,8 +122,12 @@ def load_or_train_tokenizer(
     key = hashlib.sha256(f"{train_split.fingerprint}|{settings}".encode()).hexdigest()[:32]
     path = cache / "tokenizers" / f"{key}.model"
     if path.is_file():
-        logger.info("tokenizer: cached %s", path)
-        return Tokenizer.from_file(path)
+        try:
+            cached = Tokenizer.from_file(path)
+            logger.info("tokenizer: cached %s", path)
+            return cached
+        except TmtError as err:
+            logger.warning("cached tokenizer damaged (%s): rebuilding it", err)
     dataset = load(train_split.key)
     logger.info("tokenizer: training %s, %d pieces", cfg.model_type, cfg.vocab_size)
     tokenizer = train_tokenizer(_sample_sentences(dataset, cfg.max_sentences), cfg)
@@ -157,6 +172,12 @@ def _encoded_table(
     ).hexdigest()[:32]
     final = cache / "encoded" / key
     meta_path = final / "meta.json"  # written last: its presence marks a complete entry
+    if meta_path.is_file():
+        try:
+            return _read_entry(final)
+        except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as err:
+            logger.warning("data cache entry %s damaged (%s): rebuilding it", final, err)
+            shutil.rmtree(final, ignore_errors=True)
     if not meta_path.is_file():
         dataset = load(split.key)
         staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=_mkdir(cache / "encoded")))
@@ -173,12 +194,19 @@ def _encoded_table(
             os.replace(staging, final)
         except OSError:  # another process finished the same entry first: use theirs
             shutil.rmtree(staging, ignore_errors=True)
-    # A warm cache needs pyarrow only: the Arrow streams that datasets.map wrote, memory-mapped.
-    meta = json.loads(meta_path.read_text())
+    return _read_entry(final)
+
+
+def _read_entry(final: Path) -> pa.Table:
+    """A warm cache needs pyarrow only: the Arrow streams that datasets.map wrote, mapped."""
+    meta = json.loads((final / "meta.json").read_text())
     parts = [
         pa.ipc.open_stream(pa.memory_map(str(final / name))).read_all() for name in meta["files"]
     ]
-    return pa.concat_tables(parts)
+    table = pa.concat_tables(parts)
+    if table.num_rows != meta["pairs"]:
+        raise ValueError(f"{table.num_rows} pairs, meta.json says {meta['pairs']}")
+    return table
 
 
 def _encode(

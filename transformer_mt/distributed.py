@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from transformer_mt.exits import TmtError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -37,12 +39,10 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    target = resolve_device(device, local_rank, key="train.device")
+    use_cuda = target.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(local_rank)
-        target = torch.device("cuda", local_rank)
-    else:
-        target = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
@@ -50,6 +50,19 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
             device_id=target if use_cuda else None,
         )
     return DistInfo(rank, world_size, local_rank, target)
+
+
+def resolve_device(spec: str, index: int = 0, key: str = "device") -> torch.device:
+    """auto (CUDA when there is a GPU), cpu or cuda; asking for CUDA where there is none is an
+    error naming `key`, not a traceback from deep inside torch."""
+    if spec == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        raise TmtError(
+            f"{key}=cuda: no CUDA device on this machine (torch {torch.__version__}, {build})"
+        )
+    if spec == "cuda" or (spec == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", index)
+    return torch.device("cpu")
 
 
 def cleanup() -> None:

@@ -9,10 +9,15 @@ positions is truncated with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import io
 import logging
+import os
 import queue
 import re
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_mt import checkpoint, corpus, distributed, files, run
+from transformer_mt import checkpoint, corpus, distributed, exits, files, run
 from transformer_mt.config import Config, apply_overrides
 from transformer_mt.data import TokenBucketSampler
 from transformer_mt.distributed import DistInfo
@@ -63,9 +68,7 @@ def load_translator(
     fixed = checkpoint.model_differences(saved.config, b"", cfg, b"")
     if fixed:
         raise TmtError(f"--set {', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
-    target = torch.device(
-        "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
-    )
+    target = distributed.resolve_device(device)
     tokenizer = saved.tokenizer()
     model = checkpoint.build_model(saved, tokenizer)
     return Translator(model.to(target).eval(), tokenizer, cfg, target, origin)
@@ -188,6 +191,80 @@ def translate_stream(translator: Translator, source: BinaryIO, sink: TextIO) -> 
     return count
 
 
+def translate_file(translator: Translator, input_path: str, output_path: str) -> int:
+    """Translate `input_path` ("-": stdin, streamed) into `output_path` ("-": stdout). A file
+    output appears complete or not at all (an interrupted or failed translation leaves the old
+    content), and may be neither the input nor a file tmt manages. Returns the line count."""
+    _check_output(output_path, input_path)
+    try:
+        source = sys.stdin.buffer if input_path == "-" else open(input_path, "rb")  # noqa: SIM115
+    except OSError as err:
+        raise TmtError(f"--input {input_path}: {err.strerror or err}") from None
+    try:
+        with contextlib.ExitStack() as stack:
+            if source is not sys.stdin.buffer:
+                stack.enter_context(source)
+            sink = stack.enter_context(_open_output(output_path))
+            return translate_stream(translator, source, sink)
+    except OSError as err:  # a full disk, a quota, an I/O error: the old output is kept
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+            raise
+        raise TmtError(
+            f"--output {output_path}: cannot write ({err.strerror or err})",
+            exit_code=exits.NO_ROOM,
+        ) from None
+
+
+def _check_output(output_path: str, input_path: str) -> None:
+    if output_path == "-":
+        return
+    output = Path(output_path)
+    if input_path != "-":
+        source = Path(input_path)
+        same = (
+            os.path.samefile(output, source)
+            if output.exists() and source.exists()
+            else output.resolve() == source.resolve()
+        )
+        if same:
+            raise TmtError(f"--output {output_path}: is the input file; choose another output")
+    managed = run.managed_by_tmt(output)
+    if managed:
+        raise TmtError(f"--output {output_path}: {managed}; choose another output")
+
+
+@contextlib.contextmanager
+def _open_output(path: str) -> Iterator[TextIO]:
+    """stdout, a device or FIFO as it is; a file through the atomic path (temporary beside it,
+    renamed into place when the translation is complete, removed if it is not)."""
+    if path == "-":
+        yield sys.stdout
+        return
+    target = Path(path)
+    direct = target.exists() and not target.is_file()  # /dev/stdout, /dev/full, a FIFO, ...
+    if not direct:  # temporaries of killed translations into this file (a live one is younger)
+        pattern = f".{target.name}.*{files.TEMP_SUFFIX}"
+        files.remove_leftovers(target.parent, [pattern], older_than_s=86_400)
+    with contextlib.ExitStack() as stack:
+        try:
+            if direct:
+                text = stack.enter_context(open(target, "w", encoding="utf-8", newline="\n"))
+            else:
+                raw = stack.enter_context(files.atomic_file(target))
+                text = io.TextIOWrapper(raw, encoding="utf-8", newline="\n")
+        except OSError as err:
+            raise TmtError(f"--output {path}: {err.strerror or err}") from None
+        try:
+            yield text
+        except BaseException:
+            if not direct:
+                with contextlib.suppress(OSError, ValueError):
+                    text.detach()  # the atomic file then removes its temporary
+            raise
+        if not direct:
+            text.detach()  # flushes; the atomic file fsyncs and renames it into place
+
+
 def _read_lines(source: BinaryIO) -> Iterator[str]:
     for lineno, line in enumerate(files.split_lines(source), 1):
         try:
@@ -241,6 +318,8 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any
         raise TmtError(
             f"{len(hypotheses)} hypotheses but {len(references)} references: the counts must match"
         )
+    if not hypotheses:
+        raise TmtError("nothing to score: no hypotheses and no references")
     bleu, bleu_lc, chrf = BLEU(), BLEU(lowercase=True), CHRF()
     refs = [list(references)]
     return {
@@ -307,14 +386,20 @@ def read_split(cfg: Config, key: str) -> tuple[list[str], list[str]]:
 
 
 def read_text_file(path: str | Path) -> list[str]:
-    """Lines of a plain or .gz file, with the corpus rules (split on \\n only, strict UTF-8)."""
+    """Lines of a plain or .gz file to score (split on \\n only, strict UTF-8); an empty file
+    is an error: there would be nothing to score."""
     file = Path(path)
+    if file.is_dir():
+        raise TmtError(f"{path}: is a directory, expected a text file")
     if not file.is_file():
         raise TmtError(f"{path}: no such file")
-    return [
-        corpus.decode_line(raw, str(file), n, "strict")[0]
+    lines = [
+        corpus.decode_line(raw, str(file), n, "strict", hint=" (the file must be UTF-8)")[0]
         for n, raw in enumerate(corpus.read_lines(file), 1)
     ]
+    if not lines:
+        raise TmtError(f"{path}: empty file: nothing to score")
+    return lines
 
 
 def evaluate(

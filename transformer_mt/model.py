@@ -28,12 +28,16 @@ def make_src_mask(src: torch.Tensor, pad_id: int) -> torch.Tensor:
 
 
 def sinusoidal_positions(n_positions: int, d_model: int) -> torch.Tensor:
-    """(n_positions, D): PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(...) (§3.5)."""
-    position = torch.arange(n_positions, dtype=torch.float64)[:, None]
+    """(n_positions, D): PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(...) (§3.5).
+
+    Computed on the CPU whatever the default device (model.to moves it): a shape-only model on
+    the meta device would otherwise pay for torch's meta arange (1.6 s on its first call)."""
+    cpu = torch.device("cpu")
+    position = torch.arange(n_positions, dtype=torch.float64, device=cpu)[:, None]
     inverse_frequency = torch.pow(
-        10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64) / d_model
+        10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64, device=cpu) / d_model
     )
-    table = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    table = torch.zeros(n_positions, d_model, dtype=torch.float64, device=cpu)
     table[:, 0::2] = torch.sin(position * inverse_frequency)
     table[:, 1::2] = torch.cos(position * inverse_frequency)
     return table.float()
@@ -296,6 +300,8 @@ class Transformer(nn.Module):
         code) and fairseq: scaled by √d_model, tokens start at unit scale. Xavier-uniform over a
         large vocabulary starts them at ~0.18, under the sinusoids' ~0.55, and with dropout a
         small model then never learned to read its source (measured: docs/benchmarks.md)."""
+        if self.embedding.weight.is_meta:  # a shape-only model (checkpoint checks): no values
+            return
         for module in self.modules():
             if isinstance(module, MultiHeadAttention):
                 for block in module.in_proj.weight.data.chunk(3, dim=0):

@@ -17,11 +17,13 @@ here too (load_model, newest_models), each checkpoint read once.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import math
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -33,17 +35,26 @@ import torch
 
 from transformer_mt import checkpoint, distributed, exits, files
 from transformer_mt.checkpoint import Checkpoint
-from transformer_mt.config import MODEL_SECTIONS, SECTIONS, Config, changed_keys, to_yaml
+from transformer_mt.config import MODEL_SECTIONS, SECTIONS, Config, to_dict, to_yaml
 from transformer_mt.distributed import DistInfo
 from transformer_mt.exits import TmtError
 from transformer_mt.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
+CHECKPOINTS = checkpoint.CHECKPOINTS
 _PREFIX = "step_"
-# Hidden names of interrupted writes: checkpoint staging and swaps, best-link swaps, atomic files.
-_LEFTOVERS = (".tmp-*", ".old-*", ".best-*", f".*{files.TEMP_SUFFIX}")
+LOCK_FILE = ".lock"
+# What may differ between a run's checkpoint and the config resuming it: budgets, logging,
+# checkpoint cadence, decoding (it only scores validation) and how the run executes. Anything
+# else would make a different experiment of the same run (train.resume=force records it).
+MAY_CHANGE_ON_RESUME = (
+    "train.out_dir", "train.max_steps", "train.max_epochs", "train.max_minutes",
+    "train.log_every", "train.valid_every", "train.bleu_every", "train.bleu_beam_size",
+    "train.save_every", "train.save_every_minutes", "train.keep_last", "train.average_last",
+    "train.patience", "train.nonfinite_patience", "train.device", "train.compile",
+    "train.distributed_timeout_s", "train.resume", "data.num_proc", "data.cache_dir", "data.test",
+)  # fmt: skip
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -88,9 +99,74 @@ def start(
 
 
 def sweep(run_dir: Path) -> None:
-    """Remove what interrupted writes left in a run directory (never a checkpoint's final name)."""
+    """Clean up after interrupted writes in a run directory (its owner calls this): staging
+    directories and temporary files go, a checkpoint caught between the two renames of a
+    same-step save is put back."""
     files.remove_leftovers(run_dir, [f".*{files.TEMP_SUFFIX}"])
-    files.remove_leftovers(run_dir / CHECKPOINTS, _LEFTOVERS)
+    checkpoint.recover(run_dir, live_writers=False)  # OUT_DIR/average
+    if (run_dir / CHECKPOINTS).is_dir():
+        files.remove_leftovers(run_dir / CHECKPOINTS, [".best-*", f".*{files.TEMP_SUFFIX}"])
+        checkpoint.recover(run_dir / CHECKPOINTS, live_writers=False)
+
+
+class RunLock:
+    """OUT_DIR/.lock: the one process that trains in a run directory holds it (an flock, which
+    the kernel releases when the holder dies, however it dies). The file names the holder, so a
+    second trainer is refused with who holds it, and a lock left by a crash is simply taken."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise TmtError(
+                f"{self.path.parent}: cannot write there ({err.strerror or err})",
+                exit_code=exits.NO_ROOM,
+            ) from None
+        holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise TmtError(
+                f"{self.path.parent}: in use by {holder or 'another process'}; wait for it to"
+                " end, stop it, or train into another train.out_dir"
+            ) from None
+        except OSError as err:  # a filesystem without locks: train, but say so
+            logger.warning("%s: cannot lock (%s); make sure no other trainer uses it",
+                           self.path, err.strerror)  # fmt: skip
+        if holder:
+            logger.info("%s: the previous holder (%s) is gone; taking it over", self.path, holder)
+        me = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me.encode(), 0)
+        self.fd = fd
+
+    def take(self, info: DistInfo) -> None:
+        """Rank 0 acquires the lock before anything reads or writes the run directory; every
+        rank learns whether it did, so a refused job ends on every rank at once."""
+        refusal = None
+        if info.is_main:
+            try:
+                self.acquire()
+            except TmtError as err:
+                refusal = err
+        refused = torch.tensor([float(refusal is not None)], device=info.device)
+        if distributed.all_reduce_sum(refused, info).item():
+            raise refusal or TmtError(
+                f"{self.path.parent}: rank 0 could not take the run directory"
+            )
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, 0)  # a clean end leaves no holder behind
+            os.close(self.fd)  # releases the flock
+            self.fd = None
 
 
 def _trim_metrics(path: Path, step: int) -> None:
@@ -115,11 +191,15 @@ class MetricsLog:
         from tqdm import tqdm
 
         self.info = info
-        self.handle = (
-            open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-            if info.is_main
-            else None
-        )
+        self.handle = None
+        if info.is_main:
+            try:
+                self.handle = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+            except OSError as err:
+                raise TmtError(
+                    f"{run_dir / 'metrics.jsonl'}: cannot write ({err.strerror or err})",
+                    exit_code=exits.NO_ROOM,
+                ) from None
         self.bar = tqdm(
             total=max_steps or None, initial=step, disable=not info.is_main or None,
             unit="step", dynamic_ncols=True, file=sys.stderr,
@@ -129,6 +209,7 @@ class MetricsLog:
     def _reset(self) -> None:
         self.loss = self.nll = 0.0  # sums over this rank's target tokens
         self.tokens = self.real_tokens = self.padded_tokens = 0
+        self.lr = 0.0
         self.start = time.monotonic()
 
     def update(
@@ -167,9 +248,29 @@ class MetricsLog:
         return record
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.handle is not None:
+        if self.handle is None:
+            return
+        try:
             self.handle.write(json.dumps(record) + "\n")
             self.handle.flush()
+        except OSError as err:
+            raise TmtError(
+                f"{self.handle.name}: cannot write ({err.strerror or err}); the checkpoints"
+                " written so far are intact",
+                exit_code=exits.NO_ROOM,
+            ) from None
+
+    def window(self) -> dict[str, Any]:
+        """This rank's sums since the last record: saved with each checkpoint, so the first
+        record after a resume covers the same updates as in an uninterrupted run."""
+        sums = {"loss": self.loss, "nll": self.nll, "tokens": self.tokens, "lr": self.lr}
+        counts = {"real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens}
+        return {**sums, **counts, "seconds": time.monotonic() - self.start}
+
+    def restore(self, window: dict[str, Any]) -> None:
+        self.loss, self.nll, self.tokens = window["loss"], window["nll"], window["tokens"]
+        self.real_tokens, self.padded_tokens = window["real_tokens"], window["padded_tokens"]
+        self.lr, self.start = window["lr"], time.monotonic() - window["seconds"]
 
     def show(self, message: str) -> None:
         """A line on stderr past the bar (which is hidden off a terminal), from rank 0."""
@@ -187,7 +288,8 @@ class MetricsLog:
 
 def resume(run_dir: Path, cfg: Config) -> Checkpoint | None:
     """The newest checkpoint of the run that reads, with its training state (newer broken ones
-    are reported and skipped); refused when it holds another model than `cfg` describes."""
+    are reported and skipped); refused when it holds another model than `cfg` describes, or was
+    trained with other settings (see MAY_CHANGE_ON_RESUME) unless train.resume=force."""
     saved = next(newest_valid(run_dir, train_state=True), None)
     if saved is None:
         return None
@@ -200,10 +302,32 @@ def resume(run_dir: Path, cfg: Config) -> Checkpoint | None:
             f" ({', '.join(differ)} differ from {saved.path});"
             " use a new train.out_dir or the saved values"
         )
-    changed = changed_keys(saved.config, cfg, [s for s in SECTIONS if s not in MODEL_SECTIONS])
+    changed = drift(saved.config, cfg)
+    if changed and cfg.train.resume != "force":
+        raise TmtError(
+            f"{cfg.train.out_dir}: its checkpoint {saved.path.name} was trained with other"
+            f" settings: {', '.join(changed)}; resume with the saved values, train into another"
+            " train.out_dir, or set train.resume=force to continue with these (recorded in"
+            " metrics.jsonl)"
+        )
     if changed:
-        logger.warning("resuming with changed settings: %s", ", ".join(changed))
+        logger.warning(
+            "resuming with changed settings (train.resume=force): %s", ", ".join(changed)
+        )
     return saved
+
+
+def drift(saved: Config, cfg: Config) -> list[str]:
+    """The settings that make `cfg` another experiment than the run `saved` comes from, as
+    "key old -> new" (model and tokenizer sections aside: those can never change)."""
+    old, new = to_dict(saved), to_dict(cfg)
+    sections = [s for s in SECTIONS if s not in MODEL_SECTIONS and s != "decode"]
+    return [
+        f"{key} {old[s][k]} -> {new[s][k]}"
+        for s in sections
+        for k in new[s]
+        if (key := f"{s}.{k}") not in MAY_CHANGE_ON_RESUME and old[s][k] != new[s][k]
+    ]
 
 
 # --- save and retention ------------------------------------------------------------------------
@@ -227,6 +351,8 @@ def save(
         path = checkpoint.write(
             final, step, cfg, model, tokenizer_bytes, train_state, {"epoch": epoch}
         )
+        if is_best:
+            set_best(run_dir, path)
     except (OSError, RuntimeError) as err:  # disk full, quota, I/O (torch: RuntimeError)
         strerror = err.strerror if isinstance(err, OSError) else None
         reason = strerror or str(err).strip().splitlines()[0]
@@ -235,8 +361,6 @@ def save(
             " its name and the checkpoints before it are intact",
             exit_code=exits.NO_ROOM,
         ) from None
-    if is_best:
-        set_best(run_dir, path)
     prune(run_dir, cfg.train.keep_last, protect={path, *protect})
     return path
 
@@ -249,7 +373,10 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     found = [
         p
         for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit()
+        if p.name.startswith(_PREFIX)
+        and p.name[len(_PREFIX) :].isdigit()
+        and p.is_dir()
+        and not p.is_symlink()  # a link could point anywhere
     ]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
@@ -268,11 +395,15 @@ def set_best(run_dir: Path, path: Path) -> None:
 
 
 def best(run_dir: Path) -> Path | None:
+    """The checkpoint checkpoints/best points at: a checkpoint of this run, nothing else."""
     link = run_dir / CHECKPOINTS / "best"
     if not link.is_symlink():
         return None
     target = link.parent / os.readlink(link)
-    return target if target.is_dir() else None
+    if target.parent != link.parent or target not in list_checkpoints(run_dir):
+        logger.warning("ignoring %s: it points outside the run's checkpoints", link)
+        return None
+    return target
 
 
 def prune(run_dir: Path, keep_last: int, protect: Collection[Path] = ()) -> None:
@@ -285,6 +416,18 @@ def prune(run_dir: Path, keep_last: int, protect: Collection[Path] = ()) -> None
     for path in checkpoints:
         if path.resolve() not in keep:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def managed_by_tmt(path: Path) -> str | None:
+    """What `path` is when tmt manages it (a checkpoint's file, a run's own file), else None:
+    a command must never write its output over one."""
+    path = Path(path).absolute()
+    if (path.parent / checkpoint.MANIFEST_FILE).exists() or path.parent.name == CHECKPOINTS:
+        return f"inside the checkpoint directory {path.parent}"
+    run_files = ("config.yaml", "tokenizer.model", "metrics.jsonl", LOCK_FILE)
+    if path.name in run_files and (path.parent / CHECKPOINTS).is_dir():
+        return f"a file of the run directory {path.parent}"
+    return None
 
 
 # --- finding models: each checkpoint read (and so verified) once --------------------------------

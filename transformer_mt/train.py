@@ -54,10 +54,12 @@ def train(cfg: Config) -> dict[str, Any]:
     """Train (or resume) the run in cfg.train.out_dir; returns where it ended (with this rank)."""
     info = distributed.setup(cfg.train.device, cfg.train.distributed_timeout_s)
     heartbeat = distributed.Heartbeat(info)
+    lock = run.RunLock(Path(cfg.train.out_dir))
     # The handlers stay installed while a failure is reported and the group torn down: torchrun
     # sends SIGTERM to the survivors of a dead rank, which must not kill them mid-report.
     with StopSignals() as signals:
         try:
+            lock.take(info)  # rank 0 holds it; every rank learns whether it could
             session = _Session(cfg, info, signals, heartbeat)
             return session.finish(session.loop())
         except RuntimeError as err:
@@ -68,12 +70,13 @@ def train(cfg: Config) -> dict[str, Any]:
                 raise TmtError(message, exit_code=exits.LOST_RANK) from None
             raise
         finally:
+            lock.release()
             distributed.cleanup()
 
 
 def _build(
     cfg: Config, tokenizer: Tokenizer, info: DistInfo, saved: Checkpoint | None
-) -> tuple[Transformer, Optimization, Progress]:
+) -> tuple[Transformer, Optimization, Progress, dict[str, Any] | None]:
     """The model, Adam and the schedule, the same initial weights on every rank; when resuming,
     then the saved weights, optimizer, schedule, scaler, RNG states and data position."""
     torch.manual_seed(cfg.train.seed)
@@ -88,17 +91,20 @@ def _build(
     random.seed(cfg.train.seed + info.rank)
     np.random.seed(cfg.train.seed + info.rank)
     if saved is None:
-        return model, opt, Progress()
+        return model, opt, Progress(), None
     checkpoint.load_weights(model, saved.state_dict, saved.path)
-    state = checkpoint.restore_train_state(
-        saved.train_state or {}, optimizer, scheduler, scaler, info.rank, info.world_size
+    state, window = checkpoint.restore_train_state(
+        saved, optimizer, scheduler, scaler, info.rank, info.world_size
     )
-    progress = Progress(**state)
+    try:
+        progress = Progress(**state)
+    except TypeError as err:
+        raise TmtError(f"{saved.path}: its training progress cannot be restored ({err})") from None
     logger.info(
         "resuming %s at step %d (epoch %d, batch %d)",
         saved.path, progress.step, progress.epoch, progress.batch_index,
     )  # fmt: skip
-    return model, opt, progress
+    return model, opt, progress, window
 
 
 class _Session:
@@ -115,7 +121,8 @@ class _Session:
         self.resumed_from = saved.path if saved else None
         # Tokenizer and data: rank 0 fills the cache first, then the other ranks read it warm.
         self.data = _prepare_data_rank0_first(cfg, saved.tokenizer() if saved else None, info)
-        self.model, self.opt, self.progress = _build(cfg, self.data.tokenizer, info, saved)
+        _check_validation_split(cfg, self.data, info)
+        self.model, self.opt, self.progress, window = _build(cfg, self.data.tokenizer, info, saved)
         if info.is_main:
             size = _checkpoint_bytes(self.model, self.data)
             run.start(self.run_dir, cfg, self.data.tokenizer, self.step, size)
@@ -140,6 +147,11 @@ class _Session:
         # Validation BLEU reads the raw validation text: scored exactly as tmt evaluate scores it.
         self.valid_text = evaluate.read_split(cfg, "data.valid") if cfg.train.bleu_every else None
         self.metrics = run.MetricsLog(self.run_dir, info, cfg.train.max_steps, self.step)
+        if window is not None:
+            self.metrics.restore(window)
+        changed = run.drift(saved.config, cfg) if saved else []
+        if changed:  # only with train.resume=force: run.resume refuses it otherwise
+            self.metrics.write({"step": self.step, "config_changed": changed})
         self.last_save_time = time.monotonic()
         self.last_saved_step = self.step if saved is not None else -1
 
@@ -149,7 +161,8 @@ class _Session:
 
     def loop(self) -> str:
         """Updates until a budget, a signal, patience or divergence stops training; why it did."""
-        cfg, progress, stop = self.cfg.train, self.progress, None
+        cfg, progress = self.cfg.train, self.progress
+        stop = _budget_spent(progress, self.cfg)  # a finished run, run again, stays finished
         while stop is None:
             group = self._next_group()
             if group is None:  # this rank's batches of the epoch ran out: the next epoch
@@ -227,10 +240,11 @@ class _Session:
         """A checkpoint of this step: every rank's RNG states gathered, rank 0 writes."""
         progress, opt, now = self.progress, self.opt, time.monotonic()
         progress.elapsed_s, self.session_start = progress.elapsed_s + now - self.session_start, now
-        rng = distributed.gather_to_main(checkpoint.capture_rng(), self.info)
+        mine = {"rng": checkpoint.capture_rng(), "metrics": self.metrics.window()}
+        ranks = distributed.gather_to_main(mine, self.info)
         if self.info.is_main:
             state = checkpoint.train_state(
-                opt.optimizer, opt.scheduler, opt.scaler, rng, progress.__dict__.copy()
+                opt.optimizer, opt.scheduler, opt.scaler, ranks, progress.__dict__.copy()
             )
             run.save(
                 self.run_dir, self.cfg, self.model.state_dict(), self.data.tokenizer.model_bytes,
@@ -309,6 +323,22 @@ def _track_best(progress: Progress, scores: dict[str, float], cfg: Config) -> bo
 # --- the loop's small decisions ----------------------------------------------------------------
 
 
+def _budget_spent(progress: Progress, cfg: Config) -> str | None:
+    """Why a resumed run has nothing left to do, or None: checked before the first update, so
+    the same command run again after a run ended (or after a kill following its final save)
+    trains nothing more."""
+    train_cfg = cfg.train
+    if train_cfg.max_steps and progress.step >= train_cfg.max_steps:
+        return "max_steps"
+    if train_cfg.max_epochs and progress.epoch >= train_cfg.max_epochs:
+        return "max_epochs"
+    if train_cfg.max_minutes and progress.elapsed_s >= train_cfg.max_minutes * 60:
+        return "max_minutes"
+    if train_cfg.patience and progress.stale_validations >= train_cfg.patience:
+        return "patience"
+    return None
+
+
 def _stop_reason(progress: Progress, stats: StepStats, cfg: Config) -> str | None:
     if progress.nonfinite_run >= cfg.train.nonfinite_patience:
         return "non_finite"
@@ -348,8 +378,21 @@ def _prepare_data_rank0_first(
     return data
 
 
+def _check_validation_split(cfg: Config, data: PreparedData, info: DistInfo) -> None:
+    """Validation (loss, BLEU, the best checkpoint, early stopping) needs a validation split
+    with a pair per rank at least: refuse to train without one rather than silently skip it."""
+    if (cfg.train.valid_every or cfg.train.bleu_every) and len(data.valid) < info.world_size:
+        counts = data.counts["data.valid"]
+        raise TmtError(
+            f"data.valid ({cfg.data.valid}): {len(data.valid)} pairs after filtering"
+            f" ({counts.read} read), fewer than the {info.world_size} rank(s) that validate:"
+            " validation, the best checkpoint and early stopping need it; fix the split, or set"
+            " train.valid_every=0 and train.bleu_every=0 to train without them"
+        )
+
+
 def _valid_batches(data: PreparedData, cfg: Config, info: DistInfo) -> list[Batch]:
-    if len(data.valid) < info.world_size:
+    if not cfg.train.valid_every or len(data.valid) < info.world_size:
         return []
     sampler = data.valid.sampler(
         cfg.data.max_tokens, cfg.train.seed, info.rank, info.world_size, shuffle=False
