@@ -135,6 +135,7 @@ def test_run_directory_contents(train_cfg: Config, tmp_path: Path) -> None:
     assert run.best(tmp_path) is not None
 
 
+@pytest.mark.slow  # the same promise as test_reliability.py::test_kill_and_resume_is_bit_exact
 def test_exact_resume_after_kill_one_process(train_cfg: Config, tmp_path: Path) -> None:
     train(with_train(train_cfg, out_dir=str(tmp_path / "straight")))
     args = cli_args(train_cfg, tmp_path / "resumed")
@@ -171,7 +172,7 @@ def test_exact_resume_after_kill_two_gloo_ranks(train_cfg: Config, tmp_path: Pat
 # clip_norm 1.6 clips the first three of six updates (gradient norms 2.00, 1.89, 1.78, then 1.51,
 # 1.41, 1.23): with clipping on every update or on none, Adam's scale invariance would hide a
 # wrongly scaled gradient; a gradient off by the factor world_size (0.5 here) would clip none.
-@pytest.mark.parametrize("clip_norm", [0.0, 1.6])
+@pytest.mark.parametrize("clip_norm", [pytest.param(0.0, marks=pytest.mark.slow), 1.6])
 def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
     train_cfg: Config, tmp_path: Path, clip_norm: float
 ) -> None:
