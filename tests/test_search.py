@@ -255,3 +255,59 @@ def test_current_length_early_stopping_is_never_better_and_never_longer(seed: in
 def test_unknown_early_stopping_rule_is_refused() -> None:
     with pytest.raises(ValueError, match="early_stopping"):
         beam_search(toy_step(), ToyState([0, 0]), [5], BOS, EOS, 2, early_stopping="never")
+
+
+# --- the same outputs as the search before its bookkeeping moved onto the device ---------------
+
+
+def tied_step(seed: int):
+    """Like toy_step, but its log-probabilities take few distinct values: ties everywhere."""
+
+    def step(tokens: torch.Tensor, state: ToyState) -> tuple[torch.Tensor, ToyState]:
+        rows = []
+        for i, token in enumerate(tokens.tolist()):
+            sentence, prefix = state.rows[i]
+            prefix = (*prefix, token) if token != BOS else prefix
+            state.rows[i] = (sentence, prefix)
+            g = torch.Generator().manual_seed(hash((seed, sentence, prefix)) % 2**31)
+            rows.append(torch.log_softmax(torch.randint(0, 3, (V,), generator=g).float(), -1))
+        step.calls.append(len(rows))  # type: ignore[attr-defined]
+        return torch.stack(rows), state
+
+    step.calls = []  # type: ignore[attr-defined]
+    return step
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    k=st.integers(1, 5),
+    alpha=st.sampled_from([0.0, 0.6, 1.0, 2.0]),
+    form=st.sampled_from(["gnmt", "power"]),
+    early_stopping=st.sampled_from(["bound", "current"]),
+    ties=st.booleans(),
+    data=st.data(),
+)
+def test_search_outputs_equal_the_reference(
+    seed, lengths, k, alpha, form, early_stopping, ties, data
+) -> None:
+    import reference_search as reference
+
+    nbest = data.draw(st.integers(1, k))
+    make = tied_step if ties else toy_step
+    results = []
+    for module in (reference, __import__("transformer_mt.search", fromlist=["greedy"])):
+        step, rows = make(seed), [s for s in range(len(lengths)) for _ in range(k)]
+        if k == 1:
+            found = module.greedy(step, ToyState(list(range(len(lengths)))), lengths, BOS, EOS,
+                                  (PAD, BOS), alpha, form)  # fmt: skip
+            found = [[(h.tokens, h.score, h.log_prob)] for h in found]
+        else:
+            found = module.beam_search(
+                step, ToyState(rows), lengths, BOS, EOS, k, alpha, form, nbest=nbest,
+                banned=(PAD, BOS), early_stopping=early_stopping,
+            )  # fmt: skip
+            found = [[(h.tokens, h.score, h.log_prob) for h in hyps] for hyps in found]
+        results.append((found, step.calls))
+    assert results[0] == results[1]  # outputs, scores bit for bit, and the rows of every step

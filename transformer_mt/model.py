@@ -125,12 +125,22 @@ class MultiHeadAttention(nn.Module):
         v: torch.Tensor,
         mask: torch.Tensor | None = None,
         is_causal: bool = False,
+        few_queries: bool = False,
     ) -> torch.Tensor:
-        """q (B, H, T, K), k and v (B, H, S, K) -> (B, T, D)."""
-        dropout = self.attention_dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal
-        )
+        """q (B, H, T, K), k and v (B, H, S, K) -> (B, T, D). mask (B, 1, 1, S): True = attend.
+
+        few_queries (cached decoding, T <= beam): the formula as two matmuls, which at these
+        shapes is 2-3x faster than the fused kernel on CPU (scripts/bench_decode.py)."""
+        if few_queries:
+            scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (B, H, T, S)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            out = scores.softmax(dim=-1) @ v
+        else:
+            dropout = self.attention_dropout if self.training else 0.0
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal
+            )
         batch, _, length, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1))  # (B, T, H·K)
 
@@ -194,35 +204,65 @@ class EncoderLayer(nn.Module):
 @dataclass
 class DecoderCache:
     """Incremental decoding state per decoder layer: self-attention K/V of the positions decoded
-    so far (grow by one step per call) and cross-attention K/V of the source (computed once).
+    so far and cross-attention K/V of the source (computed once).
 
-    In beam search each sentence has `beam` consecutive rows (B·k); they share one source, so the
-    cross-attention K/V are kept once per sentence (B) and the k beams attend as k queries of it:
-    no copies of the source, and nothing to reorder while the set of sentences stays the same.
+    The self-attention K/V live in buffers (B·k, H, capacity, K) that grow geometrically: a new
+    position is written in place, and reordering the rows (the surviving beams) is one copy of the
+    filled positions into a spare buffer, swapped in. In beam search each sentence has `beam`
+    consecutive rows (B·k); they share one source, so the cross-attention K/V are kept once per
+    sentence (B) and the k beams attend as k queries of it: no copies of the source, and nothing
+    to reorder while the set of sentences stays the same.
     """
 
     beam: int = 1
-    self_k: list[torch.Tensor] = field(default_factory=list)  # per layer (B·k, H, t, K)
+    length: int = 0  # target positions decoded so far
+    self_k: list[torch.Tensor] = field(default_factory=list)  # per layer (B·k, H, capacity, K)
     self_v: list[torch.Tensor] = field(default_factory=list)
     cross_k: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H, S, K)
     cross_v: list[torch.Tensor] = field(default_factory=list)
+    spare: torch.Tensor | None = None  # the buffer a reorder writes into
 
-    @property
-    def length(self) -> int:
-        """Target positions decoded so far."""
-        return self.self_k[0].size(2) if self.self_k else 0
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v (N, H, n, K) of `layer` (n new positions, usually 1); the
+        layer's past and present keys and values (N, H, t + n, K), views of its buffers."""
+        t, end = self.length, self.length + k.size(2)
+        if len(self.self_k) <= layer:
+            rows, heads, _, dim = k.shape
+            for buffers, new in ((self.self_k, k), (self.self_v, v)):
+                buffers.append(new.new_empty(rows, heads, max(16, end), dim))
+        capacity = self.self_k[layer].size(2)
+        if end > capacity:  # full: twice the room, the past copied over
+            for buffers in (self.self_k, self.self_v):
+                grown = buffers[layer].new_empty(*buffers[layer].shape[:2], max(2 * capacity, end),
+                                                 k.size(3))  # fmt: skip
+                grown[:, :, :t] = buffers[layer][:, :, :t]
+                buffers[layer] = grown
+        self.self_k[layer][:, :, t:end] = k
+        self.self_v[layer][:, :, t:end] = v
+        return self.self_k[layer][:, :, :end], self.self_v[layer][:, :, :end]
 
     def reorder(self, index: torch.Tensor) -> torch.Tensor | None:
         """Keep rows `index` (B'·k,) in this order, e.g. the surviving beams; each group of k
         must come from one sentence. Returns the sentences kept (B',), None if all stay as is."""
-        for tensors in (self.self_k, self.self_v):
-            tensors[:] = [t.index_select(0, index) for t in tensors]
+        t = self.length
+        for buffers in (self.self_k, self.self_v):
+            for i, buffer in enumerate(buffers):
+                spare = self.spare
+                if spare is None or spare.shape[1:] != buffer.shape[1:] or len(spare) < len(index):
+                    self.spare = torch.empty_like(buffer)
+                out = self.spare[: len(index)]
+                # Search chooses rows; no gradient flows through that choice (and out= has none).
+                with torch.no_grad():
+                    torch.index_select(buffer[:, :, :t], 0, index, out=out[:, :, :t])
+                buffers[i], self.spare = out, buffer
         sentences = index.view(-1, self.beam)[:, 0] // self.beam  # (B',)
         unchanged = torch.arange(self.cross_k[0].size(0), device=index.device)
         if sentences.shape == unchanged.shape and torch.equal(sentences, unchanged):
             return None
         for tensors in (self.cross_k, self.cross_v):
-            tensors[:] = [t.index_select(0, sentences) for t in tensors]
+            tensors[:] = [t_.index_select(0, sentences) for t_ in tensors]
         return sentences
 
 
@@ -252,21 +292,17 @@ class DecoderLayer(nn.Module):
             attended = self.self_attn.attend(q, k, v, is_causal=True)
             cross_k, cross_v = self.cross_attn.project_key_value(memory)
         else:
-            if len(cache.self_k) > layer:  # (B, H, t + 1, K): the past plus this step
-                k = torch.cat([cache.self_k[layer], k], dim=2)
-                v = torch.cat([cache.self_v[layer], v], dim=2)
-                cache.self_k[layer], cache.self_v[layer] = k, v
-            else:
-                cache.self_k.append(k)
-                cache.self_v.append(v)
-            attended = self.self_attn.attend(q, k, v)  # one query sees only the past: no mask
+            k, v = cache.append(layer, k, v)  # (B, H, t + 1, K): the past plus this step
+            attended = self.self_attn.attend(q, k, v, few_queries=True)  # the past: no mask
             cross_k, cross_v = cache.cross_k[layer], cache.cross_v[layer]
         y = self.self_sub.output(y, attended)
         q = self.cross_attn.project_query(self.cross_sub.input(y))
         if cache is not None:  # a sentence's k rows are k queries of its one source
             rows, heads, _, dim = q.shape  # (B·k, H, 1, K) -> (B, H, k, K)
             q = q.view(rows // cache.beam, cache.beam, heads, dim).transpose(1, 2)
-        crossed = self.cross_attn.attend(q, cross_k, cross_v, mask=src_mask)  # (B, k or T, D)
+        crossed = self.cross_attn.attend(  # (B, k or T, D)
+            q, cross_k, cross_v, mask=src_mask, few_queries=cache is not None
+        )
         y = self.cross_sub.output(y, crossed.reshape(y.shape))
         return self.ffn_sub.output(y, self.ffn(self.ffn_sub.input(y)))
 
@@ -334,6 +370,8 @@ class Transformer(nn.Module):
         y = self.embedding(tgt, start=cache.length if cache is not None else 0)
         for i, layer in enumerate(self.decoder_layers):
             y = layer(y, memory, src_mask, cache, i)
+        if cache is not None:
+            cache.length += tgt.size(1)
         return self.output_projection(self.decoder_norm(y))
 
     def start_cache(self, memory: torch.Tensor, beam: int = 1) -> DecoderCache:

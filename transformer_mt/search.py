@@ -4,11 +4,14 @@
 
 feeds the last token of each of N live rows and returns next-token log-probabilities. Rows are
 sentences (greedy) or sentence × beam (beam search); finished sentences leave the batch, so they
-cost nothing afterwards.
+cost nothing afterwards. All bookkeeping stays in tensors on the device of the tokens (the
+model's): no log-probabilities are copied to the host; one small check per step decides which
+sentences leave the batch.
 
 Scores are sums of log-probabilities; a finished hypothesis is ranked by score / lp(|Y|), |Y|
 counting the EOS. lp is the GNMT penalty ((5 + |Y|) / 6)^α (Wu et al. 2016, used by the paper, §6.1)
-or the plain |Y|^α of fairseq, HF and CTranslate2 ("power").
+or the plain |Y|^α of fairseq, HF and CTranslate2 ("power"). Sums and ranks are kept in float64, so
+ties and roundings fall exactly as in plain Python arithmetic on the float32 log-probabilities.
 """
 
 from __future__ import annotations
@@ -53,40 +56,37 @@ def greedy(
     banned: Sequence[int] = (),
     alpha: float = 0.0,
     form: str = "gnmt",
+    device: torch.device | str = "cpu",
 ) -> list[Hypothesis]:
     """The argmax token at every step until EOS or the sentence's maximum length (EOS forced)."""
-    n = len(max_lengths)
-    limits = torch.as_tensor(list(max_lengths))
-    live = torch.arange(n)  # sentence index of each row
-    tokens = torch.full((n,), bos_id, dtype=torch.long)
-    outputs: list[list[int]] = [[] for _ in range(n)]
-    scores = [0.0] * n
-    done: list[Hypothesis | None] = [None] * n
-    for t in range(1, int(limits.max()) + 1):
+    n, steps = len(max_lengths), int(max(max_lengths))
+    limits = torch.as_tensor(list(max_lengths), device=device)
+    live = torch.arange(n, device=device)  # sentence index of each row
+    tokens = torch.full((n,), bos_id, dtype=torch.long, device=device)
+    outputs = torch.empty(n, steps, dtype=torch.long, device=device)  # (n, T), by sentence
+    sums = torch.zeros(n, dtype=torch.float64, device=device)
+    ends = torch.zeros(n, dtype=torch.long, device=device)  # the step that chose EOS
+    for t in range(1, steps + 1):
         log_probs, state = step_fn(tokens, state)  # (N, V)
         log_probs = _mask(log_probs, banned, eos_id, force_eos=limits[live] <= t)
-        best, choice = log_probs.max(dim=-1)
-        keep = []
-        for row, (sentence, token, lp) in enumerate(
-            zip(live.tolist(), choice.tolist(), best.tolist(), strict=True)
-        ):
-            scores[sentence] += lp
-            if token == eos_id:
-                done[sentence] = Hypothesis(
-                    outputs[sentence],
-                    scores[sentence] / length_penalty(t, alpha, form),
-                    scores[sentence],
-                )
-            else:
-                outputs[sentence].append(token)
-                keep.append(row)
-        if not keep:
+        best, choice = log_probs.max(dim=-1)  # (N,)
+        sums[live] += best.double()
+        outputs[live, t - 1] = choice
+        finished = choice == eos_id
+        ends[live[finished]] = t
+        keep = (~finished).nonzero().squeeze(1)  # the one host sync of a step
+        if len(keep) == 0:
             break
-        keep_rows = torch.tensor(keep)
         if len(keep) < len(live):
-            state.reorder(keep_rows)
-        live, tokens = live[keep_rows], choice[keep_rows]
-    return [h for h in done if h is not None]
+            state.reorder(keep)
+            live, choice = live[keep], choice[keep]
+        tokens = choice
+    out, log_prob, end = outputs.tolist(), sums.tolist(), ends.tolist()
+    return [
+        Hypothesis(out[s][: end[s] - 1], log_prob[s] / length_penalty(end[s], alpha, form),
+                   log_prob[s])
+        for s in range(n)
+    ]  # fmt: skip
 
 
 def beam_search(
@@ -101,6 +101,7 @@ def beam_search(
     nbest: int = 1,
     banned: Sequence[int] = (),
     early_stopping: str = "bound",
+    device: torch.device | str = "cpu",
 ) -> list[list[Hypothesis]]:
     """Batched beam search; returns the `nbest` best hypotheses of each sentence, best first.
 
@@ -114,58 +115,57 @@ def beam_search(
 
     Longer than 60 lines because one step is one indivisible algorithm over shared tensors
     (expand, rank, finish, keep alive, drop finished sentences, reorder the state); its separable
-    parts are helpers (_mask, _collect_finished, _done).
+    parts are helpers (_mask, _Finished, _done).
     """
     if early_stopping not in ("bound", "current"):
         raise ValueError(f"early_stopping {early_stopping!r}: expected 'bound' or 'current'")
-    n, k = len(max_lengths), beam_size
-    limits = torch.as_tensor(list(max_lengths))
-    live = torch.arange(n)  # sentence index of each live sentence (rows: k per sentence)
-    tokens = torch.full((n * k,), bos_id, dtype=torch.long)
-    history = torch.empty(n * k, 0, dtype=torch.long)  # (N·k, t) outputs so far
-    beam_scores = torch.zeros(n, k)
+    n, k, steps = len(max_lengths), beam_size, int(max(max_lengths))
+    limits = torch.as_tensor(list(max_lengths), device=device)
+    # lp(max length) of each sentence, computed as Python computes it (the "bound" horizon).
+    bound_lp = [float(length_penalty(length, alpha, form)) for length in max_lengths]
+    bound_lp = torch.tensor(bound_lp, dtype=torch.float64, device=device)
+    live = torch.arange(n, device=device)  # sentence index of each live sentence (k rows each)
+    tokens = torch.full((n * k,), bos_id, dtype=torch.long, device=device)
+    history = torch.zeros(n * k, steps, dtype=torch.long, device=device)  # (N·k, T) outputs
+    beam_scores = torch.zeros(n, k, device=device)
     beam_scores[:, 1:] = -math.inf  # all beams start identical: only the first may expand
-    finished: list[list[Hypothesis]] = [[] for _ in range(n)]
-    for t in range(1, int(limits.max()) + 1):
+    finished = _Finished(n, k, steps, device)
+    beams = torch.arange(k, device=device)
+    for t in range(1, steps + 1):
         log_probs, state = step_fn(tokens, state)  # (N·k, V)
         log_probs = _mask(
             log_probs, banned, eos_id, force_eos=(limits[live] <= t).repeat_interleave(k)
         )
-        vocab = log_probs.size(-1)
-        candidates = (beam_scores.reshape(-1, 1) + log_probs).view(len(live), k * vocab)  # (N, k·V)
-        top_scores, top_index = candidates.topk(min(2 * k, k * vocab), dim=-1)  # (N, 2k)
+        m, vocab = len(live), log_probs.size(-1)
+        candidates = (beam_scores.reshape(-1, 1) + log_probs).view(m, k * vocab)  # (m, k·V)
+        top_scores, top_index = candidates.topk(min(2 * k, k * vocab), dim=-1)  # (m, 2k)
         top_beam, top_token = top_index // vocab, top_index % vocab
         is_eos = top_token == eos_id
-        _collect_finished(finished, live, history, top_scores, top_beam, is_eos, t, k, alpha, form)
+        # EOS continuations ranked within the top k of their sentence are finished.
+        ends = is_eos[:, :k] & (top_scores[:, :k] > -math.inf)  # (m, k)
+        rows = torch.arange(m, device=device)[:, None] * k + top_beam[:, :k]  # (m, k)
+        penalty = float(length_penalty(t, alpha, form))
+        finished.add(live, ends, top_scores[:, :k].double(), penalty, history[rows], t - 1)
         # The best k non-EOS continuations live on (EOS ones are moved to the end, -inf).
         alive_scores = top_scores.masked_fill(is_eos, -math.inf)
-        alive_scores, order = alive_scores.topk(k, dim=-1)  # (N, k)
+        alive_scores, order = alive_scores.topk(k, dim=-1)  # (m, k)
         beam_scores = alive_scores
-        source_row = (torch.arange(len(live))[:, None] * k + top_beam.gather(1, order)).view(
-            -1
-        )  # (N·k,)
+        source_row = torch.arange(m, device=device)[:, None] * k + top_beam.gather(1, order)
+        source_row = source_row.view(-1)  # (m·k,)
         tokens = top_token.gather(1, order).view(-1)
-        history = torch.cat([history[source_row], tokens[:, None]], dim=1)
+        history = history[source_row]
+        history[:, t - 1] = tokens
         # Sentences that are done leave the batch; the rest of the state follows its beams.
-        keep = [
-            i
-            for i, s in enumerate(live.tolist())
-            if not _done(
-                finished[s], beam_scores[i], k, int(limits[s]), t, alpha, form, early_stopping
-            )
-        ]
-        if not keep:
+        horizon_lp = bound_lp[live] if early_stopping == "bound" else penalty
+        done = _done(finished, live, beam_scores, limits[live], t, k, horizon_lp)
+        keep = (~done).nonzero().squeeze(1)  # the one host sync of a step
+        if len(keep) == 0:
             break
-        keep_t = torch.tensor(keep)
-        rows = (keep_t[:, None] * k + torch.arange(k)).view(-1)
-        state.reorder(source_row[rows])
-        live, beam_scores, tokens, history = (
-            live[keep_t],
-            beam_scores[keep_t],
-            tokens[rows],
-            history[rows],
-        )
-    return [sorted(f, key=lambda h: h.score, reverse=True)[:nbest] for f in finished]
+        kept_rows = (keep[:, None] * k + beams).view(-1)
+        state.reorder(source_row[kept_rows])
+        live, beam_scores = live[keep], beam_scores[keep]
+        tokens, history = tokens[kept_rows], history[kept_rows]
+    return finished.best(nbest)
 
 
 def _mask(
@@ -182,46 +182,69 @@ def _mask(
     return log_probs
 
 
-def _collect_finished(
-    finished: list[list[Hypothesis]],
-    live: torch.Tensor,
-    history: torch.Tensor,
-    top_scores: torch.Tensor,
-    top_beam: torch.Tensor,
-    is_eos: torch.Tensor,
-    t: int,
-    k: int,
-    alpha: float,
-    form: str,
-) -> None:
-    """EOS continuations ranked within the top k of their sentence become finished hypotheses."""
-    penalty = length_penalty(t, alpha, form)
-    for i, j in (is_eos[:, :k] & (top_scores[:, :k] > -math.inf)).nonzero().tolist():
-        raw = float(top_scores[i, j])
-        output = history[i * k + int(top_beam[i, j])].tolist()
-        pool = finished[int(live[i])]
-        pool.append(Hypothesis(output, raw / penalty, raw))
-        if len(pool) > k:  # only the best k can be returned or bound the search
-            pool.sort(key=lambda h: h.score, reverse=True)
-            del pool[k:]
+class _Finished:
+    """Each sentence's best k finished hypotheses, as tensors: kept sorted by normalised score,
+    ties in the order they finished (what a stable sort of the finishing order gives)."""
+
+    def __init__(self, n: int, k: int, steps: int, device: torch.device | str) -> None:
+        self.k = k
+        self.score = torch.full((n, k), -math.inf, dtype=torch.float64, device=device)
+        self.log_prob = torch.zeros(n, k, dtype=torch.float64, device=device)
+        self.length = torch.zeros(n, k, dtype=torch.long, device=device)  # EOS excluded
+        self.tokens = torch.zeros(n, k, steps, dtype=torch.long, device=device)
+
+    def add(
+        self,
+        live: torch.Tensor,
+        ends: torch.Tensor,
+        raw: torch.Tensor,
+        penalty: float,
+        tokens: torch.Tensor,
+        length: int,
+    ) -> None:
+        """Merge the hypotheses where `ends` (m, k) into the pools of sentences `live` (m,):
+        raw (m, k) their sums, tokens (m, k, T) their outputs of `length` tokens."""
+        if not bool(ends.any()):
+            return
+        score = torch.where(ends, raw / penalty, -math.inf)  # (m, k)
+        merged = torch.cat([self.score[live], score], dim=1)  # (m, 2k): earlier ones first
+        order = merged.sort(dim=1, descending=True, stable=True).indices[:, : self.k]  # (m, k)
+        self.score[live] = merged.gather(1, order)
+        log_prob = torch.cat([self.log_prob[live], raw], dim=1)
+        self.log_prob[live] = log_prob.gather(1, order)
+        new_length = torch.full_like(self.length[live], length)
+        self.length[live] = torch.cat([self.length[live], new_length], dim=1).gather(1, order)
+        both = torch.cat([self.tokens[live], tokens], dim=1)  # (m, 2k, T)
+        self.tokens[live] = both.gather(1, order[:, :, None].expand(-1, -1, both.size(2)))
+
+    def best(self, nbest: int) -> list[list[Hypothesis]]:
+        score, log_prob = self.score.tolist(), self.log_prob.tolist()
+        length, tokens = self.length.tolist(), self.tokens.tolist()
+        return [
+            [
+                Hypothesis(tokens[s][j][: length[s][j]], score[s][j], log_prob[s][j])
+                for j in range(min(nbest, self.k))
+                if score[s][j] > -math.inf
+            ]
+            for s in range(len(score))
+        ]
 
 
 def _done(
-    pool: list[Hypothesis],
+    finished: _Finished,
+    live: torch.Tensor,
     alive_scores: torch.Tensor,
-    k: int,
-    limit: int,
+    limits: torch.Tensor,
     t: int,
-    alpha: float,
-    form: str,
-    early_stopping: str,
-) -> bool:
-    best_alive = float(alive_scores.max())
-    if t >= limit or best_alive == -math.inf:  # nothing left that could still finish
-        return True
-    if len(pool) < k:
-        return False
-    # Log-probabilities only fall, and lp grows with length: lp(limit) is the best any live
-    # hypothesis can still get, so that bound is exact; lp(t) assumes it finishes now.
-    horizon = limit if early_stopping == "bound" else t
-    return best_alive / length_penalty(horizon, alpha, form) <= min(h.score for h in pool)
+    k: int,
+    horizon_lp: torch.Tensor | float,
+) -> torch.Tensor:
+    """(m,) whether each live sentence is done: at its maximum length, nothing alive, or k
+    finished hypotheses that no live one can beat. Log-probabilities only fall and lp grows with
+    length, so lp(limit) (the "bound" horizon) is the best any live hypothesis can still get;
+    lp(t) (the "current" horizon) assumes it finishes now."""
+    best_alive = alive_scores.max(dim=1).values.double()  # (m,)
+    pool = finished.score[live]  # (m, k), sorted
+    full = pool[:, k - 1] > -math.inf
+    beaten = best_alive / horizon_lp <= pool[:, k - 1]  # the worst of a full pool
+    return (limits <= t) | (best_alive == -math.inf) | (full & beaten)

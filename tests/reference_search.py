@@ -1,0 +1,218 @@
+"""Reference: the search of tmt before it moved its bookkeeping onto the model's device (commit
+be112db). The property tests in test_search.py compare the current search with it on random step
+functions: the outputs must stay identical. Not used by the package."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class SearchState(Protocol):
+    def reorder(self, index: torch.Tensor) -> None: ...
+
+
+StepFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    tokens: list[int]  # the output, EOS excluded
+    score: float  # length-normalised: log_prob / lp(len(tokens) + 1)
+    log_prob: float  # sum of token log-probabilities, EOS included
+
+
+def length_penalty(length: int | torch.Tensor, alpha: float, form: str = "gnmt") -> Any:
+    """lp(|Y|): GNMT ((5 + |Y|) / 6)^α or power |Y|^α; α = 0 gives 1 (no normalisation)."""
+    if form == "gnmt":
+        return ((5.0 + length) / 6.0) ** alpha
+    if form == "power":
+        return length**alpha
+    raise ValueError(f"length penalty form {form!r}: expected 'gnmt' or 'power'")
+
+
+def greedy(
+    step_fn: StepFn,
+    state: SearchState,
+    max_lengths: Sequence[int],
+    bos_id: int,
+    eos_id: int,
+    banned: Sequence[int] = (),
+    alpha: float = 0.0,
+    form: str = "gnmt",
+) -> list[Hypothesis]:
+    """The argmax token at every step until EOS or the sentence's maximum length (EOS forced)."""
+    n = len(max_lengths)
+    limits = torch.as_tensor(list(max_lengths))
+    live = torch.arange(n)  # sentence index of each row
+    tokens = torch.full((n,), bos_id, dtype=torch.long)
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    scores = [0.0] * n
+    done: list[Hypothesis | None] = [None] * n
+    for t in range(1, int(limits.max()) + 1):
+        log_probs, state = step_fn(tokens, state)  # (N, V)
+        log_probs = _mask(log_probs, banned, eos_id, force_eos=limits[live] <= t)
+        best, choice = log_probs.max(dim=-1)
+        keep = []
+        for row, (sentence, token, lp) in enumerate(
+            zip(live.tolist(), choice.tolist(), best.tolist(), strict=True)
+        ):
+            scores[sentence] += lp
+            if token == eos_id:
+                done[sentence] = Hypothesis(
+                    outputs[sentence],
+                    scores[sentence] / length_penalty(t, alpha, form),
+                    scores[sentence],
+                )
+            else:
+                outputs[sentence].append(token)
+                keep.append(row)
+        if not keep:
+            break
+        keep_rows = torch.tensor(keep)
+        if len(keep) < len(live):
+            state.reorder(keep_rows)
+        live, tokens = live[keep_rows], choice[keep_rows]
+    return [h for h in done if h is not None]
+
+
+def beam_search(
+    step_fn: StepFn,
+    state: SearchState,
+    max_lengths: Sequence[int],
+    bos_id: int,
+    eos_id: int,
+    beam_size: int,
+    alpha: float = 0.6,
+    form: str = "gnmt",
+    nbest: int = 1,
+    banned: Sequence[int] = (),
+    early_stopping: str = "bound",
+) -> list[list[Hypothesis]]:
+    """Batched beam search; returns the `nbest` best hypotheses of each sentence, best first.
+
+    `state` must describe n sentences × beam_size rows (each sentence repeated beam_size times).
+    Per step the best 2k continuations of a sentence's k beams are ranked; an EOS continuation is
+    finished if it ranks within the top k (so beam 1 is greedy), the best k others live on. A
+    sentence stops once it has k finished hypotheses and no live one can beat the worst of them,
+    even under the most favourable length penalty, lp(max length) (early_stopping "bound",
+    tensor2tensor's: the paper's "terminate early when possible"), or under lp(current length)
+    (early_stopping "current", HF generate's default heuristic).
+
+    Longer than 60 lines because one step is one indivisible algorithm over shared tensors
+    (expand, rank, finish, keep alive, drop finished sentences, reorder the state); its separable
+    parts are helpers (_mask, _collect_finished, _done).
+    """
+    if early_stopping not in ("bound", "current"):
+        raise ValueError(f"early_stopping {early_stopping!r}: expected 'bound' or 'current'")
+    n, k = len(max_lengths), beam_size
+    limits = torch.as_tensor(list(max_lengths))
+    live = torch.arange(n)  # sentence index of each live sentence (rows: k per sentence)
+    tokens = torch.full((n * k,), bos_id, dtype=torch.long)
+    history = torch.empty(n * k, 0, dtype=torch.long)  # (N·k, t) outputs so far
+    beam_scores = torch.zeros(n, k)
+    beam_scores[:, 1:] = -math.inf  # all beams start identical: only the first may expand
+    finished: list[list[Hypothesis]] = [[] for _ in range(n)]
+    for t in range(1, int(limits.max()) + 1):
+        log_probs, state = step_fn(tokens, state)  # (N·k, V)
+        log_probs = _mask(
+            log_probs, banned, eos_id, force_eos=(limits[live] <= t).repeat_interleave(k)
+        )
+        vocab = log_probs.size(-1)
+        candidates = (beam_scores.reshape(-1, 1) + log_probs).view(len(live), k * vocab)  # (N, k·V)
+        top_scores, top_index = candidates.topk(min(2 * k, k * vocab), dim=-1)  # (N, 2k)
+        top_beam, top_token = top_index // vocab, top_index % vocab
+        is_eos = top_token == eos_id
+        _collect_finished(finished, live, history, top_scores, top_beam, is_eos, t, k, alpha, form)
+        # The best k non-EOS continuations live on (EOS ones are moved to the end, -inf).
+        alive_scores = top_scores.masked_fill(is_eos, -math.inf)
+        alive_scores, order = alive_scores.topk(k, dim=-1)  # (N, k)
+        beam_scores = alive_scores
+        source_row = (torch.arange(len(live))[:, None] * k + top_beam.gather(1, order)).view(
+            -1
+        )  # (N·k,)
+        tokens = top_token.gather(1, order).view(-1)
+        history = torch.cat([history[source_row], tokens[:, None]], dim=1)
+        # Sentences that are done leave the batch; the rest of the state follows its beams.
+        keep = [
+            i
+            for i, s in enumerate(live.tolist())
+            if not _done(
+                finished[s], beam_scores[i], k, int(limits[s]), t, alpha, form, early_stopping
+            )
+        ]
+        if not keep:
+            break
+        keep_t = torch.tensor(keep)
+        rows = (keep_t[:, None] * k + torch.arange(k)).view(-1)
+        state.reorder(source_row[rows])
+        live, beam_scores, tokens, history = (
+            live[keep_t],
+            beam_scores[keep_t],
+            tokens[rows],
+            history[rows],
+        )
+    return [sorted(f, key=lambda h: h.score, reverse=True)[:nbest] for f in finished]
+
+
+def _mask(
+    log_probs: torch.Tensor, banned: Sequence[int], eos_id: int, force_eos: torch.Tensor
+) -> torch.Tensor:
+    """Never emit `banned` ids (pad, bos); rows at their maximum length may only emit EOS."""
+    log_probs = log_probs.float()
+    if banned:
+        log_probs[:, list(banned)] = -math.inf
+    if force_eos.any():
+        eos = log_probs[force_eos, eos_id].clone()
+        log_probs[force_eos] = -math.inf
+        log_probs[force_eos, eos_id] = eos
+    return log_probs
+
+
+def _collect_finished(
+    finished: list[list[Hypothesis]],
+    live: torch.Tensor,
+    history: torch.Tensor,
+    top_scores: torch.Tensor,
+    top_beam: torch.Tensor,
+    is_eos: torch.Tensor,
+    t: int,
+    k: int,
+    alpha: float,
+    form: str,
+) -> None:
+    """EOS continuations ranked within the top k of their sentence become finished hypotheses."""
+    penalty = length_penalty(t, alpha, form)
+    for i, j in (is_eos[:, :k] & (top_scores[:, :k] > -math.inf)).nonzero().tolist():
+        raw = float(top_scores[i, j])
+        output = history[i * k + int(top_beam[i, j])].tolist()
+        pool = finished[int(live[i])]
+        pool.append(Hypothesis(output, raw / penalty, raw))
+        if len(pool) > k:  # only the best k can be returned or bound the search
+            pool.sort(key=lambda h: h.score, reverse=True)
+            del pool[k:]
+
+
+def _done(
+    pool: list[Hypothesis],
+    alive_scores: torch.Tensor,
+    k: int,
+    limit: int,
+    t: int,
+    alpha: float,
+    form: str,
+    early_stopping: str,
+) -> bool:
+    best_alive = float(alive_scores.max())
+    if t >= limit or best_alive == -math.inf:  # nothing left that could still finish
+        return True
+    if len(pool) < k:
+        return False
+    # Log-probabilities only fall, and lp grows with length: lp(limit) is the best any live
+    # hypothesis can still get, so that bound is exact; lp(t) assumes it finishes now.
+    horizon = limit if early_stopping == "bound" else t
+    return best_alive / length_penalty(horizon, alpha, form) <= min(h.score for h in pool)
