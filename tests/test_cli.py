@@ -238,3 +238,55 @@ def test_translate_into_head_exits_quietly(trained: Path) -> None:
     )
     assert len(out.stdout.splitlines()) == 1
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
+
+
+def test_decoding_flags_become_decode_overrides(
+    trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformer_mt import evaluate
+
+    seen = []
+    real = evaluate.load_translator
+
+    def spy(*args, **kwargs):
+        translator = real(*args, **kwargs)
+        seen.append(translator.config.decode)
+        return translator
+
+    monkeypatch.setattr(evaluate, "load_translator", spy)
+    (tmp_path / "in.txt").write_text("kalo mi\n")
+    flags = ["--beam", "3", "--lenpen", "1.0", "--max-tokens", "77", "--device", "cpu",
+             "--precision", "bf16", "--set", "decode.beam_size=9", "--nbest", "2"]  # fmt: skip
+    result = runner.invoke(app, ["translate", "-m", str(trained), "-i", str(tmp_path / "in.txt"),
+                                 *flags])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    decode = seen[-1]
+    assert (decode.beam_size, decode.length_penalty, decode.max_tokens) == (3, 1.0, 77)
+    assert (decode.device, decode.precision, decode.nbest) == ("cpu", "bf16", 2)  # flags win
+    assert len(result.stdout.splitlines()) == 2  # --nbest 2: two rows for the one line
+    result = runner.invoke(app, ["evaluate", "-m", str(trained), "--split", "valid", "--json",
+                                 "--beam", "1"])  # fmt: skip
+    assert result.exit_code == 0 and seen[-1].beam_size == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--beam", "0"], "--beam 0: decode.beam_size = 0: expected >= 1"),
+        (["--lenpen", "nan"], "--lenpen nan: decode.length_penalty = nan: expected a finite"),
+        (["--max-tokens", "0"], "--max-tokens 0: decode.max_tokens = 0: expected >= 1"),
+        (["--device", "gpu"], "--device gpu: decode.device = 'gpu': expected auto, cpu, cuda"),
+        (["--device", "cuda"], "decode.device=cuda: no CUDA device"),
+        (["--device", "cpu", "--precision", "fp16"], "decode.precision=fp16 needs a GPU"),
+        (["--precision", "fp8"], "--precision fp8: decode.precision = 'fp8': expected one of"),
+    ],
+)
+def test_bad_decoding_flags_are_one_line(
+    trained: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str], message: str
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = runner.invoke(app, ["translate", "-m", str(trained), *flags], input="kalo\n")
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output

@@ -10,10 +10,11 @@ import pytest
 import yaml
 
 from transformer_mt.config import (
-    NON_EMPTY,
     SECTIONS,
     Config,
+    DeviceName,
     Interval,
+    NonEmpty,
     config_from_dict,
     config_hash,
     load_config,
@@ -200,7 +201,8 @@ def test_every_field_has_a_range() -> None:
         if base in (int, float):
             assert isinstance(rule, Interval), f"{key}: a number without a range"
         elif base is str:
-            assert (rule == NON_EMPTY) != (key in MAY_BE_EMPTY), f"{key}: may it be empty?"
+            ruled = isinstance(rule, NonEmpty | DeviceName)
+            assert ruled != (key in MAY_BE_EMPTY), f"{key}: may it be empty?"
         else:
             assert base is bool or typing.get_origin(base) is typing.Literal, key
 
@@ -223,14 +225,17 @@ def test_out_of_range_values_are_one_line_errors_naming_key_value_and_range(key,
     if typing.get_origin(kind) is not typing.Annotated:
         return  # bool and Literal fields: their choices are their range (test_bad_overrides_...)
     base, rule = typing.get_args(kind)
-    bad_values = [""] if rule == NON_EMPTY else outside(rule, base)
+    if isinstance(rule, Interval):
+        bad_values = outside(rule, base)
+    else:
+        bad_values = ["", "gpu", "cuda:x"] if isinstance(rule, DeviceName) else [""]
     assert bad_values, key
     for bad in bad_values:
         with pytest.raises(TmtError) as err:
             load_config("tiny", [f"{key}={bad}"])
         message = str(err.value)
         assert message.startswith(f"--set {key}={bad}: {key} = "), message
-        expected = "a non-empty string" if rule == NON_EMPTY else str(rule).removeprefix("in ")
+        expected = str(rule).removeprefix("in ")
         assert expected in message and "\n" not in message
 
 

@@ -246,3 +246,40 @@ def test_early_stopping_setting_reaches_the_search(
     assert len(bound) == len(current) == 3
     with pytest.raises(TmtError, match="early_stopping"):
         translator(trained_run, "decode.early_stopping=never")
+
+
+# --- the Python API and the decoding precision -------------------------------------------------
+
+
+def test_python_api_translates_as_the_command_does(trained_run: Path) -> None:
+    from transformer_mt import Translator  # the package's own face, loaded on first use
+
+    translator = Translator.load(trained_run, device="cpu")
+    assert translator.config.decode.device == "cpu" and translator.device.type == "cpu"
+    out = translator.translate(SOURCES[:4], beam=2)
+    command = evaluate.load_translator(trained_run, ["decode.beam_size=2"])
+    assert out == evaluate.translate_text(command, SOURCES[:4])
+    assert translator.translate(["", SOURCES[0]]) == ["", evaluate.translate_text(
+        evaluate.load_translator(trained_run), [SOURCES[0]])[0]]  # fmt: skip
+    with pytest.raises(TmtError, match="device: set when loading"):
+        translator.translate(["x"], device="cuda")
+    with pytest.raises(TmtError, match="decode.beam_size = 0: expected >= 1"):
+        translator.translate(["x"], beam=0)
+
+
+def test_readme_python_example_runs(trained_run: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "Translator.load(" in example and ".translate(" in example
+    namespace: dict = {}
+    exec(example.replace('"runs/multi30k"', repr(str(trained_run))), namespace)
+    assert isinstance(namespace["translations"], list) and len(namespace["translations"]) == 2
+
+
+def test_bf16_decoding_on_cpu_translates_every_line(trained_run: Path) -> None:
+    bf16 = evaluate.load_translator(trained_run, ["decode.precision=bf16"])
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    out = evaluate.translate_text(bf16, SOURCES)
+    assert len(out) == len(SOURCES) and all(isinstance(t, str) for t in out)
+    fp32 = evaluate.translate_text(evaluate.load_translator(trained_run), SOURCES)
+    assert sum(a == b for a, b in zip(out, fp32, strict=True)) >= len(SOURCES) // 2

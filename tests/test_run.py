@@ -155,3 +155,22 @@ def test_resume_reads_its_checkpoint_once(
         str((resumed / name).resolve()): 1
         for name in ("manifest.json", "model.pt", "train_state.pt")
     }
+
+
+def test_a_run_is_translated_by_its_average_first_and_says_so(
+    tmp_path: Path, save, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = save(tmp_path, 1), save(tmp_path, 2)
+    run.set_best(tmp_path, first)
+    mean = checkpoint.write_average([checkpoint.read(first)], tmp_path / "average")
+    with caplog.at_level("INFO"):
+        assert run.load_model(tmp_path).path == mean.path  # the average, before the best
+    assert any("using its average" in m for m in caplog.messages)
+    # It averages up to step 1 while the run has step 2: used, with a warning.
+    assert any("averages checkpoints up to step 1" in m for m in caplog.messages)
+    (mean.path / "model.pt").write_bytes(b"broken")
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert run.load_model(tmp_path).path == first  # a broken average: the best
+    assert any("using its best checkpoint" in m for m in caplog.messages)
+    assert second.exists()

@@ -98,13 +98,50 @@ def train(
 CheckpointOption = Annotated[
     Path,
     typer.Option(
-        "--checkpoint", "-m", help="A checkpoint or averaged model, or a run directory (its best)."
+        "--checkpoint",
+        "-m",
+        help="A checkpoint or averaged model, or a run directory (its average, else its best).",
     ),
 ]
 AverageLast = Annotated[
     int,
     typer.Option("--average-last", help="Average the newest N checkpoints of the run directory."),
 ]
+# The decoding options people change most; each is one decode.* override (the rest: --set).
+Beam = Annotated[
+    int | None, typer.Option("--beam", help="Beam size, 1 = greedy (decode.beam_size).")
+]
+Lenpen = Annotated[
+    float | None, typer.Option("--lenpen", help="Length penalty α (decode.length_penalty).")
+]
+MaxTokens = Annotated[
+    int | None, typer.Option("--max-tokens", help="Source tokens per batch (decode.max_tokens).")
+]
+Device = Annotated[
+    str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N (decode.device).")
+]
+Precision = Annotated[
+    str | None,
+    typer.Option("--precision", help="fp32, bf16 or fp16 (GPU) (decode.precision)."),
+]
+_FLAGS = {  # flag name -> (config key, what the user typed)
+    "nbest": ("decode.nbest", "--nbest"),
+    "beam": ("decode.beam_size", "--beam"),
+    "lenpen": ("decode.length_penalty", "--lenpen"),
+    "max_tokens": ("decode.max_tokens", "--max-tokens"),
+    "device": ("decode.device", "--device"),
+    "precision": ("decode.precision", "--precision"),
+}
+
+
+def _decode_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[str, str]]:
+    """--set first, then the decoding flags given (a flag wins over a --set of the same key)."""
+    overrides: list[str | tuple[str, str]] = list(set_ or [])
+    for name, value in flags.items():
+        if value is not None:
+            key, typed = _FLAGS[name]
+            overrides.append((f"{key}={value}", f"{typed} {value}"))
+    return overrides
 
 
 @app.command()
@@ -118,15 +155,23 @@ def translate(
         str, typer.Option("--output", "-o", help="Detokenized translations; - = stdout.")
     ] = "-",
     nbest: Annotated[
-        int, typer.Option("--nbest", help="Write N hypotheses per line: index, score, text.")
-    ] = 1,
+        int | None, typer.Option("--nbest", help="Write N hypotheses per line: index, score, text.")
+    ] = None,
+    beam: Beam = None,
+    lenpen: Lenpen = None,
+    max_tokens: MaxTokens = None,
+    device: Device = None,
+    precision: Precision = None,
     average_last: AverageLast = 0,
     set_: Overrides = None,
 ) -> None:
-    """Translate raw text, one output line per input line (decoding options: --set decode.KEY=V)."""
+    """Translate raw text, one output line per input line (other options: --set decode.KEY=V)."""
     from transformer_mt import evaluate as lib
 
-    overrides = [*(set_ or []), *([f"decode.nbest={nbest}"] if nbest != 1 else [])]
+    overrides = _decode_overrides(
+        set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
+        precision=precision,
+    )  # fmt: skip
     translator = lib.load_translator(checkpoint, overrides, average_last)
     try:
         lib.translate_file(translator, input_, output)
@@ -153,6 +198,11 @@ def evaluate(
         Path | None, typer.Option("--hyp", help="Score this hypothesis file; no translating.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    beam: Beam = None,
+    lenpen: Lenpen = None,
+    max_tokens: MaxTokens = None,
+    device: Device = None,
+    precision: Precision = None,
     average_last: AverageLast = 0,
     set_: Overrides = None,
 ) -> None:
@@ -161,8 +211,11 @@ def evaluate(
 
     if split not in ("test", "valid", "train"):
         raise TmtError(f"--split {split!r}: expected test, valid or train")
+    overrides = _decode_overrides(
+        set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision
+    )
     # Splits come from the model's config (its data section), else from the default preset.
-    translator = lib.load_translator(checkpoint, set_ or [], average_last) if checkpoint else None
+    translator = lib.load_translator(checkpoint, overrides, average_last) if checkpoint else None
     cfg = translator.config if translator else load_config("multi30k", set_ or [])
     report = lib.evaluate(
         translator,
@@ -173,6 +226,29 @@ def evaluate(
         cfg=cfg,
     )
     typer.echo(json.dumps(report) if as_json else lib.format_report(report))
+
+
+@app.command()
+@_user_errors
+def export(
+    checkpoint: CheckpointOption,
+    fmt: Annotated[str, typer.Option("--format", help="ctranslate2 or huggingface.")],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Directory to create (new or empty).")
+    ],
+    quantization: Annotated[
+        str | None,
+        typer.Option("--quantization", help="ctranslate2 only: int8, int8_float16 or float16."),
+    ] = None,
+    check_lines: Annotated[
+        int,
+        typer.Option("--check-lines", help="Validation lines the export must reproduce; 0 = all."),
+    ] = 0,
+) -> None:
+    """Export to CTranslate2 or Hugging Face; written only if its greedy outputs equal tmt's."""
+    from transformer_mt import export as lib
+
+    typer.echo(json.dumps(lib.export(checkpoint, fmt, output, quantization, check_lines)))
 
 
 @app.command()

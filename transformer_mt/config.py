@@ -56,7 +56,27 @@ def _number(x: float | None) -> str:
     return str(int(x)) if x is not None and float(x).is_integer() else f"{x:g}"
 
 
-NON_EMPTY = "non-empty"  # the range of a text field that may not be ""
+class NonEmpty:
+    """The range of a text field that may not be empty."""
+
+    def __contains__(self, value: str) -> bool:
+        return bool(value.strip())
+
+    def __str__(self) -> str:
+        return "a non-empty string"
+
+
+class DeviceName:
+    """auto (CUDA when there is a GPU), cpu, cuda, or cuda:N (the N-th GPU)."""
+
+    def __contains__(self, value: str) -> bool:
+        index = value.removeprefix("cuda:")
+        return value in ("auto", "cpu", "cuda") or (index != value and index.isdigit())
+
+    def __str__(self) -> str:
+        return "auto, cpu, cuda or cuda:N"
+
+
 # The ranges of most fields, by meaning; the type of every number field carries one.
 Count = Annotated[int, Interval(1)]  # sizes, layers, heads, steps per event: at least 1
 Number = Annotated[int, Interval(0)]  # budgets and intervals: 0 = none / off
@@ -64,7 +84,7 @@ Fraction = Annotated[float, Interval(0.0, 1.0, high_open=True)]  # dropout, smoo
 Amount = Annotated[float, Interval(0.0)]  # scales, minutes, lengths: >= 0
 Positive = Annotated[float, Interval(0.0, low_open=True)]  # ε, timeouts: > 0
 Real = Annotated[float, Interval()]  # any finite number
-Text = Annotated[str, NON_EMPTY]
+Text = Annotated[str, NonEmpty()]
 
 
 @dataclass(frozen=True)
@@ -179,6 +199,11 @@ class DecodeConfig:
     max_tokens: Count = 4096  # source tokens per translation batch (padded), before beam expansion
     nbest: Count = 1  # hypotheses written per input line (tmt translate --nbest)
     buffer_lines: Count = 256  # stdin lines translated together when they are already waiting
+    device: Annotated[str, DeviceName()] = "auto"  # where translate and evaluate run
+    # Weights and activations while decoding (scores are always summed in fp32): fp32; bf16 or
+    # fp16 halve memory traffic on a GPU (fp16 needs one). No int8: dynamic quantization was no
+    # faster on CPU (docs/benchmarks.md).
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 @dataclass(frozen=True)
@@ -283,18 +308,20 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return config_from_dict(tree, origin=origin, origins=overridden)
 
 
-def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
-    """`cfg` with `section.key=value` overrides."""
+def apply_overrides(cfg: Config, overrides: Sequence[str | tuple[str, str]]) -> Config:
+    """`cfg` with `section.key=value` overrides; an override may come as (item, what the user
+    typed), e.g. ("decode.beam_size=0", "--beam 0"), so that errors quote the user's words."""
     tree = to_dict(cfg)
     overridden = {}
-    for item in overrides:
+    for entry in overrides:
+        item, typed = entry if isinstance(entry, tuple) else (entry, f"--set {entry}")
         section, key, value = _parse_override(item)
         if section not in tree:
             raise TmtError(
-                f"--set {item}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
+                f"{typed}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
             )
         tree[section][key] = value
-        overridden[f"{section}.{key}"] = f"--set {item}"
+        overridden[f"{section}.{key}"] = typed
     return config_from_dict(tree, origin="config", origins=overridden)
 
 
@@ -428,11 +455,11 @@ def _out_of_range(value: Any, kind: Any) -> str | None:
     if typing.get_origin(kind) is not Annotated:
         return None
     rule = typing.get_args(kind)[1]
-    if rule == NON_EMPTY:
-        return None if value.strip() else "a non-empty string"
     if value in rule:
         return None
-    return str(rule) if math.isfinite(value) else f"a finite number {str(rule).removeprefix('in ')}"
+    if isinstance(rule, Interval) and not math.isfinite(value):
+        return f"a finite number {str(rule).removeprefix('in ')}"
+    return str(rule)
 
 
 def _as_float(value: Any) -> float | None:

@@ -53,14 +53,19 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
 
 
 def resolve_device(spec: str, index: int = 0, key: str = "device") -> torch.device:
-    """auto (CUDA when there is a GPU), cpu or cuda; asking for CUDA where there is none is an
-    error naming `key`, not a traceback from deep inside torch."""
-    if spec == "cuda" and not torch.cuda.is_available():
-        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
-        raise TmtError(
-            f"{key}=cuda: no CUDA device on this machine (torch {torch.__version__}, {build})"
-        )
-    if spec == "cuda" or (spec == "auto" and torch.cuda.is_available()):
+    """auto (CUDA when there is a GPU), cpu, cuda (the `index`-th GPU) or cuda:N; asking for a
+    GPU where there is none is an error naming `key`, not a traceback from deep inside torch."""
+    if spec.startswith("cuda"):
+        index = int(spec.removeprefix("cuda:")) if spec.startswith("cuda:") else index
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+            raise TmtError(
+                f"{key}={spec}: no CUDA device on this machine (torch {torch.__version__}, {build})"
+            )
+        if index >= torch.cuda.device_count():
+            raise TmtError(f"{key}={spec}: this machine has {torch.cuda.device_count()} GPU(s)")
+        return torch.device("cuda", index)
+    if spec == "auto" and torch.cuda.is_available():
         return torch.device("cuda", index)
     return torch.device("cpu")
 

@@ -46,18 +46,51 @@ _LINE_BREAKS = re.compile("[\r\n]")
 
 @dataclass(frozen=True)
 class Translator:
-    model: Transformer  # in eval mode, on `device`
+    """A model ready to translate raw text: the Python face of `tmt translate`.
+
+    from transformer_mt import Translator
+    translator = Translator.load("runs/multi30k", device="cpu")
+    translator.translate(["Ein Hund rennt."], beam=5)
+    """
+
+    model: Transformer  # in eval mode, on `device`, in the decoding precision
     tokenizer: Tokenizer
     config: Config  # the checkpoint's config with the caller's overrides
     device: torch.device
     origin: str  # what was loaded, for messages
 
+    @classmethod
+    def load(
+        cls, path: str | Path, device: str = "auto", precision: str = "fp32", **decode: Any
+    ) -> Translator:
+        """A checkpoint, an averaged model or a run directory (its average, else its best, else its
+        newest checkpoint); `decode` sets DecodeConfig fields by name (beam_size=5, ...)."""
+        overrides = [f"decode.{k}={v}" for k, v in {**decode, "device": device,
+                                                      "precision": precision}.items()]  # fmt: skip
+        return load_translator(path, overrides)
+
+    def translate(self, lines: Sequence[str], beam: int | None = None, **decode: Any) -> list[str]:
+        """The best translation of each line, in order (one per line; "" for an empty line);
+        `beam` and `decode` (DecodeConfig fields by name) apply to this call only."""
+        if beam is not None:
+            decode["beam_size"] = beam
+        moved = {"device", "precision"} & set(decode)
+        if moved:
+            raise TmtError(f"{', '.join(sorted(moved))}: set when loading (Translator.load)")
+        if decode:
+            overrides = [f"decode.{k}={v}" for k, v in decode.items()]
+            translator = dataclasses.replace(self, config=apply_overrides(self.config, overrides))
+        else:
+            translator = self
+        return translate_text(translator, list(lines))
+
 
 def load_translator(
-    path: str | Path, overrides: Sequence[str] = (), average_last: int = 0, device: str = "auto"
+    path: str | Path, overrides: Sequence[str | tuple[str, str]] = (), average_last: int = 0
 ) -> Translator:
-    """A checkpoint directory, an averaged model, or a run directory (its best checkpoint, else its
-    newest; with average_last=N the average of its newest N), each checkpoint read once."""
+    """A checkpoint directory, an averaged model, or a run directory (its average, else its best
+    checkpoint, else its newest; with average_last=N the average of its newest N), each read
+    once, on decode.device in decode.precision."""
     if average_last > 0:
         saved = checkpoint.average(run.newest_models(Path(path), average_last))
         origin = f"average of {', '.join(Path(p).name for p in saved.sources)}"
@@ -68,10 +101,18 @@ def load_translator(
     fixed = checkpoint.model_differences(saved.config, b"", cfg, b"")
     if fixed:
         raise TmtError(f"--set {', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
-    target = distributed.resolve_device(device)
+    target = distributed.resolve_device(cfg.decode.device, key="decode.device")
     tokenizer = saved.tokenizer()
-    model = checkpoint.build_model(saved, tokenizer)
-    return Translator(model.to(target).eval(), tokenizer, cfg, target, origin)
+    model = _in_precision(checkpoint.build_model(saved, tokenizer), cfg.decode.precision, target)
+    return Translator(model.eval(), tokenizer, cfg, target, origin)
+
+
+def _in_precision(model: Transformer, precision: str, device: torch.device) -> Transformer:
+    """The model on `device` in the decoding precision (decode.precision)."""
+    if precision == "fp16" and device.type != "cuda":
+        raise TmtError("decode.precision=fp16 needs a GPU (decode.device); use bf16 or fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return model.to(device=device, dtype=dtype)
 
 
 # --- translating -------------------------------------------------------------------------------
@@ -138,20 +179,19 @@ def _translate_batch(translator: Translator, sources: list[list[int]]) -> list[l
     state = _DecodeState(model.start_cache(memory, beam=k), src_mask)
 
     def step(tokens: torch.Tensor, s: _DecodeState) -> tuple[torch.Tensor, _DecodeState]:
-        logits = model.decode(
-            tokens.to(translator.device)[:, None], None, s.src_mask, s.cache
-        )  # (N, 1, V)
-        return F.log_softmax(logits[:, 0].float(), dim=-1).cpu(), s
+        logits = model.decode(tokens[:, None], None, s.src_mask, s.cache)  # (N, 1, V)
+        return F.log_softmax(logits[:, 0].float(), dim=-1), s
 
-    banned = (tok.pad_id, tok.bos_id)
+    banned, device = (tok.pad_id, tok.bos_id), translator.device
     alpha, form = decode.length_penalty, decode.length_penalty_form
     if k == 1:
-        return [
-            [h] for h in greedy(step, state, limits, tok.bos_id, tok.eos_id, banned, alpha, form)
-        ]
+        hypotheses = greedy(
+            step, state, limits, tok.bos_id, tok.eos_id, banned, alpha, form, device
+        )
+        return [[h] for h in hypotheses]
     return beam_search(
         step, state, limits, tok.bos_id, tok.eos_id, k, alpha, form,
-        nbest=decode.nbest, banned=banned, early_stopping=decode.early_stopping,
+        nbest=decode.nbest, banned=banned, early_stopping=decode.early_stopping, device=device,
     )  # fmt: skip
 
 

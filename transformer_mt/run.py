@@ -103,7 +103,7 @@ def sweep(run_dir: Path) -> None:
     directories and temporary files go, a checkpoint caught between the two renames of a
     same-step save is put back."""
     files.remove_leftovers(run_dir, [f".*{files.TEMP_SUFFIX}"])
-    checkpoint.recover(run_dir, live_writers=False)  # OUT_DIR/average
+    checkpoint.recover(run_dir, live_writers=False)  # staging of OUT_DIR/average
     if (run_dir / CHECKPOINTS).is_dir():
         files.remove_leftovers(run_dir / CHECKPOINTS, [".best-*", f".*{files.TEMP_SUFFIX}"])
         checkpoint.recover(run_dir / CHECKPOINTS, live_writers=False)
@@ -467,9 +467,13 @@ def newest_models(run_dir: Path, n: int, allow_fewer: bool = False) -> Iterator[
         raise TmtError(f"{run_dir}: {taken} complete checkpoints, {n} asked for")
 
 
+AVERAGE = "average"  # OUT_DIR/average: training's final average of its newest checkpoints
+
+
 def load_model(path: Path) -> Checkpoint:
-    """A checkpoint or averaged-model directory as given; for a run directory its best
-    checkpoint, else its newest that reads."""
+    """A checkpoint or averaged-model directory as given; for a run directory the model it
+    finished with: its average (OUT_DIR/average), else its best checkpoint, else its newest that
+    reads. Says which it took."""
     path = Path(path)
     if (path / checkpoint.MANIFEST_FILE).is_file():
         return checkpoint.read(path)
@@ -478,13 +482,26 @@ def load_model(path: Path) -> Checkpoint:
             f"{path}: not a checkpoint (no {checkpoint.MANIFEST_FILE})"
             f" nor a run directory (no {CHECKPOINTS}/)"
         )
-    best_path = best(path)
-    if best_path is not None:
+    newest = list_checkpoints(path)[-1:]
+    for kind, candidate in (("average", path / AVERAGE), ("best checkpoint", best(path))):
+        if candidate is None or not (candidate / checkpoint.MANIFEST_FILE).exists():
+            continue
         try:
-            return checkpoint.read(best_path)
+            saved = checkpoint.read(candidate)
         except TmtError as err:
-            logger.warning("skipping the best checkpoint %s: %s", best_path, err)
-    saved = next(newest_valid(path, skip={best_path} if best_path else ()), None)
+            logger.warning("skipping the %s %s: %s", kind, candidate, err)
+            continue
+        logger.info("%s: using its %s %s (step %d)", path, kind, candidate, saved.step)
+        newest_step = int(newest[0].name[len(_PREFIX) :]) if newest else 0
+        if kind == "average" and saved.step < newest_step:
+            logger.warning(
+                "%s averages checkpoints up to step %d, the run has one at step %d: refresh it"
+                " with tmt average %s --last N -o %s",
+                candidate, saved.step, newest_step, path, candidate,
+            )  # fmt: skip
+        return saved
+    saved = next(newest_valid(path, skip={best(path)} - {None}), None)
     if saved is None:
         raise TmtError(f"{path}: the run has no complete checkpoint")
+    logger.info("%s: using its newest checkpoint %s", path, saved.path)
     return saved

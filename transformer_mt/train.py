@@ -291,7 +291,7 @@ class _Session:
         n, result = self.cfg.train.average_last, None
         if n and self.info.is_main:
             newest = run.newest_models(self.run_dir, n, allow_fewer=True)
-            mean = checkpoint.write_average(newest, self.run_dir / "average")
+            mean = checkpoint.write_average(newest, self.run_dir / run.AVERAGE)
             result = {"path": str(mean.path), "checkpoints": len(mean.sources)}
             if self.valid_text:
                 tokenizer, solo = self.data.tokenizer, DistInfo(0, 1, 0, self.info.device)

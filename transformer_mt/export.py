@@ -1,0 +1,484 @@
+"""`tmt export`: a trained model as a CTranslate2 model or a Hugging Face model, checked first.
+
+An export is written only when it reproduces tmt: its greedy outputs on the model's validation
+split (or the first `check_lines` lines of it) must be token-identical to tmt's own greedy outputs,
+else the export fails and names the first line that differs. It is built in a hidden staging
+directory beside the output and renamed into place, so an interrupted export leaves nothing under
+the final name.
+
+- ctranslate2: `ctranslate2.specs.TransformerSpec` (pre- or post-norm, ReLU, the sinusoid table, the
+  one tied matrix as both embeddings and the output projection). A quantization (int8,
+  int8_float16, float16) is applied after the parity check of the float32 conversion; the
+  quantized model's agreement with tmt is reported, not required.
+- huggingface: a post-norm model as MarianMTModel, a pre-norm one as
+  PegasusForConditionalGeneration (pre-norm sublayers, final layer norms, sinusoidal positions).
+  Both lay their sinusoids out as [sin | cos] where tmt interleaves them, so the export relabels
+  the model dimension with that one permutation through every weight: the same network. The
+  tokenizer is the sentencepiece model rebuilt with `tokenizers` (tokenizer.json: the same ids,
+  </s> appended to the source as tmt does), so `AutoTokenizer.from_pretrained` loads it.
+
+Both peers are optional (`pip install "transformer_mt[export]"`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from transformer_mt import __version__, evaluate, files
+from transformer_mt.config import apply_overrides
+from transformer_mt.evaluate import Translator
+from transformer_mt.exits import TmtError
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("ctranslate2", "huggingface")
+QUANTIZATIONS = ("int8", "int8_float16", "float16")  # CTranslate2's, stored weights
+REPORT_FILE = "tmt_export.json"
+_EXTRA = 'pip install "transformer_mt[export]"'
+
+
+def export(
+    model: str | Path,
+    fmt: str,
+    output: Path,
+    quantization: str | None = None,
+    check_lines: int = 0,
+) -> dict[str, Any]:
+    """Export `model` (a checkpoint, an average or a run directory) to `output` in format `fmt`
+    after checking it against tmt on `check_lines` validation lines (0: all of them)."""
+    if fmt not in FORMATS:
+        raise TmtError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
+    if quantization is not None and (fmt != "ctranslate2" or quantization not in QUANTIZATIONS):
+        allowed = f"ctranslate2 takes {', '.join(QUANTIZATIONS)}"
+        raise TmtError(f"--quantization {quantization}: not for --format {fmt} ({allowed})")
+    if check_lines < 0:
+        raise TmtError(f"--check-lines {check_lines}: expected 0 (all) or more")
+    _check_output(output)
+    builder = _require(fmt)
+    translator = evaluate.load_translator(model, ["decode.device=cpu", "decode.precision=fp32"])
+    sources, _ = evaluate.read_split(translator.config, "data.valid")
+    lines = [s for s in sources if s.strip()][: check_lines or None]
+    if not lines:
+        raise TmtError(f"data.valid ({translator.config.data.valid}): no lines to check against")
+    greedy = dataclasses.replace(
+        translator,
+        config=apply_overrides(translator.config, ["decode.beam_size=1", "decode.nbest=1"]),
+    )
+    expected = [h[0].tokens if h else [] for h in evaluate.translate_lines(greedy, lines)]
+    staging = output.parent / f".tmp-export-{output.name}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        report = builder(translator, staging, lines, expected, quantization)
+        report |= {"format": fmt, "source": translator.origin, "tmt_version": __version__}
+        files.atomic_write(staging / REPORT_FILE, json.dumps(report, indent=1).encode())
+        output.parent.mkdir(parents=True, exist_ok=True)
+        if output.exists():  # an empty directory (checked above)
+            output.rmdir()
+        os.rename(staging, output)
+        files.fsync_dir(output.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("exported %s to %s (%d lines identical to tmt)", translator.origin, output,
+                report["check_lines"])  # fmt: skip
+    return {"output": str(output), **report}
+
+
+def _check_output(output: Path) -> None:
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise TmtError(f"{output}: exists and is not an empty directory; choose another output")
+
+
+def _require(fmt: str) -> Callable[..., dict[str, Any]]:
+    """The builder of `fmt`, once its optional package is importable."""
+    needs = {"ctranslate2": ["ctranslate2"], "huggingface": ["transformers", "tokenizers"]}[fmt]
+    for package in needs:
+        try:
+            __import__(package)
+        except ImportError:
+            raise TmtError(f"--format {fmt} needs the {package} package: {_EXTRA}") from None
+    return _ctranslate2 if fmt == "ctranslate2" else _huggingface
+
+
+def _parity(expected: list[list[int]], found: list[list[int]], lines: list[str], fmt: str,
+            translator: Translator) -> None:  # fmt: skip
+    """Refuse an export whose greedy outputs differ from tmt's, naming the first line."""
+    for i, (ours, theirs) in enumerate(zip(expected, found, strict=True)):
+        if ours != theirs:
+            text = translator.tokenizer.decode([ours, theirs])
+            raise TmtError(
+                f"the {fmt} export differs from tmt on validation line {i + 1} ({lines[i][:60]!r}):"
+                f" tmt {text[0][:60]!r}, {fmt} {text[1][:60]!r}; nothing was written"
+            )
+
+
+def _limits(translator: Translator, lines: Sequence[str]) -> list[int]:
+    """tmt's maximum output length per line (the EOS included), as translate_lines applies it."""
+    decode, limit = translator.config.decode, translator.config.model.max_positions - 1
+    ids = translator.tokenizer.encode(list(lines))
+    return [
+        min(int(decode.max_len_a * min(len(x), limit) + decode.max_len_b),
+            translator.config.model.max_positions)
+        for x in ids
+    ]  # fmt: skip
+
+
+def _batches(limits: list[int], size: int = 64) -> list[list[int]]:
+    """Line indices in batches of similar output-length limits. A peer takes one limit per call:
+    it decodes a batch to the largest, and each row is cut at its own (greedy rows do not depend
+    on each other, so this is exactly tmt's forced end of sentence)."""
+    order = sorted(range(len(limits)), key=limits.__getitem__)
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def _cut(row: list[int], eos_id: int, limit: int) -> list[int]:
+    """A peer's greedy output as tmt's: up to the EOS, at most limit - 1 tokens."""
+    end = row.index(eos_id) if eos_id in row else len(row)
+    return row[: min(end, limit - 1)]
+
+
+# --- CTranslate2 -------------------------------------------------------------------------------
+
+
+def _ctranslate2(
+    translator: Translator,
+    staging: Path,
+    lines: list[str],
+    expected: list[list[int]],
+    quantization: str | None,
+) -> dict[str, Any]:
+    import ctranslate2
+
+    staging.mkdir(parents=True)
+    _ctranslate2_spec(translator).save(str(staging))  # float32: what the parity check reads
+    found = _ctranslate2_greedy(ctranslate2.Translator(str(staging), device="cpu"), translator,
+                                lines)  # fmt: skip
+    _parity(expected, found, lines, "ctranslate2", translator)
+    report: dict[str, Any] = {"check_lines": len(lines), "quantization": quantization or "float32"}
+    if quantization:
+        quantized = staging.with_name(staging.name + "-q")
+        try:
+            spec = _ctranslate2_spec(translator)
+            spec.optimize(quantization=quantization)
+            quantized.mkdir()
+            spec.save(str(quantized))
+            shutil.rmtree(staging)
+            os.rename(quantized, staging)
+        finally:
+            shutil.rmtree(quantized, ignore_errors=True)
+        model = ctranslate2.Translator(str(staging), device="cpu")
+        agree = sum(a == b for a, b in zip(expected, _ctranslate2_greedy(model, translator, lines),
+                                           strict=True))  # fmt: skip
+        report["quantized_identical_lines"] = agree
+    return report
+
+
+def _ctranslate2_greedy(model: Any, translator: Translator, lines: list[str]) -> list[list[int]]:
+    tok = translator.tokenizer
+    piece, index = tok._sp.id_to_piece, tok._sp.piece_to_id
+    keep = translator.config.model.max_positions - 1
+    ids, limits = tok.encode(lines), _limits(translator, lines)
+    outputs: list[list[int]] = [[] for _ in lines]
+    for batch in _batches(limits):
+        results = model.translate_batch(
+            [[piece(t) for t in ids[i][:keep]] for i in batch],
+            beam_size=1, max_decoding_length=max(limits[i] for i in batch) - 1,
+            min_decoding_length=0,  # CTranslate2 forbids an empty output by default; tmt does not
+            suppress_sequences=[[piece(tok.pad_id)], [piece(tok.bos_id)]],
+        )  # fmt: skip
+        for i, result in zip(batch, results, strict=True):
+            outputs[i] = _cut([index(p) for p in result.hypotheses[0]], tok.eos_id, limits[i])
+    return outputs
+
+
+def _ctranslate2_spec(translator: Translator) -> Any:
+    """tmt's weights as a ctranslate2 TransformerSpec (float32, not yet optimized)."""
+    from ctranslate2.converters.utils import fuse_linear
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    m, tok, ours = translator.config.model, translator.tokenizer, translator.model
+    spec = transformer_spec.TransformerSpec.from_config(
+        (m.n_encoder_layers, m.n_decoder_layers), m.n_heads, pre_norm=m.pre_norm
+    )
+    d = m.d_model
+
+    def array(t: torch.Tensor) -> Any:
+        return t.detach().float().numpy().copy()
+
+    def linear(target: Any, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        target.weight, target.bias = array(weight), array(bias)
+
+    def norm(target: Any, layer: torch.nn.LayerNorm) -> None:
+        target.gamma, target.beta = array(layer.weight), array(layer.bias)
+
+    def self_attention_and_ffn(layer_spec: Any, layer: Any, attn_norm: Any) -> None:
+        # tmt's stacked in_proj (Q, K, V rows) is CTranslate2's fused self-attention input.
+        attn = layer.self_attn
+        linear(layer_spec.self_attention.linear[0], attn.in_proj.weight, attn.in_proj.bias)
+        linear(layer_spec.self_attention.linear[1], attn.out_proj.weight, attn.out_proj.bias)
+        norm(layer_spec.self_attention.layer_norm, attn_norm)
+        linear(layer_spec.ffn.linear_0, layer.ffn.linear1.weight, layer.ffn.linear1.bias)
+        linear(layer_spec.ffn.linear_1, layer.ffn.linear2.weight, layer.ffn.linear2.bias)
+        norm(layer_spec.ffn.layer_norm, layer.ffn_sub.norm)
+
+    for stack, final_norm in ((spec.encoder, ours.encoder_norm), (spec.decoder, ours.decoder_norm)):
+        embeddings = stack.embeddings[0] if isinstance(stack.embeddings, list) else stack.embeddings
+        embeddings.weight = array(ours.embedding.weight)  # one matrix, 3-way tied
+        stack.position_encodings.encodings = array(ours.embedding.positions[: m.max_positions])
+        stack.scale_embeddings = True
+        if m.pre_norm:
+            norm(stack.layer_norm, final_norm)
+    spec.decoder.projection.weight = array(ours.embedding.weight)
+    for layer_spec, layer in zip(spec.encoder.layer, ours.encoder_layers, strict=True):
+        self_attention_and_ffn(layer_spec, layer, layer.attn_sub.norm)
+    for layer_spec, layer in zip(spec.decoder.layer, ours.decoder_layers, strict=True):
+        self_attention_and_ffn(layer_spec, layer, layer.self_sub.norm)
+        cross = layer.cross_attn
+        w, b = cross.in_proj.weight, cross.in_proj.bias
+        linear(layer_spec.attention.linear[0], w[:d], b[:d])  # W^Q
+        kv = common_spec.LinearSpec()
+        linear(kv, w[d:], b[d:])  # W^K, W^V: CTranslate2's fused key/value projection
+        fuse_linear(layer_spec.attention.linear[1], [kv])
+        linear(layer_spec.attention.linear[2], cross.out_proj.weight, cross.out_proj.bias)
+        norm(layer_spec.attention.layer_norm, layer.cross_sub.norm)
+    pieces = [tok._sp.id_to_piece(i) for i in range(tok.vocab_size)]
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary(pieces)
+    spec.config.add_source_eos = True  # tmt's source is x + eos
+    spec.config.decoder_start_token = pieces[tok.bos_id]
+    spec.config.bos_token, spec.config.eos_token = pieces[tok.bos_id], pieces[tok.eos_id]
+    spec.config.unk_token = pieces[tok.unk_id]
+    spec.validate()
+    return spec
+
+
+# --- Hugging Face ------------------------------------------------------------------------------
+
+
+def _huggingface(
+    translator: Translator,
+    staging: Path,
+    lines: list[str],
+    expected: list[list[int]],
+    quantization: str | None,
+) -> dict[str, Any]:
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    hf_model, architecture = _hf_model(translator)
+    hf_model.save_pretrained(str(staging))
+    hf_tokenizer(translator).save_pretrained(str(staging))
+    # The parity check reads the directory back exactly as a user would.
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(str(staging)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(staging))
+    found = _hf_greedy(loaded, tokenizer, translator, lines)
+    _parity(expected, found, lines, "huggingface", translator)
+    return {"check_lines": len(lines), "architecture": architecture}
+
+
+def _hf_greedy(
+    model: Any, tokenizer: Any, translator: Translator, lines: list[str]
+) -> list[list[int]]:
+    """generate's greedy outputs (EOS excluded) with tmt's limits, sources read by `tokenizer`."""
+    tok, limits = translator.tokenizer, _limits(translator, lines)
+    keep = translator.config.model.max_positions - 1  # tmt truncates the source to this, + EOS
+    outputs: list[list[int]] = [[] for _ in lines]
+    for batch in _batches(limits):
+        sources = []
+        for i in batch:
+            ids = tokenizer(lines[i])["input_ids"]
+            sources.append(ids[:keep] + ids[-1:] if len(ids) > keep + 1 else ids)
+        width = max(map(len, sources))
+        padded = torch.tensor([s + [tok.pad_id] * (width - len(s)) for s in sources])
+        with torch.inference_mode():
+            generated = model.generate(
+                input_ids=padded, attention_mask=(padded != tok.pad_id).long(), num_beams=1,
+                do_sample=False, max_new_tokens=max(limits[i] for i in batch) - 1,
+                bad_words_ids=[[tok.pad_id], [tok.bos_id]], forced_eos_token_id=None,
+            )  # fmt: skip
+        for i, row in zip(batch, generated[:, 1:].tolist(), strict=True):
+            outputs[i] = _cut(row, tok.eos_id, limits[i])
+    return outputs
+
+
+def _hf_model(translator: Translator) -> tuple[Any, str]:
+    """tmt's weights in MarianMTModel (post-norm) or PegasusForConditionalGeneration (pre-norm),
+    with the model dimension relabelled from tmt's interleaved sinusoids to their [sin | cos]."""
+    import transformers
+
+    m, tok, ours = translator.config.model, translator.tokenizer, translator.model
+    decode = translator.config.decode
+    common = dict(
+        vocab_size=tok.vocab_size, d_model=m.d_model, encoder_layers=m.n_encoder_layers,
+        decoder_layers=m.n_decoder_layers, encoder_attention_heads=m.n_heads,
+        decoder_attention_heads=m.n_heads, encoder_ffn_dim=m.d_ff, decoder_ffn_dim=m.d_ff,
+        activation_function="relu", dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        max_position_embeddings=m.max_positions, scale_embedding=True, pad_token_id=tok.pad_id,
+        eos_token_id=tok.eos_id, bos_token_id=tok.bos_id, decoder_start_token_id=tok.bos_id,
+        forced_eos_token_id=None, tie_word_embeddings=True,
+    )  # fmt: skip
+    if m.pre_norm:
+        architecture = "PegasusForConditionalGeneration"
+        config = transformers.PegasusConfig(**common)
+    else:
+        architecture = "MarianMTModel"
+        config = transformers.MarianConfig(
+            **common, decoder_vocab_size=tok.vocab_size, share_encoder_decoder_embeddings=True
+        )
+    model = getattr(transformers, architecture)(config).eval()
+    model.load_state_dict(_hf_state_dict(ours, m.pre_norm), strict=False)
+    # generate's defaults for this model: tmt's decode settings (the checkpoint's own).
+    beam = (
+        {
+            "num_beams": decode.beam_size,
+            "length_penalty": decode.length_penalty,
+            "early_stopping": "never" if decode.early_stopping == "bound" else False,
+        }
+        if decode.beam_size > 1
+        else {}
+    )
+    model.generation_config = transformers.GenerationConfig(
+        decoder_start_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+        bos_token_id=tok.bos_id, bad_words_ids=[[tok.pad_id], [tok.bos_id]],
+        max_length=m.max_positions, **beam,
+    )  # fmt: skip
+    if decode.length_penalty_form != "power":
+        logger.warning(
+            "generate normalises beam scores by |Y|^α; this model's decode settings use the GNMT"
+            " form: beam outputs may differ from tmt's (greedy ones do not)"
+        )
+    return model, architecture
+
+
+def _hf_state_dict(ours: Any, pre_norm: bool) -> dict[str, torch.Tensor]:
+    d = ours.cfg.d_model
+    perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])  # HF dim j is tmt dim perm[j]
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        out[name] = tensor.detach().float().clone()
+
+    def attention(prefix: str, attn: Any) -> None:
+        w, b = attn.in_proj.weight, attn.in_proj.bias
+        for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            put(f"{prefix}.{name}.weight", w[i * d : (i + 1) * d][:, perm])  # input: the model dim
+            put(f"{prefix}.{name}.bias", b[i * d : (i + 1) * d])
+        put(f"{prefix}.out_proj.weight", attn.out_proj.weight[perm])  # output: the model dim
+        put(f"{prefix}.out_proj.bias", attn.out_proj.bias[perm])
+
+    def norm(prefix: str, layer: torch.nn.LayerNorm) -> None:
+        put(f"{prefix}.weight", layer.weight[perm])
+        put(f"{prefix}.bias", layer.bias[perm])
+
+    def ffn(prefix: str, layer: Any) -> None:
+        put(f"{prefix}.fc1.weight", layer.ffn.linear1.weight[:, perm])
+        put(f"{prefix}.fc1.bias", layer.ffn.linear1.bias)
+        put(f"{prefix}.fc2.weight", layer.ffn.linear2.weight[perm])
+        put(f"{prefix}.fc2.bias", layer.ffn.linear2.bias[perm])
+        norm(f"{prefix}.final_layer_norm", layer.ffn_sub.norm)
+
+    embedding = ours.embedding.weight[:, perm]
+    for name in ("model.shared", "model.encoder.embed_tokens", "model.decoder.embed_tokens",
+                 "lm_head"):  # fmt: skip
+        put(f"{name}.weight", embedding)
+    positions = ours.embedding.positions[: ours.cfg.max_positions][:, perm]
+    for stack in ("encoder", "decoder"):
+        put(f"model.{stack}.embed_positions.weight", positions)
+    for i, layer in enumerate(ours.encoder_layers):
+        attention(f"model.encoder.layers.{i}.self_attn", layer.self_attn)
+        norm(f"model.encoder.layers.{i}.self_attn_layer_norm", layer.attn_sub.norm)
+        ffn(f"model.encoder.layers.{i}", layer)
+    for i, layer in enumerate(ours.decoder_layers):
+        attention(f"model.decoder.layers.{i}.self_attn", layer.self_attn)
+        norm(f"model.decoder.layers.{i}.self_attn_layer_norm", layer.self_sub.norm)
+        attention(f"model.decoder.layers.{i}.encoder_attn", layer.cross_attn)
+        norm(f"model.decoder.layers.{i}.encoder_attn_layer_norm", layer.cross_sub.norm)
+        ffn(f"model.decoder.layers.{i}", layer)
+    if pre_norm:
+        norm("model.encoder.layer_norm", ours.encoder_norm)
+        norm("model.decoder.layer_norm", ours.decoder_norm)
+    out["final_logits_bias"] = torch.zeros(1, ours.vocab_size)
+    return out
+
+
+def hf_tokenizer(translator: Translator) -> Any:
+    """The sentencepiece model as a Hugging Face fast tokenizer with the same ids: the BPE merges
+    ranked by the score of the piece they make (sentencepiece's order), its normalization table,
+    its whitespace rules and byte fallback, and </s> appended to every source."""
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(translator.tokenizer.model_bytes)
+    if proto.trainer_spec.model_type != 2:
+        raise TmtError("--format huggingface: the tokenizer is not a BPE model")
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+    merges = sorted(
+        (-score, vocab[piece], piece[:cut], piece[cut:])
+        for piece, score in pieces
+        for cut in range(1, len(piece))
+        if piece[:cut] in vocab and piece[cut:] in vocab
+    )
+    spec = proto.trainer_spec
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=[(left, right) for _, _, left, right in merges],
+            unk_token=proto.pieces[spec.unk_id].piece, fuse_unk=True,
+            byte_fallback=spec.byte_fallback,
+        )
+    )  # fmt: skip
+    norm, steps = proto.normalizer_spec, []
+    if norm.precompiled_charsmap:
+        steps.append(normalizers.Precompiled(norm.precompiled_charsmap))
+    if norm.remove_extra_whitespaces:
+        steps += [
+            normalizers.Replace(Regex("^ +| +$"), ""),
+            normalizers.Replace(Regex(" {2,}"), " "),
+        ]
+    steps.append(normalizers.Replace(" ", "▁"))
+    if norm.add_dummy_prefix:
+        steps.append(normalizers.Prepend("▁"))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tok = translator.tokenizer
+    eos = proto.pieces[tok.eos_id].piece
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A {eos}", special_tokens=[(eos, tok.eos_id)]
+    )
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(p.piece, special=p.type == 3, normalized=False) for p in proto.pieces
+         if p.type in (3, 4)]
+    )  # fmt: skip
+    piece = tok._sp.id_to_piece
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, split_special_tokens=True,  # "<s>" typed in text is text
+        eos_token=piece(tok.eos_id), pad_token=piece(tok.pad_id), unk_token=piece(tok.unk_id),
+        bos_token=piece(tok.bos_id),
+    )  # fmt: skip
