@@ -15,6 +15,7 @@ from transformer_mt.config import (
     DeviceName,
     Interval,
     NonEmpty,
+    SamplingMethod,
     config_from_dict,
     config_hash,
     load_config,
@@ -201,7 +202,7 @@ def test_every_field_has_a_range() -> None:
         if base in (int, float):
             assert isinstance(rule, Interval), f"{key}: a number without a range"
         elif base is str:
-            ruled = isinstance(rule, NonEmpty | DeviceName)
+            ruled = isinstance(rule, NonEmpty | DeviceName | SamplingMethod)
             assert ruled != (key in MAY_BE_EMPTY), f"{key}: may it be empty?"
         else:
             assert base is bool or typing.get_origin(base) is typing.Literal, key
@@ -228,7 +229,10 @@ def test_out_of_range_values_are_one_line_errors_naming_key_value_and_range(key,
     if isinstance(rule, Interval):
         bad_values = outside(rule, base)
     else:
-        bad_values = ["", "gpu", "cuda:x"] if isinstance(rule, DeviceName) else [""]
+        bad_values = {
+            DeviceName: ["", "gpu", "cuda:x"],
+            SamplingMethod: ["", "beam", "topk:0", "topk:x", "topp:0", "topp:1.5"],
+        }.get(type(rule), [""])
     assert bad_values, key
     for bad in bad_values:
         with pytest.raises(TmtError) as err:

@@ -62,8 +62,11 @@ ALLOWED = {
         "tokenizer",
     },
     "export": {"__init__", "config", "evaluate", "exits", "files"},  # a model for CTranslate2 or HF
+    # A file translated in committed chunks over a process group.
+    "bulk": {"__init__", "config", "distributed", "evaluate", "exits", "faults", "files", "run"},
     "cli": {
         "allocator",
+        "bulk",
         "checkpoint",
         "config",
         "dry_run",

@@ -160,15 +160,24 @@ def test_a_failed_translation_keeps_the_old_output(
     source.write_text("kalo mi\n")
     output.write_text("yesterday's translations\n")
 
-    def fail(translator, lines):
+    def fail(translator, lines, first_line=0):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(evaluate, "translate_lines", fail)
-    result = runner.invoke(app, ["translate", "-m", str(finished), "-i", str(source),
-                                 "-o", str(output)])  # fmt: skip
+    # The streaming path (stdin into a file): no temporary is left.
+    result = runner.invoke(app, ["translate", "-m", str(finished), "-o", str(output)],
+                           input="kalo mi\n")  # fmt: skip
     assert result.exit_code == 4
     assert output.read_text() == "yesterday's translations\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]  # no temp left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]
+    # A file job: the old output stays; the job directory keeps what was committed (nothing).
+    result = runner.invoke(app, ["translate", "-m", str(finished), "-i", str(source),
+                                 "-o", str(output), "--overwrite"])  # fmt: skip
+    assert result.exit_code == 4
+    assert output.read_text() == "yesterday's translations\n"
+    job = tmp_path / "out.txt.tmt-job"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt", job.name]
+    assert sorted(p.name for p in job.iterdir()) == [".lock", "job.json"]
 
 
 # --- 4. a run directory has one owner ----------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer_mt.search import beam_search, greedy, length_penalty
+from transformer_mt.search import Hypothesis, beam_search, greedy, length_penalty, sample
 
 PAD, BOS, EOS = 0, 1, 2
 WORDS = (3, 4, 5)
@@ -311,3 +311,70 @@ def test_search_outputs_equal_the_reference(
             found = [[(h.tokens, h.score, h.log_prob) for h in hyps] for hyps in found]
         results.append((found, step.calls))
     assert results[0] == results[1]  # outputs, scores bit for bit, and the rows of every step
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+
+def sample_rows(method: str, temperature: float, sentences: list[int], uniforms: torch.Tensor,
+                max_len: int = 6, seed: int = 0) -> list[Hypothesis]:  # fmt: skip
+    return sample(toy_step(seed), ToyState(sentences), [max_len] * len(sentences), uniforms, BOS,
+                  EOS, method, temperature, banned=(PAD, BOS))  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "temperature"), [("topk:1", 1.0), ("full", 0.0),
+                                                     ("topp:0.9", 1e-4), ("full", 1e-4)])  # fmt: skip
+def test_sampling_that_cannot_choose_is_greedy(method: str, temperature: float) -> None:
+    sentences = list(range(40))
+    expected = greedy(toy_step(), ToyState(sentences), [6] * 40, BOS, EOS, (PAD, BOS))
+    uniforms = torch.rand(40, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    found = sample_rows(method, temperature, sentences, uniforms)
+    assert [h.tokens for h in found] == [h.tokens for h in expected]
+    assert [h.log_prob for h in found] == pytest.approx([h.log_prob for h in expected])
+
+
+def truncated(log_probs: torch.Tensor, method: str, temperature: float) -> torch.Tensor:
+    """The distribution a sampler must draw from, computed the plain way: tempered, pad and
+    bos removed, truncated, renormalised."""
+    probs = (log_probs.double() / temperature).exp()
+    probs[[PAD, BOS]] = 0
+    probs /= probs.sum()
+    kind, _, value = method.partition(":")
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for rank, token in enumerate(order.tolist()):
+        if (kind == "topk" and rank >= int(value)) or (kind == "topp" and mass >= float(value)):
+            break
+        keep[token] = True
+        mass += float(probs[token])
+    probs = probs * keep
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize(
+    ("method", "temperature"), [("full", 1.0), ("full", 0.7), ("topk:3", 1.0), ("topp:0.8", 1.3)]
+)
+def test_sampled_frequencies_match_the_truncated_distribution(
+    method: str, temperature: float
+) -> None:
+    n = 20_000  # rows of one sentence; their first tokens are n draws from one distribution
+    uniforms = torch.rand(n, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    found = sample_rows(method, temperature, [0] * n, uniforms, max_len=2)
+    first = torch.tensor([h.tokens[0] if h.tokens else EOS for h in found])
+    expected = truncated(toy_log_probs(0, (), 0), method, temperature)
+    counts = torch.bincount(first, minlength=V).double()
+    assert (counts[expected == 0] == 0).all()  # nothing outside the kept set, ever
+    kept = expected > 0
+    chi2 = float((((counts - n * expected) ** 2)[kept] / (n * expected[kept])).sum())
+    # 99.9th percentile of chi-square with (kept - 1) <= 5 degrees of freedom: 20.5
+    assert chi2 < 20.5, (counts.tolist(), (n * expected).tolist())
+
+
+def test_a_sampled_row_depends_only_on_its_uniforms() -> None:
+    sentences = list(range(12))
+    uniforms = torch.rand(12, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    together = sample_rows("topp:0.9", 1.0, sentences, uniforms)
+    alone = [sample_rows("topp:0.9", 1.0, [s], uniforms[s : s + 1])[0] for s in sentences]
+    assert together == alone
+    assert len({tuple(h.tokens) for h in together}) > 3  # not one path for all

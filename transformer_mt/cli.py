@@ -131,6 +131,9 @@ _FLAGS = {  # flag name -> (config key, what the user typed)
     "max_tokens": ("decode.max_tokens", "--max-tokens"),
     "device": ("decode.device", "--device"),
     "precision": ("decode.precision", "--precision"),
+    "sampling": ("decode.sampling", "--sampling"),
+    "temperature": ("decode.temperature", "--temperature"),
+    "seed": ("decode.seed", "--seed"),
 }
 
 
@@ -162,17 +165,40 @@ def translate(
     max_tokens: MaxTokens = None,
     device: Device = None,
     precision: Precision = None,
+    sampling: Annotated[
+        str | None,
+        typer.Option("--sampling", help="Sample instead of search: full, topk:K or topp:P."),
+    ] = None,
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", help="Sampling temperature (0 = greedy).")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Sampling seed (each line's stream: seed, line).")
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing --output file.")
+    ] = False,
     average_last: AverageLast = 0,
     set_: Overrides = None,
 ) -> None:
-    """Translate raw text, one output line per input line (other options: --set decode.KEY=V)."""
+    """Translate raw text, one output line per input line (other options: --set decode.KEY=V).
+
+    A file into a file is a resumable job in chunks (decode.chunk_lines): the same command after
+    a kill translates only what is missing. Under torchrun the processes share the chunks."""
+    from transformer_mt import bulk
     from transformer_mt import evaluate as lib
 
     overrides = _decode_overrides(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
-        precision=precision,
+        precision=precision, sampling=sampling, temperature=temperature, seed=seed,
     )  # fmt: skip
     translator = lib.load_translator(checkpoint, overrides, average_last)
+    if bulk.is_bulk(input_, output):
+        report = bulk.translate_job(translator, input_, output, overwrite)
+        if "output" in report:  # rank 0
+            typer.echo(f"tmt: {output}: {report['lines']} lines in {report['chunks']} chunks"
+                       f" ({report['resumed_chunks']} translated before)", err=True)  # fmt: skip
+        return
     try:
         lib.translate_file(translator, input_, output)
     except BrokenPipeError:  # the reader left (e.g. `| head -1`): stop quietly

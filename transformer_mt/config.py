@@ -77,6 +77,24 @@ class DeviceName:
         return "auto, cpu, cuda or cuda:N"
 
 
+class SamplingMethod:
+    """none (search: greedy or beam), full, topk:K (K >= 1) or topp:P (0 < P <= 1)."""
+
+    def __contains__(self, value: str) -> bool:
+        kind, colon, number = value.partition(":")
+        if not colon:
+            return value in ("none", "full")
+        try:
+            return (kind == "topk" and int(number) >= 1) or (
+                kind == "topp" and 0 < float(number) <= 1
+            )
+        except ValueError:
+            return False
+
+    def __str__(self) -> str:
+        return "none, full, topk:K (K >= 1) or topp:P (0 < P <= 1)"
+
+
 # The ranges of most fields, by meaning; the type of every number field carries one.
 Count = Annotated[int, Interval(1)]  # sizes, layers, heads, steps per event: at least 1
 Number = Annotated[int, Interval(0)]  # budgets and intervals: 0 = none / off
@@ -204,6 +222,16 @@ class DecodeConfig:
     # fp16 halve memory traffic on a GPU (fp16 needs one). No int8: dynamic quantization was no
     # faster on CPU (docs/benchmarks.md).
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Sampling instead of search (back-translation): "none", "full", "topk:K" or "topp:P", at
+    # `temperature` (0 = greedy); nbest N = N independent samples per line. Each line's random
+    # stream depends only on `seed` and the line's index in the input, so outputs are the same
+    # with 1 or N processes and after a resume. beam_size is not used while sampling.
+    sampling: Annotated[str, SamplingMethod()] = "none"
+    temperature: Amount = 1.0
+    seed: Number = 0
+    # tmt translate -i FILE -o FILE: lines per committed chunk (the unit of resuming and of
+    # sharing the work among processes).
+    chunk_lines: Count = 2000
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from transformer_mt.data import TokenBucketSampler
 from transformer_mt.distributed import DistInfo
 from transformer_mt.exits import TmtError
 from transformer_mt.model import DecoderCache, Transformer, make_src_mask
-from transformer_mt.search import Hypothesis, beam_search, greedy
+from transformer_mt.search import Hypothesis, beam_search, greedy, sample
 from transformer_mt.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,9 @@ def load_translator(
     fixed = checkpoint.model_differences(saved.config, b"", cfg, b"")
     if fixed:
         raise TmtError(f"--set {', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
-    target = distributed.resolve_device(cfg.decode.device, key="decode.device")
+    # Under torchrun each process decodes on its own GPU (LOCAL_RANK), as in training.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    target = distributed.resolve_device(cfg.decode.device, local_rank, key="decode.device")
     tokenizer = saved.tokenizer()
     model = _in_precision(checkpoint.build_model(saved, tokenizer), cfg.decode.precision, target)
     return Translator(model.eval(), tokenizer, cfg, target, origin)
@@ -131,8 +133,11 @@ class _DecodeState:
 
 
 @torch.inference_mode()
-def translate_lines(translator: Translator, lines: Sequence[str]) -> list[list[Hypothesis]]:
-    """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line."""
+def translate_lines(
+    translator: Translator, lines: Sequence[str], first_line: int = 0
+) -> list[list[Hypothesis]]:
+    """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line.
+    `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling)."""
     tok, decode = translator.tokenizer, translator.config.decode
     limit = translator.config.model.max_positions - 1  # source tokens + eos must fit the positions
     # Lone surrogates (possible in Python strings, never in UTF-8) would crash sentencepiece.
@@ -154,14 +159,23 @@ def translate_lines(translator: Translator, lines: Sequence[str]) -> list[list[H
     for batch in batches:
         chosen = [todo[j] for j in batch]
         for index, hyps in zip(
-            chosen, _translate_batch(translator, [ids[i] for i in chosen]), strict=True
+            chosen,
+            _translate_batch(
+                translator, [ids[i] for i in chosen], [first_line + i for i in chosen]
+            ),
+            strict=True,
         ):
             results[index] = hyps
     return results
 
 
-def _translate_batch(translator: Translator, sources: list[list[int]]) -> list[list[Hypothesis]]:
+def _translate_batch(
+    translator: Translator, sources: list[list[int]], line_ids: Sequence[int]
+) -> list[list[Hypothesis]]:
     model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
+    samples = decode.nbest if decode.sampling != "none" else 1
+    if samples > 1:  # N independent samples of a line are N rows of the same source
+        sources = [seq for seq in sources for _ in range(samples)]
     src = torch.full((len(sources), max(map(len, sources)) + 1), tok.pad_id, dtype=torch.long)
     for row, seq in enumerate(sources):
         src[row, : len(seq)] = torch.tensor(seq)
@@ -172,7 +186,7 @@ def _translate_batch(translator: Translator, sources: list[list[int]]) -> list[l
         min(int(decode.max_len_a * len(seq) + decode.max_len_b), model.cfg.max_positions)
         for seq in sources
     ]
-    k = decode.beam_size
+    k = 1 if decode.sampling != "none" else decode.beam_size
     src_mask = make_src_mask(src, tok.pad_id)
     memory = model.encode(src, src_mask)
     # k decoder rows per sentence (B·k); the source stays (B, S, D): see DecoderCache.
@@ -184,6 +198,16 @@ def _translate_batch(translator: Translator, sources: list[list[int]]) -> list[l
 
     banned, device = (tok.pad_id, tok.bos_id), translator.device
     alpha, form = decode.length_penalty, decode.length_penalty_form
+    if decode.sampling != "none":
+        uniforms = torch.stack([
+            line_uniforms(decode.seed, line, j, model.cfg.max_positions)
+            for line in line_ids for j in range(samples)
+        ])  # fmt: skip
+        hypotheses = sample(
+            step, state, limits, uniforms, tok.bos_id, tok.eos_id, decode.sampling,
+            decode.temperature, banned, alpha, form, device,
+        )  # fmt: skip
+        return [hypotheses[i : i + samples] for i in range(0, len(hypotheses), samples)]
     if k == 1:
         hypotheses = greedy(
             step, state, limits, tok.bos_id, tok.eos_id, banned, alpha, form, device
@@ -193,6 +217,14 @@ def _translate_batch(translator: Translator, sources: list[list[int]]) -> list[l
         step, state, limits, tok.bos_id, tok.eos_id, k, alpha, form,
         nbest=decode.nbest, banned=banned, early_stopping=decode.early_stopping, device=device,
     )  # fmt: skip
+
+
+def line_uniforms(seed: int, line: int, sample_index: int, steps: int) -> torch.Tensor:
+    """(steps,) uniforms in [0, 1) that drive sample `sample_index` of input line `line`: a
+    function of these three numbers alone, whichever process or batch translates the line."""
+    key = np.random.SeedSequence([seed, line, sample_index]).generate_state(1, np.uint64)[0]
+    generator = torch.Generator().manual_seed(int(key))
+    return torch.rand(steps, generator=generator, dtype=torch.float64)
 
 
 def translate_text(translator: Translator, lines: Sequence[str]) -> list[str]:
@@ -215,20 +247,23 @@ def translate_stream(translator: Translator, source: BinaryIO, sink: TextIO) -> 
     decode = translator.config.decode
     count = 0
     for chunk in _chunks(_read_lines(source), decode.buffer_lines):
-        for i, hyps in enumerate(translate_lines(translator, chunk)):
-            if decode.nbest > 1:
-                texts = detokenize(translator, [h.tokens for h in hyps])
-                rows = [
-                    f"{count + i}\t{h.score:.4f}\t{t}" for h, t in zip(hyps, texts, strict=True)
-                ]
-                sink.write(
-                    "".join(r + "\n" for r in rows or [f"{count + i}\t0.0000\t"] * decode.nbest)
-                )
-            else:
-                sink.write(detokenize(translator, [hyps[0].tokens if hyps else []])[0] + "\n")
+        for i, hyps in enumerate(translate_lines(translator, chunk, first_line=count)):
+            sink.write("".join(output_rows(translator, count + i, hyps, decode.nbest)))
         sink.flush()
         count += len(chunk)
     return count
+
+
+def output_rows(
+    translator: Translator, index: int, hyps: Sequence[Hypothesis], nbest: int
+) -> list[str]:
+    """What translate writes for input line `index` (from 0): its best translation, or with
+    nbest > 1 that many rows "index<TAB>score<TAB>text" (rows of zeros for an empty line)."""
+    if nbest == 1:
+        return [detokenize(translator, [hyps[0].tokens if hyps else []])[0] + "\n"]
+    texts = detokenize(translator, [h.tokens for h in hyps])
+    rows = [f"{index}\t{h.score:.4f}\t{t}\n" for h, t in zip(hyps, texts, strict=True)]
+    return rows or [f"{index}\t0.0000\t\n"] * nbest
 
 
 def translate_file(translator: Translator, input_path: str, output_path: str) -> int:
@@ -307,13 +342,18 @@ def _open_output(path: str) -> Iterator[TextIO]:
 
 def _read_lines(source: BinaryIO) -> Iterator[str]:
     for lineno, line in enumerate(files.split_lines(source), 1):
-        try:
-            yield line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            logger.warning(
-                "input line %d: invalid UTF-8 at byte offset %d, replaced", lineno, err.start
-            )
-            yield line.decode("utf-8", "replace")
+        yield decode_line(line, lineno)
+
+
+def decode_line(line: bytes, lineno: int) -> str:
+    """An input line as text: invalid UTF-8 is replaced and reported, never dropped."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        logger.warning(
+            "input line %d: invalid UTF-8 at byte offset %d, replaced", lineno, err.start
+        )
+        return line.decode("utf-8", "replace")
 
 
 def _chunks(lines: Iterator[str], size: int) -> Iterator[list[str]]:

@@ -10,6 +10,7 @@ Points:
     loss        in the N-th update attempt (skipped ones count): `nan` poisons the loss, `oom`
                 runs out of memory
     saveS_bytes while writing checkpoint S (e.g. save8_bytes), once N bytes of it are written
+    chunk       after translation chunk N (from 1) is committed (tmt translate -i FILE -o FILE)
 
 Actions:
     kill    SIGKILL this process: a crash or power loss, no cleanup, no flush

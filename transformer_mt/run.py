@@ -114,8 +114,9 @@ class RunLock:
     the kernel releases when the holder dies, however it dies). The file names the holder, so a
     second trainer is refused with who holds it, and a lock left by a crash is simply taken."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, hint: str = "or train into another train.out_dir") -> None:
         self.path = run_dir / LOCK_FILE
+        self.hint = hint  # what else the refused user can do
         self.fd: int | None = None
 
     def acquire(self) -> None:
@@ -134,7 +135,7 @@ class RunLock:
             os.close(fd)
             raise TmtError(
                 f"{self.path.parent}: in use by {holder or 'another process'}; wait for it to"
-                " end, stop it, or train into another train.out_dir"
+                f" end, stop it, {self.hint}"
             ) from None
         except OSError as err:  # a filesystem without locks: train, but say so
             logger.warning("%s: cannot lock (%s); make sure no other trainer uses it",

@@ -59,6 +59,71 @@ def greedy(
     device: torch.device | str = "cpu",
 ) -> list[Hypothesis]:
     """The argmax token at every step until EOS or the sentence's maximum length (EOS forced)."""
+
+    def argmax(log_probs: torch.Tensor, live: torch.Tensor, t: int) -> tuple[torch.Tensor, ...]:
+        return log_probs.max(dim=-1)
+
+    return _one_path(step_fn, state, max_lengths, bos_id, eos_id, banned, alpha, form, device,
+                     argmax)  # fmt: skip
+
+
+def sample(
+    step_fn: StepFn,
+    state: SearchState,
+    max_lengths: Sequence[int],
+    uniforms: torch.Tensor,
+    bos_id: int,
+    eos_id: int,
+    method: str = "full",
+    temperature: float = 1.0,
+    banned: Sequence[int] = (),
+    alpha: float = 0.0,
+    form: str = "gnmt",
+    device: torch.device | str = "cpu",
+) -> list[Hypothesis]:
+    """One sampled output per row: at step t, row r draws from the model's distribution at
+    `temperature`, truncated by `method` ("full", "topk:K": the K likeliest tokens, "topp:P": the
+    smallest set whose probability reaches P) and renormalised, by inverting its cumulative
+    distribution at uniforms[r, t - 1] (uniforms (N, >= max length), in [0, 1)). A row's output
+    thus depends only on its own uniforms, never on the batch it is in. Temperature 0 is greedy.
+    The score is the model's log-probability of the sample (temperature 1, untruncated)."""
+    kind, _, value = method.partition(":")
+    uniforms = uniforms.to(device=device, dtype=torch.float64)
+
+    def draw(log_probs: torch.Tensor, live: torch.Tensor, t: int) -> tuple[torch.Tensor, ...]:
+        if temperature == 0:
+            return log_probs.max(dim=-1)
+        probs = (log_probs.double() / temperature).softmax(dim=-1)  # (N, V); banned ones 0
+        if kind == "topk":
+            probs, ids = probs.topk(min(int(value), probs.size(-1)), dim=-1)  # (N, K), sorted
+        else:
+            probs, ids = probs.sort(dim=-1, descending=True)
+            if kind == "topp":  # keep a token while the mass before it is below P
+                probs = probs * ((probs.cumsum(dim=-1) - probs) < float(value))
+        cdf = probs.cumsum(dim=-1)  # (N, K)
+        u = uniforms[live, t - 1, None] * cdf[:, -1:]  # (N, 1), scaled to the kept mass
+        at = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.size(-1) - 1)
+        choice = ids.gather(1, at).squeeze(1)  # (N,)
+        return log_probs.gather(1, choice[:, None]).squeeze(1), choice
+
+    return _one_path(step_fn, state, max_lengths, bos_id, eos_id, banned, alpha, form, device,
+                     draw)  # fmt: skip
+
+
+def _one_path(
+    step_fn: StepFn,
+    state: SearchState,
+    max_lengths: Sequence[int],
+    bos_id: int,
+    eos_id: int,
+    banned: Sequence[int],
+    alpha: float,
+    form: str,
+    device: torch.device | str,
+    choose: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]],
+) -> list[Hypothesis]:
+    """One token per row and step, picked by choose(log_probs (N, V), live rows (N,), t) ->
+    (its log-probability (N,), token (N,)), until EOS or the row's maximum length (EOS forced)."""
     n, steps = len(max_lengths), int(max(max_lengths))
     limits = torch.as_tensor(list(max_lengths), device=device)
     live = torch.arange(n, device=device)  # sentence index of each row
@@ -69,7 +134,7 @@ def greedy(
     for t in range(1, steps + 1):
         log_probs, state = step_fn(tokens, state)  # (N, V)
         log_probs = _mask(log_probs, banned, eos_id, force_eos=limits[live] <= t)
-        best, choice = log_probs.max(dim=-1)  # (N,)
+        best, choice = choose(log_probs, live, t)  # (N,)
         sums[live] += best.double()
         outputs[live, t - 1] = choice
         finished = choice == eos_id

@@ -1,0 +1,316 @@
+"""Translate a file in committed chunks, over one process or many (torchrun), resumable.
+
+    tmt translate -m MODEL -i BIG.txt -o OUT.txt
+    torchrun --nproc_per_node=N -m transformer_mt translate -m MODEL -i BIG.txt -o OUT.txt
+
+The input is cut into chunks of decode.chunk_lines lines. Beside the output, OUT.txt.tmt-job/
+holds job.json (the input's SHA-256, the model's fingerprint, the decoding options) and one file
+per finished chunk, each written atomically: a chunk file that exists is committed. Rank r takes
+every world_size-th chunk still missing; when all are there, rank 0 writes OUT.txt (atomically,
+in input order, one line per input line, or nbest rows) and removes the job directory. The same
+command after a kill, a lost rank or a full disk translates only the missing chunks; a different
+model, input or decoding option is refused, naming it. Sampling draws from each line's own random
+stream (evaluate.line_uniforms), so 1 process, N processes and a resumed job write the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from transformer_mt import distributed, evaluate, exits, faults, files, run
+from transformer_mt.config import to_dict
+from transformer_mt.distributed import DistInfo
+from transformer_mt.evaluate import Translator
+from transformer_mt.exits import TmtError
+
+logger = logging.getLogger("tmt")
+
+JOB_SUFFIX = ".tmt-job"
+JOB_FILE = "job.json"
+JOB_FORMAT = 1
+# Decoding options that do not change what is written: where and in what batches it runs.
+NOT_IN_IDENTITY = ("device", "max_tokens", "buffer_lines")
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What rank 0 found and every rank follows: the job directory and where each chunk starts."""
+
+    job_dir: str
+    offsets: list[int]  # byte offset of each chunk's first line
+    lines: int  # lines in the input
+    missing: list[int]  # chunks not yet committed
+
+
+def is_bulk(input_path: str, output_path: str) -> bool:
+    """A file into a file (not stdin, stdout, a device or a FIFO): the resumable path."""
+    if input_path == "-" or output_path == "-":
+        return False
+    output = Path(output_path)
+    return not output.exists() or output.is_file()
+
+
+def translate_job(
+    translator: Translator, input_path: str, output_path: str, overwrite: bool = False
+) -> dict[str, Any]:
+    """Translate `input_path` into `output_path` as one resumable job on this process group."""
+    info = distributed.setup(str(translator.device), timeout_s=86_400.0)  # ranks finish unevenly
+    output = Path(output_path)
+    lock = run.RunLock(output.with_name(output.name + JOB_SUFFIX),
+                       hint="or translate into another --output")  # fmt: skip
+    try:
+        plan = _agree(info, lambda: _plan(translator, input_path, output_path, overwrite, lock))
+        mine = plan.missing[info.rank :: info.world_size]
+        done = _translate_chunks(translator, input_path, plan, mine, info)
+        distributed.barrier(info)
+        report = {"lines": plan.lines, "chunks": len(plan.offsets),
+                  "resumed_chunks": len(plan.offsets) - len(plan.missing),
+                  "translated_chunks": _gather_count(done, info)}  # fmt: skip
+        if info.is_main:
+            _assemble(plan, translator, output_path)
+            report["output"] = output_path
+    finally:
+        lock.release()
+        distributed.cleanup()
+    if info.is_main:  # the output is complete: the job is over
+        shutil.rmtree(plan.job_dir, ignore_errors=True)
+    return report
+
+
+def _agree(info: DistInfo, make_plan: Any) -> Plan:
+    """Rank 0 plans; every rank gets the plan, or the same one-line refusal."""
+    found: list[Any] = [None]
+    if info.is_main:
+        try:
+            found = [make_plan()]
+        except TmtError as err:
+            found = [err]
+    if info.distributed:
+        dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], TmtError):
+        raise found[0]
+    return found[0]
+
+
+def _gather_count(done: int, info: DistInfo) -> int:
+    total = torch.tensor([done], dtype=torch.long)
+    if info.distributed and dist.get_backend() == "nccl":
+        total = total.to(info.device)
+    return int(distributed.all_reduce_sum(total, info).item())
+
+
+# --- rank 0: the job, its identity and its plan ------------------------------------------------
+
+
+def _plan(
+    translator: Translator, input_path: str, output_path: str, overwrite: bool, lock: run.RunLock
+) -> Plan:
+    """Check the job against what is on disk, take the job directory (`lock`), find what is left."""
+    evaluate._check_output(output_path, input_path)
+    source, output = Path(input_path), Path(output_path)
+    if not source.is_file():
+        raise TmtError(f"--input {input_path}: no such file")
+    job_dir = output.with_name(output.name + JOB_SUFFIX)
+    chunk_lines = translator.config.decode.chunk_lines
+    digest, offsets, lines = _scan(source, chunk_lines)
+    identity = {
+        "format": JOB_FORMAT,
+        "input": str(source.resolve()),
+        "input_sha256": digest,
+        "model_sha256": model_fingerprint(translator),
+        "decode": {
+            k: v
+            for k, v in to_dict(translator.config)["decode"].items()
+            if k not in NOT_IN_IDENTITY
+        },
+    }
+    previous = _read_job(job_dir)
+    if previous is not None and previous != identity:
+        if not overwrite:
+            what = _difference(previous, identity)
+            raise TmtError(
+                f"--output {output_path}: {job_dir} is an unfinished job with {what};"
+                " run it with the same ones to finish it, or add --overwrite to start again"
+            )
+        previous = None
+    if previous is None and output.exists() and not overwrite:
+        raise TmtError(f"--output {output_path}: exists; add --overwrite to replace it")
+    if not output.parent.is_dir():
+        raise TmtError(
+            f"--output {output_path}: cannot write in {output.parent} (no such directory)"
+        )
+    lock.acquire()  # a second job on this output stops here, naming the first
+    try:
+        files.remove_leftovers(job_dir, [f"*{files.TEMP_SUFFIX}"])  # writes of killed ranks
+        if previous is None:  # a new job: nothing of another one may pass for a chunk
+            for entry in job_dir.iterdir():
+                if entry != lock.path:
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            files.atomic_write(job_dir / JOB_FILE, json.dumps(identity, indent=1).encode())
+    except OSError as err:
+        raise TmtError(
+            f"--output {output_path}: cannot write in {job_dir.parent} ({err.strerror or err})",
+            exit_code=exits.NO_ROOM if err.errno in FULL_DISK else exits.BAD_INPUT,
+        ) from None
+    missing = _uncommitted(job_dir, len(offsets), lines, translator)
+    if previous is not None and len(missing) < len(offsets):
+        logger.info("%s: resuming: %d of %d chunks already translated", output_path,
+                    len(offsets) - len(missing), len(offsets))  # fmt: skip
+    return Plan(str(job_dir), offsets, lines, missing)
+
+
+def _scan(source: Path, chunk_lines: int) -> tuple[str, list[int], int]:
+    """One pass over the input: its SHA-256, the byte offset of every chunk, its line count."""
+    digest, offsets, lines, position = hashlib.sha256(), [], 0, 0
+    with open(source, "rb") as handle:
+        for line in handle:  # split on b"\n"; a last line without one still counts
+            if lines % chunk_lines == 0:
+                offsets.append(position)
+            digest.update(line)
+            position += len(line)
+            lines += 1
+    return digest.hexdigest(), offsets, lines
+
+
+def model_fingerprint(translator: Translator) -> str:
+    """SHA-256 of the weights (float32) and the tokenizer: the model, whatever file it came from."""
+    digest = hashlib.sha256(translator.tokenizer.model_bytes)
+    for name, tensor in translator.model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _read_job(job_dir: Path) -> dict[str, Any] | None:
+    path = job_dir / JOB_FILE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return {"job.json": "unreadable"}
+
+
+def _difference(previous: dict[str, Any], identity: dict[str, Any]) -> str:
+    if "job.json" in previous:
+        return "an unreadable job.json"
+    if previous.get("input_sha256") != identity["input_sha256"]:
+        return f"another input ({previous.get('input')}, changed since or different)"
+    if previous.get("model_sha256") != identity["model_sha256"]:
+        return "another model"
+    old, new = previous.get("decode", {}), identity["decode"]
+    changed = [f"decode.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+               if old.get(k) != new.get(k)]  # fmt: skip
+    return f"other decoding options ({', '.join(changed)})" if changed else "another format"
+
+
+def _uncommitted(job_dir: Path, chunks: int, lines: int, translator: Translator) -> list[int]:
+    """Chunks without a committed file holding all their rows (nbest rows per line)."""
+    decode = translator.config.decode
+    return [
+        c
+        for c in range(chunks)
+        if _committed_rows(job_dir, c) != _chunk_size(c, lines, decode.chunk_lines) * decode.nbest
+    ]
+
+
+def _chunk_size(chunk: int, lines: int, chunk_lines: int) -> int:
+    return min(chunk_lines, lines - chunk * chunk_lines)
+
+
+def _chunk_path(job_dir: str | Path, chunk: int) -> Path:
+    return Path(job_dir) / f"{chunk:08d}.txt"
+
+
+def _committed_rows(job_dir: Path, chunk: int) -> int:
+    """Rows in a committed chunk file; -1 when there is none (or it cannot be read)."""
+    try:
+        with open(_chunk_path(job_dir, chunk), "rb") as handle:
+            return sum(1 for _ in handle)
+    except OSError:
+        return -1
+
+
+# --- every rank: translate its chunks, commit each ---------------------------------------------
+
+
+def _translate_chunks(
+    translator: Translator, input_path: str, plan: Plan, chunks: list[int], info: DistInfo
+) -> int:
+    from tqdm import tqdm
+
+    chunk_lines = translator.config.decode.chunk_lines
+    total = sum(_chunk_size(c, plan.lines, chunk_lines) for c in chunks)
+    bar = tqdm(total=total, unit="line", disable=not info.is_main, dynamic_ncols=True,
+               desc=f"rank 0 of {info.world_size}" if info.distributed else None)  # fmt: skip
+    with open(input_path, "rb") as source, bar:
+        for chunk in chunks:
+            first = chunk * chunk_lines
+            lines = list(_read_chunk(source, plan.offsets[chunk], first,
+                                     _chunk_size(chunk, plan.lines, chunk_lines)))  # fmt: skip
+            text = "".join(_rows(translator, lines, first))
+            try:
+                files.atomic_write(_chunk_path(plan.job_dir, chunk), text.encode("utf-8"))
+            except OSError as err:
+                raise TmtError(
+                    f"{plan.job_dir}: cannot commit chunk {chunk} ({err.strerror or err});"
+                    " the chunks before it are kept: run the same command again to finish",
+                    exit_code=exits.NO_ROOM if err.errno in FULL_DISK else exits.BAD_INPUT,
+                ) from None
+            bar.update(len(lines))
+            faults.fault_point("chunk", chunk + 1)
+    return len(chunks)
+
+
+def _read_chunk(source: Any, offset: int, first: int, count: int) -> Iterator[str]:
+    source.seek(offset)
+    for i, line in enumerate(files.split_lines(source)):
+        if i == count:
+            return
+        yield evaluate.decode_line(line, first + i + 1)
+
+
+def _rows(translator: Translator, lines: list[str], first: int) -> Iterator[str]:
+    """The output rows of these lines: one per line, or nbest tab-separated rows as translate's."""
+    nbest = translator.config.decode.nbest
+    for i, hyps in enumerate(evaluate.translate_lines(translator, lines, first_line=first)):
+        yield from evaluate.output_rows(translator, first + i, hyps, nbest)
+
+
+# --- rank 0: the output ------------------------------------------------------------------------
+
+
+def _assemble(plan: Plan, translator: Translator, output_path: str) -> None:
+    job_dir = Path(plan.job_dir)
+    missing = _uncommitted(job_dir, len(plan.offsets), plan.lines, translator)
+    if missing:
+        raise TmtError(
+            f"{job_dir}: chunks {missing[:5]} are missing (a rank failed?); run the same command"
+            " again to translate only those", exit_code=exits.LOST_RANK,
+        )  # fmt: skip
+    start = time.perf_counter()
+    try:
+        with files.atomic_file(Path(output_path)) as sink:
+            for chunk in range(len(plan.offsets)):
+                with open(_chunk_path(job_dir, chunk), "rb") as part:
+                    shutil.copyfileobj(part, sink)
+    except OSError as err:
+        raise TmtError(
+            f"--output {output_path}: cannot write ({err.strerror or err}); the translated chunks"
+            f" are kept in {job_dir}: run the same command again",
+            exit_code=exits.NO_ROOM if err.errno in FULL_DISK else exits.BAD_INPUT,
+        ) from None
+    logger.debug("assembled %s in %.2f s", output_path, time.perf_counter() - start)
