@@ -5,34 +5,12 @@ functions: the outputs must stay identical. Not used by the package."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Sequence
 
 import torch
 
-
-class SearchState(Protocol):
-    def reorder(self, index: torch.Tensor) -> None: ...
-
-
-StepFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]
-
-
-@dataclass(frozen=True)
-class Hypothesis:
-    tokens: list[int]  # the output, EOS excluded
-    score: float  # length-normalised: log_prob / lp(len(tokens) + 1)
-    log_prob: float  # sum of token log-probabilities, EOS included
-
-
-def length_penalty(length: int | torch.Tensor, alpha: float, form: str = "gnmt") -> Any:
-    """lp(|Y|): GNMT ((5 + |Y|) / 6)^α or power |Y|^α; α = 0 gives 1 (no normalisation)."""
-    if form == "gnmt":
-        return ((5.0 + length) / 6.0) ** alpha
-    if form == "power":
-        return length**alpha
-    raise ValueError(f"length penalty form {form!r}: expected 'gnmt' or 'power'")
+# The interface and the length penalty are the current ones: the reference is the algorithm.
+from transformer_mt.search import Hypothesis, SearchState, StepFn, length_penalty
 
 
 def greedy(

@@ -32,7 +32,8 @@ def toy_log_probs(sentence: int, prefix: tuple[int, ...], seed: int) -> torch.Te
     return torch.log_softmax(torch.randn(V, generator=g) * 2, dim=-1)
 
 
-def toy_step(seed: int = 0, table: dict | None = None):
+def toy_step(seed: int = 0, table: dict | None = None, log_probs_of=toy_log_probs):
+    """A step function over ToyState rows: log_probs_of(sentence, prefix, seed), or `table`."""
     calls = []
 
     def step(tokens: torch.Tensor, state: ToyState) -> tuple[torch.Tensor, ToyState]:
@@ -44,7 +45,7 @@ def toy_step(seed: int = 0, table: dict | None = None):
             if table is not None:
                 rows.append(table.get(prefix, table["default"]))
             else:
-                rows.append(toy_log_probs(sentence, prefix, seed))
+                rows.append(log_probs_of(sentence, prefix, seed))
         calls.append(len(rows))
         return torch.stack(rows), state
 
@@ -260,22 +261,14 @@ def test_unknown_early_stopping_rule_is_refused() -> None:
 # --- the same outputs as the search before its bookkeeping moved onto the device ---------------
 
 
+def tied_log_probs(sentence: int, prefix: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Log-probabilities that take few distinct values: ties everywhere."""
+    g = torch.Generator().manual_seed(hash((seed, sentence, prefix)) % 2**31)
+    return torch.log_softmax(torch.randint(0, 3, (V,), generator=g).float(), -1)
+
+
 def tied_step(seed: int):
-    """Like toy_step, but its log-probabilities take few distinct values: ties everywhere."""
-
-    def step(tokens: torch.Tensor, state: ToyState) -> tuple[torch.Tensor, ToyState]:
-        rows = []
-        for i, token in enumerate(tokens.tolist()):
-            sentence, prefix = state.rows[i]
-            prefix = (*prefix, token) if token != BOS else prefix
-            state.rows[i] = (sentence, prefix)
-            g = torch.Generator().manual_seed(hash((seed, sentence, prefix)) % 2**31)
-            rows.append(torch.log_softmax(torch.randint(0, 3, (V,), generator=g).float(), -1))
-        step.calls.append(len(rows))  # type: ignore[attr-defined]
-        return torch.stack(rows), state
-
-    step.calls = []  # type: ignore[attr-defined]
-    return step
+    return toy_step(seed, log_probs_of=tied_log_probs)
 
 
 @settings(max_examples=120, deadline=None)
