@@ -12,10 +12,13 @@ import yaml
 from transformer_mt.config import (
     SECTIONS,
     Config,
+    Corpus,
     DeviceName,
     Interval,
     NonEmpty,
     SamplingMethod,
+    TagText,
+    TrainSplits,
     config_from_dict,
     config_hash,
     load_config,
@@ -181,12 +184,17 @@ MAY_BE_EMPTY = {
     "data.src_field",
     "data.tgt_field",
     "data.cache_dir",
+    "train.init_from",
+    "corpus.path",
+    "corpus.hf_config",
+    "corpus.src_field",
+    "corpus.tgt_field",
 }
 
 
 def every_field() -> list[tuple[str, object]]:
     fields = []
-    for section, cls in typing.get_type_hints(Config).items():
+    for section, cls in [*typing.get_type_hints(Config).items(), ("corpus", Corpus)]:
         hints = typing.get_type_hints(cls, include_extras=True)
         fields += [(f"{section}.{f.name}", hints[f.name]) for f in dataclasses.fields(cls)]
     return fields
@@ -194,7 +202,7 @@ def every_field() -> list[tuple[str, object]]:
 
 def test_every_field_has_a_range() -> None:
     """Numbers carry an Interval, text is non-empty or listed as optional, the rest are choices."""
-    assert {key.split(".")[0] for key, _ in every_field()} == set(SECTIONS)
+    assert {key.split(".")[0] for key, _ in every_field()} == {*SECTIONS, "corpus"}
     for key, kind in every_field():
         base, rule = kind, None
         if typing.get_origin(kind) is typing.Annotated:
@@ -202,8 +210,10 @@ def test_every_field_has_a_range() -> None:
         if base in (int, float):
             assert isinstance(rule, Interval), f"{key}: a number without a range"
         elif base is str:
-            ruled = isinstance(rule, NonEmpty | DeviceName | SamplingMethod)
+            ruled = isinstance(rule, NonEmpty | DeviceName | SamplingMethod | TagText)
             assert ruled != (key in MAY_BE_EMPTY), f"{key}: may it be empty?"
+        elif key == "data.train":
+            assert isinstance(rule, TrainSplits), key
         else:
             assert base is bool or typing.get_origin(base) is typing.Literal, key
 
@@ -232,13 +242,19 @@ def test_out_of_range_values_are_one_line_errors_naming_key_value_and_range(key,
         bad_values = {
             DeviceName: ["", "gpu", "cuda:x"],
             SamplingMethod: ["", "beam", "topk:0", "topk:x", "topp:0", "topp:1.5"],
+            TagText: ["a b", "<s>"],
         }.get(type(rule), [""])
     assert bad_values, key
     for bad in bad_values:
+        named, override = key, f"{key}={bad}"
+        if key.startswith("corpus."):  # a key of an item of the list data.train
+            name = key.removeprefix("corpus.")
+            named = f"data.train[0].{name}"
+            override = f"data.train=[{{split: train, {name}: '{bad}'}}]"
         with pytest.raises(TmtError) as err:
-            load_config("tiny", [f"{key}={bad}"])
+            load_config("tiny", [override])
         message = str(err.value)
-        assert message.startswith(f"--set {key}={bad}: {key} = "), message
+        assert message.startswith(f"--set {override}: {named} = "), message
         expected = str(rule).removeprefix("in ")
         assert expected in message and "\n" not in message
 
@@ -315,3 +331,43 @@ def test_paper_models_in_base_and_big() -> None:
     for cfg in (base, big):
         assert (cfg.data.source, cfg.data.path, cfg.data.hf_config) == ("hf", "wmt14", "de-en")
         assert (cfg.data.src_lang, cfg.data.tgt_lang) == ("en", "de")
+
+
+# --- data.train as a list of corpora -----------------------------------------------------------
+
+
+def test_a_list_of_corpora_reads_from_yaml_and_set_and_round_trips(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "data:\n  source: files\n  train:\n    - {split: clean, weight: 3}\n"
+        "    - crawl\n    - {split: bt.tsv, source: tsv, tag: <BT>}\n",
+    )
+    cfg = load_config(path)
+    assert cfg.data.train == (
+        Corpus("clean", weight=3.0),
+        Corpus("crawl"),
+        Corpus("bt.tsv", tag="<BT>", source="tsv"),
+    )
+    assert load_config(path, ["data.train=[{split: a, weight: 2}]"]).data.train == (
+        Corpus("a", 2.0),
+    )
+    assert load_config(path, ["data.train=plain"]).data.train == "plain"  # one split, as ever
+    again = config_from_dict(yaml.safe_load(to_yaml(cfg)))
+    assert again == cfg and config_hash(again) == config_hash(cfg)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("[]", "data.train = (): expected a split (a non-empty string) or a non-empty list"),
+        ("[{split: a, wieght: 3}]", "unknown key data.train[0].wieght; valid keys: split, weight"),
+        ("[{weight: 2}]", "data.train[0]: no split"),
+        ("[a, {split: b, weight: -1}]", "data.train[1].weight = -1.0: expected > 0"),
+        ("[{split: a, source: ftp}]", "data.train[0].source = 'ftp': expected one of"),
+        ("[[a]]", "data.train[0]: expected a mapping of split, weight, tag"),
+    ],
+)
+def test_bad_corpora_are_one_line_errors_naming_the_item(value: str, message: str) -> None:
+    with pytest.raises(TmtError) as err:
+        load_config("tiny", [f"data.train={value}"])
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -40,13 +40,15 @@ ALLOWED = {
         "loss",
         "model",
         "optim",
+        "plot",  # curves.png at each validation
         "run",
         "step",
         "tokenizer",
     },
     # One update: loss, collectives, Adam; Batch from data and the fault points inside.
     "step": {"config", "data", "distributed", "faults", "loss", "model"},
-    "dry_run": {"config", "data", "model"},
+    "dry_run": {"config", "data", "model", "run"},  # run: the model train.init_from names
+    "plot": {"exits", "files"},  # metrics.jsonl in, a figure out
     "search": set(),  # a step function in, hypotheses out: no model, no config
     "evaluate": {
         "checkpoint",
@@ -73,6 +75,7 @@ ALLOWED = {
         "evaluate",
         "exits",
         "export",
+        "plot",
         "run",
         "train",
     },

@@ -76,6 +76,14 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 def train(
     config: ConfigOption = "multi30k",
     set_: Overrides = None,
+    init_from: Annotated[
+        str | None,
+        typer.Option(
+            "--init-from",
+            help="Fine-tune: start from this model's weights and tokenizer (a checkpoint, an"
+            " averaged model or a run directory) with a fresh optimizer (train.init_from).",
+        ),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Prepare data and batches, report, exit.")
     ] = False,
@@ -84,7 +92,8 @@ def train(
     from transformer_mt import dry_run as dry_run_lib
     from transformer_mt import train as train_lib
 
-    cfg = load_config(config, set_ or [])
+    overrides = [*(set_ or []), *([f"train.init_from={init_from}"] if init_from else [])]
+    cfg = load_config(config, overrides)
     if dry_run:
         dry_run_lib.dry_run(cfg)
         return
@@ -289,15 +298,65 @@ def average(
     last: Annotated[
         int, typer.Option("--last", help="With a run directory: its newest N checkpoints.")
     ] = 0,
+    best: Annotated[
+        int, typer.Option("--best", help="With a run directory: its N best checkpoints (--by).")
+    ] = 0,
+    by: Annotated[
+        str | None,
+        typer.Option(
+            "--by",
+            help="What --best ranks by: val_bleu, val_chrf, val_loss or val_ppl"
+            " (default: val_bleu when the run measured it, else val_loss).",
+        ),
+    ] = None,
 ) -> None:
     """Average checkpoints into one self-contained model (§6.1: the last 5 for base, 20 for big)."""
     from transformer_mt import checkpoint, run
 
-    if last and len(inputs) != 1:
-        raise TmtError("--last takes exactly one run directory")
-    models = run.newest_models(inputs[0], last) if last else map(checkpoint.read, inputs)
+    if last and best:
+        raise TmtError("--last and --best: choose one")
+    if (last or best) and len(inputs) != 1:
+        raise TmtError(f"{'--last' if last else '--best'} takes exactly one run directory")
+    if by and not best:
+        raise TmtError("--by ranks the checkpoints of --best N")
+    report: dict[str, Any] = {}
+    if best:
+        report["by"] = by = by or run.scored_metric(inputs[0])
+        models = run.best_models(inputs[0], best, by)
+    elif last:
+        models = run.newest_models(inputs[0], last)
+    else:
+        models = map(checkpoint.read, inputs)
     mean = checkpoint.write_average(models, output)
-    typer.echo(json.dumps({"output": str(mean.path), "averaged": list(mean.sources)}))
+    typer.echo(json.dumps({"output": str(mean.path), "averaged": list(mean.sources), **report}))
+
+
+@app.command()
+@_user_errors
+def plot(
+    run_dirs: Annotated[
+        list[Path], typer.Argument(help="Run directories; several are overlaid to compare.")
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="A .png, .svg or .pdf (default: RUN_DIR/curves.png, or ./curves.png for several).",
+        ),
+    ] = None,
+) -> None:
+    """Draw training loss, validation loss and BLEU, learning rate and tokens/s against updates."""
+    from transformer_mt import plot as lib
+    from transformer_mt import run
+
+    output = output or (
+        run_dirs[0] / lib.RUN_CURVES if len(run_dirs) == 1 else Path(lib.RUN_CURVES)
+    )
+    managed = run.managed_by_tmt(output)
+    if managed:
+        raise TmtError(f"-o {output}: {managed}; choose another output")
+    typer.echo(json.dumps(lib.draw_curves(run_dirs, output)))
 
 
 def main() -> None:

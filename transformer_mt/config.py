@@ -95,6 +95,28 @@ class SamplingMethod:
         return "none, full, topk:K (K >= 1) or topp:P (0 < P <= 1)"
 
 
+class TagText:
+    """A corpus tag: "" (none) or one word without whitespace, e.g. <BT>; not a special piece."""
+
+    def __contains__(self, value: str) -> bool:
+        return value == "" or (
+            not any(c.isspace() for c in value) and value not in ("<pad>", "<unk>", "<s>", "</s>")
+        )
+
+    def __str__(self) -> str:
+        return '"" or one word without whitespace (e.g. <BT>), not <pad>, <unk>, <s> or </s>'
+
+
+class TrainSplits:
+    """data.train: one split (a non-empty string) or a non-empty list of corpora."""
+
+    def __contains__(self, value: object) -> bool:
+        return bool(value.strip()) if isinstance(value, str) else bool(value)
+
+    def __str__(self) -> str:
+        return "a split (a non-empty string) or a non-empty list of corpora"
+
+
 # The ranges of most fields, by meaning; the type of every number field carries one.
 Count = Annotated[int, Interval(1)]  # sizes, layers, heads, steps per event: at least 1
 Number = Annotated[int, Interval(0)]  # budgets and intervals: 0 = none / off
@@ -131,6 +153,36 @@ class TokenizerConfig:
     model_path: str = ""  # an existing sentencepiece .model to use instead of training one
 
 
+Source = Literal["multi30k", "files", "tsv", "jsonl", "hf", "hf_disk"]
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """One training corpus of a mixture (data.train given as a list). An empty text field takes
+    the data section's value, so a list of prefixes needs only `split` (and `weight`, `tag`)."""
+
+    split: Text  # what data.train names for one corpus: a split name, a path prefix or a file
+    # Its share of every epoch: an epoch draws as many pairs as all corpora keep together, this
+    # corpus weight / (sum of weights) of them (a subset, or every pair more than once).
+    weight: Annotated[float, Interval(0.0, low_open=True)] = 1.0
+    # Prepended to every source sentence (Caswell et al., 2019: tagged back-translation); added
+    # to the sentencepiece model as a user-defined symbol, so it is always one piece.
+    tag: Annotated[str, TagText()] = ""
+    source: Literal["", "multi30k", "files", "tsv", "jsonl", "hf", "hf_disk"] = ""
+    path: str = ""
+    hf_config: str = ""
+    src_field: str = ""
+    tgt_field: str = ""
+
+    def __post_init__(self) -> None:
+        problem = _field_problem(self, "data.train[]")
+        if problem:
+            raise TmtError(problem)
+
+
+Corpora = tuple[Corpus, ...]
+
+
 @dataclass(frozen=True)
 class DataConfig:
     # Where the parallel text comes from:
@@ -140,13 +192,15 @@ class DataConfig:
     #   jsonl     one JSON object per line (see src_field)
     #   hf        datasets.load_dataset(path, hf_config, split=...): a hub name or a local directory
     #   hf_disk   datasets.load_from_disk(path): a DatasetDict written by save_to_disk
-    source: Literal["multi30k", "files", "tsv", "jsonl", "hf", "hf_disk"] = "multi30k"
+    source: Source = "multi30k"
     src_lang: Text = "de"
     tgt_lang: Text = "en"
     path: str = ""  # hf: dataset name or directory; hf_disk: the saved DatasetDict's directory
     hf_config: str = ""  # hf: configuration name, e.g. "de-en" for wmt14
     # Splits: a split name (multi30k, hf, hf_disk), a path prefix (files) or a file (tsv, jsonl).
-    train: Text = "train"
+    # data.train may also be a list of corpora, each a mapping with the keys of `Corpus` (split,
+    # weight, tag, and source/path/hf_config/src_field/tgt_field when they differ from these).
+    train: Annotated[str | Corpora, TrainSplits()] = "train"
     valid: Text = "val"
     test: Text = "test_2016_flickr"
     # tsv: "" reads columns 0 and 1 with no header; names pick columns of a header line; digits pick
@@ -188,6 +242,9 @@ class TrainConfig:
     save_every: Number = 1000  # steps between checkpoints (0 = off)
     save_every_minutes: Amount = 10.0  # §6.1 checkpoints written at 10-minute intervals (0 = off)
     keep_last: Number = 5  # checkpoints kept besides the best; §6.1 averages the last 5 (base)
+    # The best checkpoints by train.best_metric that are kept besides the newest (tmt average
+    # --best N averages them); each checkpoint carries the validation scores of its step.
+    keep_best: Count = 1
     bleu_every: Number = 0  # steps between validation BLEU (decoded like tmt evaluate); 0 = off
     bleu_beam_size: Count = 1  # beam size of validation BLEU decoding (1 = greedy)
     best_metric: Literal["val_loss", "val_bleu"] = "val_loss"  # what checkpoints/best tracks
@@ -200,6 +257,12 @@ class TrainConfig:
     # logging, checkpoint cadence, decoding and execution): "auto" refuses to resume it, naming
     # the keys; "force" resumes anyway and records the change in metrics.jsonl.
     resume: Literal["auto", "force"] = "auto"
+    # Fine-tuning: start from this model's weights and tokenizer (a checkpoint, an averaged
+    # model or a run directory) with a fresh optimizer, schedule and data position. Its model
+    # and tokenizer settings must be this config's (dropout aside). "" = random initialisation.
+    init_from: str = ""
+    curves: bool = True  # draw OUT_DIR/curves.png at each validation (needs matplotlib)
+    tensorboard: bool = False  # write event files to OUT_DIR/tensorboard (needs tensorboard)
 
 
 @dataclass(frozen=True)
@@ -245,13 +308,9 @@ class Config:
 
     def __post_init__(self) -> None:
         for section in dataclasses.fields(self):
-            values = getattr(self, section.name)
-            hints = typing.get_type_hints(type(values), include_extras=True)
-            for f in dataclasses.fields(values):
-                key, value = f"{section.name}.{f.name}", getattr(values, f.name)
-                problem = _out_of_range(value, hints[f.name])
-                if problem:
-                    raise TmtError(f"{key} = {value!r}: expected {problem}")
+            problem = _field_problem(getattr(self, section.name), section.name)
+            if problem:
+                raise TmtError(problem)
         checks = [
             (
                 self.model.d_model % self.model.n_heads == 0,
@@ -385,7 +444,11 @@ def config_from_dict(
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(cfg)
+    """Plain data (mappings, lists, numbers, text): what YAML, JSON and checkpoints hold."""
+    tree = dataclasses.asdict(cfg)
+    if isinstance(cfg.data.train, tuple):
+        tree["data"]["train"] = [dict(corpus) for corpus in tree["data"]["train"]]
+    return tree
 
 
 def to_yaml(cfg: Config) -> str:
@@ -432,9 +495,62 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return tree
 
 
+def _field_problem(values: Any, prefix: str) -> str | None:
+    """The first field of a config dataclass outside its range, as an error message, or None."""
+    hints = typing.get_type_hints(type(values), include_extras=True)
+    for f in dataclasses.fields(values):
+        key, value = f"{prefix}.{f.name}", getattr(values, f.name)
+        problem = _out_of_range(value, hints[f.name])
+        if problem:
+            return f"{key} = {value!r}: expected {problem}"
+    return None
+
+
+def _coerce_corpora(value: Any, key: str, origin: str) -> str | Corpora:
+    """data.train: a split as text, or a list whose items are corpora (mappings of Corpus keys,
+    or a bare split)."""
+    if isinstance(value, _Text):
+        parsed = None
+        with contextlib.suppress(yaml.YAMLError):
+            parsed = yaml.safe_load(value) if value.lstrip().startswith("[") else None
+        value = parsed if isinstance(parsed, list) else str(value)
+    if isinstance(value, str | Corpus):
+        return value if isinstance(value, str) else (value,)
+    if not isinstance(value, list | tuple):
+        raise TmtError(f"{origin}: {key} = {value!r}: expected {TrainSplits()}")
+    valid = [f.name for f in dataclasses.fields(Corpus)]
+    hints = typing.get_type_hints(Corpus, include_extras=True)
+    corpora = []
+    for index, item in enumerate(value):
+        where = f"{key}[{index}]"
+        if isinstance(item, Corpus):
+            corpora.append(item)
+            continue
+        if isinstance(item, str):
+            item = {"split": item}
+        if not isinstance(item, Mapping):
+            raise TmtError(f"{origin}: {where}: expected a mapping of {', '.join(valid)}")
+        for name in item:
+            if name not in hints:
+                raise TmtError(
+                    f"{origin}: unknown key {where}.{name}; valid keys: {', '.join(valid)}"
+                )
+        if "split" not in item:
+            raise TmtError(f"{origin}: {where}: no split (the corpus to read, as data.train)")
+        corpora.append(
+            Corpus(**{k: _coerce(v, hints[k], f"{where}.{k}", origin) for k, v in item.items()})
+        )
+    return tuple(corpora)
+
+
 def _coerce(value: Any, kind: Any, key: str, origin: str) -> Any:
     """Convert `value` to the field type `kind` and check its range, or raise a TmtError naming
     the key and where the value came from."""
+    if typing.get_origin(kind) is Annotated and typing.get_args(kind)[0] == str | Corpora:
+        coerced = _coerce_corpora(value, key, origin)
+        if coerced not in TrainSplits():
+            raise TmtError(f"{origin}: {key} = {coerced!r}: expected {TrainSplits()}")
+        return coerced
     if typing.get_origin(kind) is Annotated:
         base = typing.get_args(kind)[0]
         coerced = _coerce(value, base, key, origin)

@@ -9,6 +9,7 @@ counted). Files are streamed into Arrow, so no split is ever held as Python stri
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -42,6 +43,8 @@ class RawSplit:
     fingerprint: str  # SHA-256 over the content and everything that changes how it is read
     cfg: DataConfig
     location: str  # the split name, prefix or file path from the config
+    weight: float = 1.0  # a training corpus of a mixture: its share of each epoch
+    tag: str = ""  # ... and the tag prepended to its sources
 
     def load(self, work_dir: Path) -> datasets.Dataset:
         """The split as a Dataset: `src`, `tgt` and, for text files, an `invalid` flag column."""
@@ -89,9 +92,36 @@ def quiet_datasets() -> None:
     datasets.logging.set_verbosity_error()
 
 
-def open_split(cfg: DataConfig, key: str) -> RawSplit:
+def open_training(cfg: DataConfig) -> list[RawSplit]:
+    """The training corpora: data.train as one split, or each corpus of its list (keys
+    "data.train[0]", ...), read with the data section's settings where it sets none."""
+    if isinstance(cfg.train, str):
+        return [open_split(cfg, "data.train")]
+    corpora = []
+    for index, corpus in enumerate(cfg.train):
+        view = dataclasses.replace(
+            cfg,
+            source=corpus.source or cfg.source,
+            path=corpus.path or cfg.path,
+            hf_config=corpus.hf_config or cfg.hf_config,
+            src_field=corpus.src_field or cfg.src_field,
+            tgt_field=corpus.tgt_field or cfg.tgt_field,
+            train=corpus.split,
+        )
+        split = open_split(view, f"data.train[{index}]", corpus.split)
+        corpora.append(dataclasses.replace(split, weight=corpus.weight, tag=corpus.tag))
+    return corpora
+
+
+def open_split(cfg: DataConfig, key: str, location: str | None = None) -> RawSplit:
     """Locate the split that config key `key` ("data.train", ...) names; fingerprint its content."""
-    location = getattr(cfg, key.removeprefix("data."))
+    if location is None:
+        location = getattr(cfg, key.removeprefix("data."))
+    if not isinstance(location, str):
+        raise TmtError(
+            f"{key} is a mixture of {len(location)} corpora; name one file instead"
+            " (e.g. tmt evaluate --src FILE --ref FILE)"
+        )
     reading = json.dumps(
         [cfg.source, cfg.src_lang, cfg.tgt_lang, cfg.src_field, cfg.tgt_field, cfg.encoding_errors]
     )

@@ -57,9 +57,11 @@ class FilterCounts:
 @dataclass(frozen=True)
 class PreparedData:
     tokenizer: Tokenizer
-    train: EncodedSplit
+    train: EncodedSplit  # every training corpus, concatenated (train.groups: which one)
     valid: EncodedSplit
-    counts: dict[str, FilterCounts]  # by config key: "data.train", "data.valid"
+    # by config key: "data.train" (all corpora), "data.valid", and "data.train[i]" per corpus
+    counts: dict[str, FilterCounts]
+    corpora: list[corpus.RawSplit]  # the training corpora, in data.train's order
 
 
 def prepare_data(cfg: Config, tokenizer: Tokenizer | None = None) -> PreparedData:
@@ -79,7 +81,9 @@ def _prepare(cfg: Config, tokenizer: Tokenizer | None, cache: Path) -> PreparedD
     # Scratch and staging entries of runs that were killed: hidden names, older than a day (a
     # live build is younger than that). They never look complete: meta.json is written last.
     files.remove_leftovers(cache, (".work.*", "encoded/.*", "tokenizers/.*"), older_than_s=86_400)
-    splits = {key: corpus.open_split(cfg.data, key) for key in ("data.train", "data.valid")}
+    corpora = corpus.open_training(cfg.data)
+    valid = corpus.open_split(cfg.data, "data.valid")
+    splits = {split.key: split for split in [*corpora, valid]}
     with _work_dir(cache) as work:
         raw: dict[str, Any] = {}  # raw Arrow datasets, built only on a cold cache
 
@@ -90,18 +94,30 @@ def _prepare(cfg: Config, tokenizer: Tokenizer | None, cache: Path) -> PreparedD
             return raw[key]
 
         if tokenizer is None:
-            tokenizer = load_or_train_tokenizer(cfg.tokenizer, splits["data.train"], load, cache)
-        encoded = {}
-        counts = {}
+            tokenizer = load_or_train_tokenizer(cfg.tokenizer, corpora, load, cache)
+        _check_tags(tokenizer, corpora)
+        encoded, counts = {}, {}
         for key, split in splits.items():
             table = _encoded_table(split, tokenizer, load, cache, cfg.data.num_proc)
-            encoded[key], counts[key] = _filtered(table, cfg.data, training=key == "data.train")
-    if counts["data.train"].kept == 0:
-        raise TmtError(
-            f"data.train ({splits['data.train'].origin}): no pairs left after filtering: "
-            + _describe(counts["data.train"])
+            encoded[key], counts[key] = _filtered(table, cfg.data, training=split is not valid)
+    for split in corpora:
+        if counts[split.key].kept == 0:
+            raise TmtError(
+                f"{split.key} ({split.origin}): no pairs left after filtering: "
+                + _describe(counts[split.key])
+            )
+    if corpora[0].key != "data.train":  # data.train is a list (of one corpus, or several)
+        total = {
+            name: sum(getattr(counts[split.key], name) for split in corpora)
+            for name in FilterCounts.__dataclass_fields__
+        }
+        counts = {"data.train": FilterCounts(**total), **counts}  # all corpora first
+        train = EncodedSplit.concatenate(
+            [encoded[split.key] for split in corpora], [split.weight for split in corpora]
         )
-    return PreparedData(tokenizer, encoded["data.train"], encoded["data.valid"], counts)
+    else:
+        train = encoded["data.train"]
+    return PreparedData(tokenizer, train, encoded["data.valid"], counts, corpora)
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -113,13 +129,18 @@ def cache_root(cfg: DataConfig) -> Path:
 
 
 def load_or_train_tokenizer(
-    cfg: TokenizerConfig, train_split: corpus.RawSplit, load: Any, cache: Path
+    cfg: TokenizerConfig, corpora: Sequence[corpus.RawSplit], load: Any, cache: Path
 ) -> Tokenizer:
-    """The configured model_path, else the cached model for this data and config, else train one."""
+    """The configured model_path, else the cached model for this data and config, else train one
+    on the sentences of every training corpus, with the corpora's tags as user-defined symbols."""
     if cfg.model_path:
         return Tokenizer.from_file(cfg.model_path)
     settings = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-    key = hashlib.sha256(f"{train_split.fingerprint}|{settings}".encode()).hexdigest()[:32]
+    tags = sorted({split.tag for split in corpora} - {""})
+    content = "|".join(split.fingerprint for split in corpora)
+    if tags:
+        content += "|tags:" + json.dumps(tags)
+    key = hashlib.sha256(f"{content}|{settings}".encode()).hexdigest()[:32]
     path = cache / "tokenizers" / f"{key}.model"
     if path.is_file():
         try:
@@ -128,9 +149,14 @@ def load_or_train_tokenizer(
             return cached
         except TmtError as err:
             logger.warning("cached tokenizer damaged (%s): rebuilding it", err)
-    dataset = load(train_split.key)
+    if len(corpora) == 1:
+        dataset = load(corpora[0].key)
+    else:
+        import datasets
+
+        dataset = datasets.concatenate_datasets([load(split.key) for split in corpora])
     logger.info("tokenizer: training %s, %d pieces", cfg.model_type, cfg.vocab_size)
-    tokenizer = train_tokenizer(_sample_sentences(dataset, cfg.max_sentences), cfg)
+    tokenizer = train_tokenizer(_sample_sentences(dataset, cfg.max_sentences), cfg, tags)
     files.atomic_write(path, tokenizer.model_bytes)
     return tokenizer
 
@@ -146,18 +172,35 @@ def _sample_sentences(dataset: Any, max_sentences: int) -> Iterator[str]:
         yield from batch["tgt"]
 
 
-class _Encoder:
-    """datasets.map function: text columns -> subword id columns (pickled to map workers)."""
+def _check_tags(tokenizer: Tokenizer, corpora: Sequence[corpus.RawSplit]) -> None:
+    """A tag must be one piece of the vocabulary, or the model would not see it as one token."""
+    for split in corpora:
+        if split.tag and tokenizer.tag_ids(split.tag) is None:
+            raise TmtError(
+                f"{split.key}.tag={split.tag!r}: not a piece of the tokenizer"
+                " (a tokenizer tmt trains with this tag has it; a given tokenizer.model_path or"
+                " the model of train.init_from must have been trained with it)"
+            )
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+
+class _Encoder:
+    """datasets.map function: text columns -> subword id columns (pickled to map workers). A tag
+    is encoded as `tokenizer.encode(tag + " " + text)` would encode it: what `tmt translate`
+    makes of a source line that starts with the tag."""
+
+    def __init__(self, tokenizer: Tokenizer, tag: str = "") -> None:
         self.tokenizer = tokenizer
+        self.tag_ids = tokenizer.tag_ids(tag) if tag else None
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         src = [text or "" for text in batch["src"]]
         tgt = [text or "" for text in batch["tgt"]]
         invalid = batch.get("invalid") or [False] * len(src)
+        src_ids = self.tokenizer.encode(src)
+        if self.tag_ids is not None:  # an empty source stays empty: the filter drops it
+            src_ids = [self.tag_ids + ids if ids else ids for ids in src_ids]
         return {
-            "src_ids": self.tokenizer.encode(src),
+            "src_ids": src_ids,
             "tgt_ids": self.tokenizer.encode(tgt),
             "invalid": invalid,
         }
@@ -167,8 +210,9 @@ def _encoded_table(
     split: corpus.RawSplit, tokenizer: Tokenizer, load: Any, cache: Path, num_proc: int
 ) -> pa.Table:
     """The split's ids as a memory-mapped Arrow table, encoding it first on a cold cache."""
+    tagged = f"|tag:{split.tag}" if split.tag else ""
     key = hashlib.sha256(
-        f"{split.fingerprint}|{tokenizer.sha256}|{ENCODING_VERSION}".encode()
+        f"{split.fingerprint}|{tokenizer.sha256}|{ENCODING_VERSION}{tagged}".encode()
     ).hexdigest()[:32]
     final = cache / "encoded" / key
     meta_path = final / "meta.json"  # written last: its presence marks a complete entry
@@ -182,7 +226,7 @@ def _encoded_table(
         dataset = load(split.key)
         staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=_mkdir(cache / "encoded")))
         logger.info("encoding %s: %d pairs", split.key, len(dataset))
-        arrow_files = _encode(dataset, tokenizer, staging, key, num_proc)
+        arrow_files = _encode(dataset, _Encoder(tokenizer, split.tag), staging, key, num_proc)
         meta = {
             "origin": split.origin,
             "pairs": len(dataset),
@@ -209,9 +253,7 @@ def _read_entry(final: Path) -> pa.Table:
     return table
 
 
-def _encode(
-    dataset: Any, tokenizer: Tokenizer, staging: Path, key: str, num_proc: int
-) -> list[str]:
+def _encode(dataset: Any, encoder: _Encoder, staging: Path, key: str, num_proc: int) -> list[str]:
     """Encode the raw split into Arrow files in `staging` (datasets.map); their names."""
     import datasets
 
@@ -231,7 +273,7 @@ def _encode(
             out.write_table(empty)
         return ["ids.arrow"]
     encoded = dataset.map(
-        _Encoder(tokenizer),
+        encoder,
         batched=True,
         batch_size=1000,
         num_proc=num_proc if num_proc > 1 else None,
@@ -337,16 +379,46 @@ def collate(
 
 
 class EncodedSplit:
-    """The kept pairs of a split: lengths in memory, ids memory-mapped from the Arrow cache."""
+    """The kept pairs of a split: lengths in memory, ids memory-mapped from the Arrow cache. The
+    training split of a mixture holds every corpus; `groups` says which corpus a pair is from."""
 
     def __init__(
-        self, table: pa.Table, rows: np.ndarray, src_lengths: np.ndarray, tgt_lengths: np.ndarray
+        self,
+        table: pa.Table,
+        rows: np.ndarray,
+        src_lengths: np.ndarray,
+        tgt_lengths: np.ndarray,
+        groups: np.ndarray | None = None,
+        weights: Sequence[float] = (),
     ):
         self._src = table.column("src_ids")
         self._tgt = table.column("tgt_ids")
         self.rows = rows  # (N,) Arrow row of each kept pair
-        self.src_lengths = src_lengths  # (N,) subword tokens, specials excluded
+        self.src_lengths = src_lengths  # (N,) subword tokens, specials excluded (a tag counts)
         self.tgt_lengths = tgt_lengths
+        self.groups = groups  # (N,) the corpus of each pair; None: a single corpus
+        self.weights = tuple(weights)  # each corpus' weight
+
+    @classmethod
+    def concatenate(cls, parts: Sequence[EncodedSplit], weights: Sequence[float]) -> EncodedSplit:
+        """One split of several corpora (zero-copy: the Arrow chunks are shared)."""
+        offsets = np.cumsum([0] + [len(part._src) for part in parts])
+        table = pa.table(
+            {
+                "src_ids": pa.chunked_array([c for p in parts for c in p._src.chunks]),
+                "tgt_ids": pa.chunked_array([c for p in parts for c in p._tgt.chunks]),
+            }
+        )
+        return cls(
+            table,
+            np.concatenate(
+                [part.rows + offset for part, offset in zip(parts, offsets[:-1], strict=True)]
+            ),
+            np.concatenate([part.src_lengths for part in parts]),
+            np.concatenate([part.tgt_lengths for part in parts]),
+            np.concatenate([np.full(len(part), i) for i, part in enumerate(parts)]),
+            weights,
+        )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -368,8 +440,9 @@ class EncodedSplit:
     ) -> TokenBucketSampler:
         """Batches over this split; +1 per side for eos (source, target) and bos (decoder input)."""
         return TokenBucketSampler(
-            self.src_lengths + 1, self.tgt_lengths + 1, max_tokens, seed, rank, world_size, shuffle
-        )
+            self.src_lengths + 1, self.tgt_lengths + 1, max_tokens, seed, rank, world_size, shuffle,
+            groups=self.groups if shuffle else None, weights=self.weights,
+        )  # fmt: skip
 
 
 def _split_lists(column: pa.ChunkedArray) -> list[np.ndarray]:
@@ -384,8 +457,11 @@ class TokenBucketSampler:
     A batch's cost is its sentence count × its longest padded length on either side, at most
     max_tokens. Pairs are sorted by (source, target) length after a seeded shuffle that breaks ties,
     packed greedily, and the batch order is shuffled. Batches are split until their count divides
-    world_size, so every rank gets the same number of non-empty batches and each pair appears
-    exactly once per epoch (see _split_until_divisible for the one case that exceeds max_tokens).
+    world_size, so every rank gets the same number of non-empty batches and each pair drawn
+    appears exactly once per epoch (see _split_until_divisible for the one case that exceeds
+    max_tokens). A single corpus draws each pair once per epoch. Several corpora (`groups`,
+    `weights`) draw as many pairs as they hold together, corpus i's share weights[i] /
+    sum(weights) of them (see epoch_draw), so a pair may come twice, or not at all.
     Pure numpy: no torch, no state besides the arguments, so (epoch, index) resumes exactly.
     """
 
@@ -398,6 +474,8 @@ class TokenBucketSampler:
         rank: int = 0,
         world_size: int = 1,
         shuffle: bool = True,
+        groups: np.ndarray | None = None,
+        weights: Sequence[float] = (),
     ) -> None:
         self.src_lengths = np.asarray(src_lengths, dtype=np.int64)
         self.tgt_lengths = np.asarray(tgt_lengths, dtype=np.int64)
@@ -412,11 +490,36 @@ class TokenBucketSampler:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.max_tokens, self.seed, self.shuffle = max_tokens, seed, shuffle
         self.rank, self.world_size = rank, world_size
+        self.members = None  # with several corpora: the pair indices of each
+        if groups is not None and len(weights) > 1:
+            self.members = [np.flatnonzero(groups == i) for i in range(len(weights))]
+            self.weights = np.asarray(weights, dtype=np.float64)
+
+    def epoch_draw(self, epoch: int) -> np.ndarray:
+        """The pairs of `epoch` (indices, with repeats): all pairs once for a single corpus; for
+        a mixture, corpus i's quota q_i (its share of all pairs, rounded by largest remainder so
+        the quotas sum to the pairs held) as q_i // n_i passes over its n_i pairs plus a seeded
+        random q_i % n_i of them: exact shares, the same on every rank, per (seed, epoch)."""
+        total = len(self.longest)
+        if self.members is None:
+            return np.arange(total)
+        exact = total * self.weights / self.weights.sum()
+        quotas = np.floor(exact).astype(np.int64)
+        by_remainder = np.argsort(-(exact - quotas), kind="stable")
+        quotas[by_remainder[: total - int(quotas.sum())]] += 1
+        rng = np.random.default_rng((self.seed, epoch, 1))  # apart from the shuffle's stream
+        drawn = []
+        for members, quota in zip(self.members, quotas.tolist(), strict=True):
+            passes, rest = divmod(quota, len(members))
+            drawn += [members] * passes + [members[rng.permutation(len(members))[:rest]]]
+        return np.concatenate(drawn)
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches for `epoch`, in order: arrays of example indices."""
         rng = np.random.default_rng((self.seed, epoch))
-        order = rng.permutation(len(self.longest)) if self.shuffle else np.arange(len(self.longest))
+        drawn = self.epoch_draw(epoch)
+        # A single corpus: drawn is arange, so this is rng.permutation(N) as it always was.
+        order = drawn[rng.permutation(len(drawn))] if self.shuffle else drawn
         order = order[np.lexsort((self.tgt_lengths[order], self.src_lengths[order]))]  # stable
         batches = _split_until_divisible(
             _pack(order, self.longest, self.max_tokens), self.world_size, self.longest

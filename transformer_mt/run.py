@@ -3,6 +3,8 @@
     OUT_DIR/config.yaml                 the resolved config of the latest session
     OUT_DIR/tokenizer.model             the joint sentencepiece model (also inside every checkpoint)
     OUT_DIR/metrics.jsonl               one JSON object per log step, validation and skipped update
+    OUT_DIR/curves.png                  loss, BLEU, learning rate and tokens/s (plot.py)
+    OUT_DIR/tensorboard/                the same as TensorBoard events (train.tensorboard)
     OUT_DIR/checkpoints/step_00001000/  a checkpoint (checkpoint.py owns the format of one)
     OUT_DIR/checkpoints/best            -> step_00000500: the best by train.best_metric
     OUT_DIR/average/                    the last train.average_last checkpoints averaged (§6.1)
@@ -35,7 +37,14 @@ import torch
 
 from transformer_mt import checkpoint, distributed, exits, files
 from transformer_mt.checkpoint import Checkpoint
-from transformer_mt.config import MODEL_SECTIONS, SECTIONS, Config, to_dict, to_yaml
+from transformer_mt.config import (
+    MODEL_SECTIONS,
+    SECTIONS,
+    Config,
+    changed_keys,
+    to_dict,
+    to_yaml,
+)
 from transformer_mt.distributed import DistInfo
 from transformer_mt.exits import TmtError
 from transformer_mt.tokenizer import Tokenizer
@@ -54,6 +63,7 @@ MAY_CHANGE_ON_RESUME = (
     "train.save_every", "train.save_every_minutes", "train.keep_last", "train.average_last",
     "train.patience", "train.nonfinite_patience", "train.device", "train.compile",
     "train.distributed_timeout_s", "train.resume", "data.num_proc", "data.cache_dir", "data.test",
+    "train.keep_best", "train.curves", "train.tensorboard",
 )  # fmt: skip
 
 
@@ -188,11 +198,16 @@ class MetricsLog:
     written) and the progress bar (rank 0 shows it), with the sums of the updates since the last
     record, which `flush` all-reduces over ranks (every rank calls it at the same steps)."""
 
-    def __init__(self, run_dir: Path, info: DistInfo, max_steps: int, step: int) -> None:
+    def __init__(
+        self, run_dir: Path, info: DistInfo, max_steps: int, step: int, tensorboard: bool = False
+    ) -> None:
         from tqdm import tqdm
 
         self.info = info
         self.handle = None
+        self.events = None  # a TensorBoard SummaryWriter (train.tensorboard), rank 0's
+        if info.is_main and tensorboard:
+            self.events = _summary_writer(run_dir / "tensorboard", step)
         if info.is_main:
             try:
                 self.handle = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
@@ -251,6 +266,11 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if self.handle is None:
             return
+        if self.events is not None:  # the curves: update records and validations
+            for name, value in record.items():
+                if name in _TRAIN_CURVES or name.startswith("val_"):
+                    group = "valid" if name.startswith("val_") else "train"
+                    self.events.add_scalar(f"{group}/{name}", value, record["step"])
         try:
             self.handle.write(json.dumps(record) + "\n")
             self.handle.flush()
@@ -280,8 +300,31 @@ class MetricsLog:
 
     def close(self) -> None:
         self.bar.close()
+        if self.events is not None:
+            self.events.close()
         if self.handle is not None:
             self.handle.close()
+
+
+_TRAIN_CURVES = ("loss", "nll", "ppl", "lr", "tokens_per_s", "padding_efficiency")
+
+
+def require_tensorboard() -> Any:
+    """TensorBoard's SummaryWriter class, or a one-line error naming the extra to install."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise TmtError(
+            "train.tensorboard=true needs the tensorboard package:"
+            " pip install 'transformer_mt[tensorboard]' (or set train.tensorboard=false)"
+        ) from None
+    return SummaryWriter
+
+
+def _summary_writer(log_dir: Path, step: int) -> Any:
+    """TensorBoard's writer; events past `step` (a resume) are purged from what it shows, as
+    metrics.jsonl drops them."""
+    return require_tensorboard()(str(log_dir), purge_step=step or None, flush_secs=30)
 
 
 # --- resume ------------------------------------------------------------------------------------
@@ -318,6 +361,38 @@ def resume(run_dir: Path, cfg: Config) -> Checkpoint | None:
     return saved
 
 
+# Model settings a fine-tuning run may change: regularisation of its training, not the weights.
+MAY_CHANGE_ON_INIT = ("model.dropout", "model.attention_dropout")
+
+
+def init_model(cfg: Config) -> Checkpoint:
+    """The model train.init_from names (a checkpoint, an averaged model, or a run directory: its
+    average, else best, else newest), checked to be the model `cfg` describes."""
+    source = Path(cfg.train.init_from)
+    out_dir = Path(cfg.train.out_dir).resolve()
+    if source.resolve() == out_dir or out_dir in source.resolve().parents:
+        raise TmtError(
+            f"train.init_from={source}: inside this run's train.out_dir; fine-tune into a new"
+            " train.out_dir (a run resumes from its own checkpoints by itself)"
+        )
+    if not source.exists():
+        raise TmtError(f"train.init_from={source}: no such checkpoint or run directory")
+    parent = load_model(source)
+    old, new = to_dict(parent.config), to_dict(cfg)
+    differ = [
+        f"{key} {old[s][k]!r} (model) vs {new[s][k]!r} (config)"
+        for key in changed_keys(parent.config, cfg, MODEL_SECTIONS)
+        if key not in MAY_CHANGE_ON_INIT
+        for s, k in [key.split(".")]
+    ]
+    if differ:
+        raise TmtError(
+            f"train.init_from={source}: the model has other settings: {'; '.join(differ)};"
+            " fine-tune with the model's own model and tokenizer settings (its config.yaml)"
+        )
+    return parent
+
+
 def drift(saved: Config, cfg: Config) -> list[str]:
     """The settings that make `cfg` another experiment than the run `saved` comes from, as
     "key old -> new" (model and tokenizer sections aside: those can never change)."""
@@ -344,14 +419,15 @@ def save(
     step: int,
     epoch: int,
     is_best: bool,
+    scores: dict[str, float] | None = None,
     protect: Collection[Path] = (),
 ) -> Path:
-    """Write checkpoint `step` atomically, point `best` at it if it is, and prune old ones."""
+    """Write checkpoint `step` atomically with the validation `scores` of its step (in its
+    manifest), point `best` at it if it is, and prune old ones."""
     final = checkpoint_dir(run_dir, step)
+    info: dict[str, Any] = {"epoch": epoch, **({"valid": scores} if scores else {})}
     try:
-        path = checkpoint.write(
-            final, step, cfg, model, tokenizer_bytes, train_state, {"epoch": epoch}
-        )
+        path = checkpoint.write(final, step, cfg, model, tokenizer_bytes, train_state, info)
         if is_best:
             set_best(run_dir, path)
     except (OSError, RuntimeError) as err:  # disk full, quota, I/O (torch: RuntimeError)
@@ -362,7 +438,10 @@ def save(
             " its name and the checkpoints before it are intact",
             exit_code=exits.NO_ROOM,
         ) from None
-    prune(run_dir, cfg.train.keep_last, protect={path, *protect})
+    prune(
+        run_dir, cfg.train.keep_last, protect={path, *protect},
+        keep_best=cfg.train.keep_best, metric=cfg.train.best_metric,
+    )  # fmt: skip
     return path
 
 
@@ -407,12 +486,21 @@ def best(run_dir: Path) -> Path | None:
     return target
 
 
-def prune(run_dir: Path, keep_last: int, protect: Collection[Path] = ()) -> None:
-    """Delete all but the newest `keep_last` checkpoints; never the best or a protected one (the
-    trainer protects the one it just wrote and the one it resumed from)."""
+def prune(
+    run_dir: Path,
+    keep_last: int,
+    protect: Collection[Path] = (),
+    keep_best: int = 1,
+    metric: str = "val_loss",
+) -> None:
+    """Delete all but the newest `keep_last` checkpoints and the `keep_best` best by `metric`;
+    never the best or a protected one (the trainer protects the one it just wrote and the one it
+    resumed from)."""
     checkpoints = list_checkpoints(run_dir)
     keep = set(checkpoints[-keep_last:] if keep_last > 0 else []) | set(protect)
     keep |= {best(run_dir)} - {None}
+    if keep_best > 1:
+        keep |= {path for path, _ in ranked_by(checkpoints, metric)[:keep_best]}
     keep = {p.resolve() for p in keep}
     for path in checkpoints:
         if path.resolve() not in keep:
@@ -466,6 +554,71 @@ def newest_models(run_dir: Path, n: int, allow_fewer: bool = False) -> Iterator[
             return
     if not (allow_fewer and taken):
         raise TmtError(f"{run_dir}: {taken} complete checkpoints, {n} asked for")
+
+
+HIGHER_IS_BETTER = {"val_bleu": True, "val_chrf": True, "val_loss": False, "val_ppl": False}
+
+
+def checkpoint_scores(path: Path) -> dict[str, float]:
+    """The validation scores a checkpoint's manifest carries ({} for none or a broken one)."""
+    try:
+        scores = checkpoint.read_manifest(path).get("valid")
+    except TmtError:
+        return {}
+    if not isinstance(scores, dict):
+        return {}
+    return {
+        name: float(value)
+        for name, value in scores.items()
+        if name in HIGHER_IS_BETTER
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    }
+
+
+def ranked_by(checkpoints: list[Path], metric: str) -> list[tuple[Path, float]]:
+    """The checkpoints that carry `metric`, best first (ties: the newer first)."""
+    scored = [(path, checkpoint_scores(path).get(metric)) for path in reversed(checkpoints)]
+    sign = -1.0 if HIGHER_IS_BETTER[metric] else 1.0
+    ranked = [(path, value) for path, value in scored if value is not None]
+    return sorted(ranked, key=lambda item: sign * item[1])  # stable: newer first among ties
+
+
+def scored_metric(run_dir: Path) -> str:
+    """What best-N averaging ranks a run's checkpoints by unless told: val_bleu when they carry
+    it (the run measured BLEU at checkpoint steps), else val_loss."""
+    carried = {name for path in list_checkpoints(run_dir) for name in checkpoint_scores(path)}
+    return "val_bleu" if "val_bleu" in carried else "val_loss"
+
+
+def best_models(run_dir: Path, n: int, metric: str) -> Iterator[Checkpoint]:
+    """The `n` best checkpoints of a run by a validation metric they carry, best first, each
+    read (so verified) as it is taken; broken ones are reported and skipped."""
+    if not (run_dir / CHECKPOINTS).is_dir():
+        raise TmtError(f"{run_dir}: not a run directory (no {CHECKPOINTS}/)")
+    if metric not in HIGHER_IS_BETTER:
+        raise TmtError(f"--by {metric}: expected one of {', '.join(HIGHER_IS_BETTER)}")
+    ranked = ranked_by(list_checkpoints(run_dir), metric)
+    if len(ranked) < n:
+        raise TmtError(
+            f"{run_dir}: {n} checkpoints with {metric} asked for, {len(ranked)} carry it (a"
+            " checkpoint carries the scores of a validation at its step; train.keep_best keeps"
+            " the best ones)"
+        )
+    taken = 0
+    for path, value in ranked:
+        try:
+            saved = checkpoint.read(path)
+        except TmtError as err:
+            logger.warning("skipping checkpoint %s: %s", path, err)
+            continue
+        logger.info("%s: %s %.4f", path.name, metric, value)
+        yield saved
+        taken += 1
+        if taken == n:
+            return
+    raise TmtError(f"{run_dir}: {n} checkpoints with {metric} asked for, {taken} read")
 
 
 AVERAGE = "average"  # OUT_DIR/average: training's final average of its newest checkpoints

@@ -49,6 +49,15 @@ class Tokenizer:
         """Subword ids of each text, without bos/eos."""
         return self._sp.encode(list(texts))
 
+    def tag_ids(self, tag: str) -> list[int] | None:
+        """The ids `encode` gives a line that is just `tag` (a word-start piece, then the tag),
+        when the tag is one piece of the vocabulary; None when it is not."""
+        piece = self._sp.piece_to_id(tag)  # the unknown id when it is no piece
+        ids = self._sp.encode(tag)
+        if piece == self.unk_id or ids[-1:] != [piece]:
+            return None
+        return ids if ids[:-1] in ([], [self._sp.piece_to_id("\u2581")]) else None
+
     def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
         """Detokenized text of each id sequence (special ids are dropped)."""
         if not ids:  # sentencepiece would read [] as one empty sequence
@@ -63,8 +72,11 @@ class Tokenizer:
         self.__init__(state["model_bytes"])  # type: ignore[misc, arg-type]
 
 
-def train_tokenizer(sentences: Iterable[str], cfg: TokenizerConfig) -> Tokenizer:
-    """Train the joint model on an iterator of sentences (already sampled to cfg.max_sentences)."""
+def train_tokenizer(
+    sentences: Iterable[str], cfg: TokenizerConfig, tags: Sequence[str] = ()
+) -> Tokenizer:
+    """Train the joint model on an iterator of sentences (already sampled to cfg.max_sentences);
+    each tag becomes a user-defined symbol: always one piece, wherever it appears."""
     buffer = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -79,6 +91,7 @@ def train_tokenizer(sentences: Iterable[str], cfg: TokenizerConfig) -> Tokenizer
             unk_id=1,
             bos_id=2,
             eos_id=3,
+            user_defined_symbols=list(tags),
             input_sentence_size=cfg.max_sentences,
             shuffle_input_sentence=False,  # the caller samples deterministically
             num_threads=os.cpu_count() or 1,

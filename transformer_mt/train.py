@@ -1,7 +1,8 @@
 """The training procedure of §5, and the fault handling that makes it trustworthy.
 
-train(cfg) reads as a story: resume point -> tokenizer and data -> model, Adam and the Noam schedule
--> restore -> run directory -> DDP -> loop (update, log, validate, save) -> final save and average.
+train(cfg) reads as a story: resume point (or the model to fine-tune) -> tokenizer and data ->
+model, Adam and the Noam schedule -> restore -> run directory -> DDP -> loop (update, log, validate,
+save) -> final save and average.
 Only rank 0 writes files and logs; every rank takes the same decisions at the same steps, because
 each update begins and ends with a small collective that carries them. One update is step.py's
 business; where the run directory is laid out, resumed and saved, run.py's; how a run stops and
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transformer_mt import checkpoint, distributed, evaluate, exits, run
+from transformer_mt import checkpoint, distributed, evaluate, exits, plot, run
 from transformer_mt.checkpoint import Checkpoint
 from transformer_mt.config import Config
 from transformer_mt.data import Batch, PreparedData, prepare_data
@@ -52,6 +53,8 @@ class Progress:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Train (or resume) the run in cfg.train.out_dir; returns where it ended (with this rank)."""
+    if cfg.train.tensorboard:
+        run.require_tensorboard()  # before any work: a missing extra is a config error
     info = distributed.setup(cfg.train.device, cfg.train.distributed_timeout_s)
     heartbeat = distributed.Heartbeat(info)
     lock = run.RunLock(Path(cfg.train.out_dir))
@@ -75,10 +78,15 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 def _build(
-    cfg: Config, tokenizer: Tokenizer, info: DistInfo, saved: Checkpoint | None
+    cfg: Config,
+    tokenizer: Tokenizer,
+    info: DistInfo,
+    saved: Checkpoint | None,
+    parent: Checkpoint | None = None,
 ) -> tuple[Transformer, Optimization, Progress, dict[str, Any] | None]:
-    """The model, Adam and the schedule, the same initial weights on every rank; when resuming,
-    then the saved weights, optimizer, schedule, scaler, RNG states and data position."""
+    """The model, Adam and the schedule, the same initial weights on every rank: the `parent`'s
+    when fine-tuning (with a fresh optimizer, schedule and data position); when resuming, then
+    the saved weights, optimizer, schedule, scaler, RNG states and data position."""
     torch.manual_seed(cfg.train.seed)
     model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id).to(info.device)
     optimizer, scheduler = build_optimizer(
@@ -91,6 +99,9 @@ def _build(
     random.seed(cfg.train.seed + info.rank)
     np.random.seed(cfg.train.seed + info.rank)
     if saved is None:
+        if parent is not None:
+            checkpoint.load_weights(model, parent.state_dict, parent.path)
+            logger.info("fine-tuning %s (step %d) from step 0", parent.path, parent.step)
         return model, opt, Progress(), None
     checkpoint.load_weights(model, saved.state_dict, saved.path)
     state, window = checkpoint.restore_train_state(
@@ -119,10 +130,15 @@ class _Session:
         # Resume point: the newest checkpoint that reads, refused if it holds another model.
         saved = run.resume(self.run_dir, cfg)
         self.resumed_from = saved.path if saved else None
+        # Fine-tuning starts from another model; once this run has a checkpoint, it resumes it.
+        parent = run.init_model(cfg) if saved is None and cfg.train.init_from else None
+        tokenizer = (saved or parent).tokenizer() if (saved or parent) else None
         # Tokenizer and data: rank 0 fills the cache first, then the other ranks read it warm.
-        self.data = _prepare_data_rank0_first(cfg, saved.tokenizer() if saved else None, info)
+        self.data = _prepare_data_rank0_first(cfg, tokenizer, info)
         _check_validation_split(cfg, self.data, info)
-        self.model, self.opt, self.progress, window = _build(cfg, self.data.tokenizer, info, saved)
+        self.model, self.opt, self.progress, window = _build(
+            cfg, self.data.tokenizer, info, saved, parent
+        )
         if info.is_main:
             size = _checkpoint_bytes(self.model, self.data)
             run.start(self.run_dir, cfg, self.data.tokenizer, self.step, size)
@@ -146,9 +162,18 @@ class _Session:
         heartbeat.beat(self.step)
         # Validation BLEU reads the raw validation text: scored exactly as tmt evaluate scores it.
         self.valid_text = evaluate.read_split(cfg, "data.valid") if cfg.train.bleu_every else None
-        self.metrics = run.MetricsLog(self.run_dir, info, cfg.train.max_steps, self.step)
+        self.metrics = run.MetricsLog(
+            self.run_dir, info, cfg.train.max_steps, self.step, cfg.train.tensorboard
+        )
         if window is not None:
             self.metrics.restore(window)
+        if parent is not None:
+            self.metrics.write(
+                {"step": 0, "init_from": cfg.train.init_from, "init_checkpoint": str(parent.path),
+                 "init_step": parent.step}
+            )  # fmt: skip
+        self.scores: tuple[int, dict[str, float]] = (-1, {})  # the newest validation's
+        self.curves = cfg.train.curves and info.is_main
         changed = run.drift(saved.config, cfg) if saved else []
         if changed:  # only with train.resume=force: run.resume refuses it otherwise
             self.metrics.write({"step": self.step, "config_changed": changed})
@@ -234,7 +259,21 @@ class _Session:
             shown = ("val_loss", "val_ppl", "val_bleu", "val_chrf")
             figures = "  ".join(f"{k} {scores[k]:.3f}" for k in shown if k in scores)
             self.metrics.show(f"step {step}: {figures}")
+            self.scores = (step, scores)
+            self._draw_curves()
         return scores
+
+    def _draw_curves(self) -> None:
+        """OUT_DIR/curves.png from metrics.jsonl (rank 0); a failed plot never stops training."""
+        if not self.curves:
+            return
+        try:
+            plot.draw_curves([self.run_dir], self.run_dir / plot.RUN_CURVES)
+        except plot.NoMatplotlib:
+            self.curves = False
+            logger.info("curves.png is not drawn: pip install 'transformer_mt[plot]' for it")
+        except (TmtError, OSError) as err:
+            logger.warning("curves.png not drawn: %s", err)
 
     def _save(self, is_best: bool) -> None:
         """A checkpoint of this step: every rank's RNG states gathered, rank 0 writes."""
@@ -246,9 +285,11 @@ class _Session:
             state = checkpoint.train_state(
                 opt.optimizer, opt.scheduler, opt.scaler, ranks, progress.__dict__.copy()
             )
+            scored_step, scores = self.scores
             run.save(
                 self.run_dir, self.cfg, self.model.state_dict(), self.data.tokenizer.model_bytes,
                 state, step=self.step, epoch=progress.epoch, is_best=is_best,
+                scores=scores if scored_step == self.step else None,
                 protect=[self.resumed_from] if self.resumed_from else [],
             )  # fmt: skip
         fault_point("after_save", self.step)
@@ -268,6 +309,7 @@ class _Session:
         if self.last_saved_step != self.step:
             self._save(is_best=False)
         self.metrics.close()
+        self._draw_curves()  # the last records too
         averaged = None if stop in exits.SIGNAL_EXIT else self._average()
         if self.info.is_main:
             logger.info("stopped at step %d (%s)", self.step, stop)

@@ -1,0 +1,419 @@
+"""Adapt and watch: fine-tuning (train.init_from), corpus mixtures with weights and tags, training
+curves (tmt plot, curves.png, TensorBoard) and best-N checkpoint averaging."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import reverse_pairs, with_data, write_parallel
+
+from transformer_mt import checkpoint, run
+from transformer_mt.config import Config, Corpus
+from transformer_mt.data import TokenBucketSampler, prepare_data
+from transformer_mt.distributed import DistInfo
+from transformer_mt.exits import TmtError
+from transformer_mt.model import Transformer
+from transformer_mt.optim import noam_lr
+from transformer_mt.train import _build, train
+
+CPU = DistInfo(0, 1, 0, torch.device("cpu"))
+
+
+def with_train(cfg: Config, **changes: object) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes))
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tmt(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "transformer_mt", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def new_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Other pairs of the reverse task: data the parent never saw."""
+    return write_parallel(tmp_path_factory.mktemp("new") / "new", reverse_pairs(200, seed=7))
+
+
+# --- fine-tuning -------------------------------------------------------------------------------
+
+
+def test_fine_tuning_starts_at_step_1_from_the_parents_weights_with_a_fresh_optimizer(
+    tiny_cfg: Config,
+    trained_run: Path,
+    new_corpus: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    cfg = with_data(
+        with_train(
+            tiny_cfg,
+            init_from=str(trained_run),
+            out_dir=str(tmp_path),
+            max_steps=3,
+            save_every=1,
+            keep_last=5,
+        ),
+        train=str(new_corpus),
+    )
+    parent = run.init_model(cfg)
+    assert parent.path == run.load_model(trained_run).path  # a run directory: its best or average
+    model, opt, progress, window = _build(cfg, parent.tokenizer(), CPU, None, parent)
+    weights = model.state_dict()
+    assert weights.keys() == parent.state_dict.keys()
+    assert all(torch.equal(weights[k], parent.state_dict[k]) for k in weights)
+    assert opt.optimizer.state == {} and opt.scheduler.last_epoch == 0
+    assert (progress.step, progress.epoch, progress.batch_index, window) == (0, 0, 0, None)
+
+    def no_training(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the tokenizer was trained again")
+
+    monkeypatch.setattr("transformer_mt.data.train_tokenizer", no_training)
+    from transformer_mt.dry_run import dry_run
+
+    assert dry_run(cfg)["vocab_size"] == parent.tokenizer().vocab_size  # the parent's, too
+    capsys.readouterr()
+    train(cfg)
+    first, *later = records(tmp_path)
+    assert first == {
+        "step": 0,
+        "init_from": str(trained_run),
+        "init_checkpoint": str(parent.path),
+        "init_step": parent.step,
+    }
+    assert all(r["step"] >= 1 for r in later)
+    assert "init_from: " + str(trained_run) in (tmp_path / "config.yaml").read_text()
+    step_1 = checkpoint.read(tmp_path / "checkpoints" / "step_00000001", train_state=True)
+    assert step_1.config.train.init_from == str(trained_run)
+    state = step_1.train_state
+    assert state["progress"]["step"] == 1 and state["scheduler"]["last_epoch"] == 1
+    assert float(state["optimizer"]["state"][0]["step"]) == 1.0  # a fresh Adam, not 30 + 1
+    # The fresh schedule: the next update (the 2nd) uses noam(2), from the warmup's start.
+    next_lr = noam_lr(2, cfg.model.d_model, cfg.optim.warmup_steps, cfg.optim.lr_scale)
+    assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(next_lr)
+    # The tokenizer is the parent's, never retrained on the new data.
+    assert (tmp_path / "tokenizer.model").read_bytes() == parent.tokenizer_bytes
+    assert step_1.tokenizer_bytes == parent.tokenizer_bytes
+
+
+def test_fine_tuning_a_model_of_other_settings_is_refused_naming_them(
+    tiny_cfg: Config, trained_run: Path, tmp_path: Path
+) -> None:
+    cfg = with_train(tiny_cfg, init_from=str(trained_run), out_dir=str(tmp_path / "child"))
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_ff=128))
+    with pytest.raises(TmtError, match=r"model.d_ff 64 \(model\) vs 128 \(config\)"):
+        run.init_model(other)
+    vocab = dataclasses.replace(cfg, tokenizer=dataclasses.replace(cfg.tokenizer, vocab_size=99))
+    with pytest.raises(TmtError, match=r"tokenizer.vocab_size 64 \(model\) vs 99 \(config\)"):
+        run.init_model(vocab)
+    # Dropout regularises the fine-tuning itself: it may change.
+    run.init_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.3)))
+    with pytest.raises(TmtError, match="no such checkpoint or run directory"):
+        run.init_model(with_train(cfg, init_from=str(tmp_path / "nothing")))
+    with pytest.raises(TmtError, match="inside this run's train.out_dir"):
+        run.init_model(with_train(cfg, out_dir=str(trained_run)))
+
+
+def test_a_fine_tuning_run_resumes_its_own_checkpoints_without_the_parent(
+    tiny_cfg: Config, trained_run: Path, tmp_path: Path
+) -> None:
+    parent = tmp_path / "parent"
+    shutil.copytree(trained_run, parent, symlinks=True)
+    cfg = with_train(tiny_cfg, init_from=str(parent), out_dir=str(tmp_path / "child"))
+    train(with_train(cfg, max_steps=2, save_every=2))
+    shutil.rmtree(parent)  # gone: the child has its own checkpoint now
+    summary = train(with_train(cfg, max_steps=4, save_every=2))
+    assert summary["step"] == 4
+    assert [r["step"] for r in records(tmp_path / "child") if "init_from" in r] == [0]
+
+
+def test_train_init_from_on_the_command_line(trained_run: Path, tmp_path: Path) -> None:
+    other = tmt("train", "-c", "tiny", "--init-from", str(trained_run),
+                "--set", f"train.out_dir={tmp_path / 'child'}")  # fmt: skip
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    assert other.stderr.strip().splitlines()[-1] == (
+        f"tmt: error: train.init_from={trained_run}: the model has other settings:"
+        " tokenizer.vocab_size 64 (model) vs 500 (config); tokenizer.byte_fallback False (model)"
+        " vs True (config); fine-tune with the model's own model and tokenizer settings (its"
+        " config.yaml)"
+    )
+
+
+# --- corpus mixtures ---------------------------------------------------------------------------
+
+
+def mixture_sampler(sizes: list[int], weights: list[float], seed: int, **kw) -> TokenBucketSampler:
+    groups = np.concatenate([np.full(n, i) for i, n in enumerate(sizes)])
+    lengths = np.random.default_rng(0).integers(2, 30, len(groups))
+    return TokenBucketSampler(lengths, lengths, 256, seed, groups=groups, weights=weights, **kw)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_weights_3_to_1_give_the_mixture_over_an_epoch_per_seed(seed: int) -> None:
+    sizes = [600, 400]
+    draws = []
+    for epoch in range(2):
+        per_rank = [
+            mixture_sampler(sizes, [3, 1], seed, rank=r, world_size=2).epoch_batches(epoch)
+            for r in range(2)
+        ]
+        drawn = np.concatenate([b for batches in per_rank for b in batches])
+        assert len(drawn) == sum(sizes)  # an epoch is as many pairs as the corpora hold
+        corpus_1 = int((drawn >= 600).sum())
+        assert abs(corpus_1 / len(drawn) - 0.25) < 0.01
+        # 750 of 600 pairs: every pair once, 150 twice; 250 of 400: distinct pairs
+        counts = np.bincount(drawn, minlength=1000)
+        assert set(counts[:600]) <= {1, 2} and counts[:600].sum() == 750
+        assert set(counts[600:]) <= {0, 1} and counts[600:].sum() == 250
+        draws.append(np.sort(drawn))
+    assert not np.array_equal(draws[0], draws[1])  # each epoch draws its own subset
+    again = mixture_sampler(sizes, [3, 1], seed).epoch_batches(0)
+    assert [b.tolist() for b in again] == [
+        b.tolist() for b in mixture_sampler(sizes, [3, 1], seed).epoch_batches(0)
+    ]
+
+
+def test_one_corpus_as_a_list_trains_on_the_same_batches_as_the_plain_split(
+    tiny_cfg: Config,
+) -> None:
+    plain = prepare_data(tiny_cfg)
+    listed = prepare_data(with_data(tiny_cfg, train=(Corpus(tiny_cfg.data.train, weight=5.0),)))
+    assert plain.tokenizer.sha256 == listed.tokenizer.sha256
+    a, b = plain.train.sampler(200, 3), listed.train.sampler(200, 3)
+    assert [x.tolist() for x in a.epoch_batches(0)] == [x.tolist() for x in b.epoch_batches(0)]
+
+
+def test_a_mixture_reads_each_corpus_from_its_own_source(
+    tiny_cfg: Config, tiny_corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    import datasets
+
+    pairs = reverse_pairs(30, seed=11)
+    tsv = tmp_path / "extra.tsv"
+    tsv.write_text("".join(f"{s}\t{t}\n" for s, t in pairs[:20]))
+    saved = tmp_path / "saved"
+    records_ = [{"translation": {"de": s, "en": t}} for s, t in pairs[20:]]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records_)}).save_to_disk(saved)
+    cfg = with_data(
+        tiny_cfg,
+        train=(
+            Corpus(str(tiny_corpus["train"])),  # the data section's source: files
+            Corpus(str(tsv), source="tsv", weight=2.0),
+            Corpus("train", source="hf_disk", path=str(saved), weight=0.5),
+        ),
+    )
+    data = prepare_data(cfg)
+    assert [data.counts[f"data.train[{i}]"].read for i in range(3)] == [300, 20, 10]
+    assert data.counts["data.train"].kept == len(data.train) == 330
+    assert [split.weight for split in data.corpora] == [1.0, 2.0, 0.5]
+    assert np.bincount(data.train.groups).tolist() == [300, 20, 10]
+
+
+def test_a_tag_is_one_piece_that_reaches_the_encoder_of_its_corpus_only(
+    tiny_cfg: Config, tiny_corpus: dict[str, Path], new_corpus: Path
+) -> None:
+    cfg = with_data(
+        tiny_cfg,
+        train=(Corpus(str(tiny_corpus["train"])), Corpus(str(new_corpus), weight=2.0, tag="<BT>")),
+    )
+    data = prepare_data(cfg)
+    tokenizer = data.tokenizer
+    tag = tokenizer.tag_ids("<BT>")
+    assert tag is not None and tag[-1] not in (tokenizer.unk_id, tokenizer.eos_id)
+    assert [p for p in tokenizer._sp.encode("<BT>", out_type=str) if p != "\u2581"] == ["<BT>"]
+    assert tokenizer.encode(["<BT> kaka lomi"])[0] == tag + tokenizer.encode(["kaka lomi"])[0]
+    groups = data.train.groups
+    assert groups is not None and set(groups.tolist()) == {0, 1}
+    src, _ = data.train.ids(np.arange(len(data.train)))
+    for ids, group in zip(src, groups.tolist()):
+        starts_with_tag = ids[: len(tag)].tolist() == tag
+        assert starts_with_tag == (group == 1)
+        assert tag[-1] not in ids[len(tag) if group else 0 :]
+    # The tag reaches the encoder: the embedding sees it first in every tagged source.
+    model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id).eval()
+    seen = []
+    model.embedding.register_forward_hook(lambda _m, args, _o: seen.append(args[0]))
+    tagged = np.flatnonzero(groups == 1)[:5]
+    batch = data.train.batch(tagged, tokenizer)
+    model(batch.src, batch.tgt_in)
+    assert (seen[0][:, : len(tag)] == torch.tensor(tag)).all()
+    # A tokenizer that lacks the tag (a given model_path, or the model of init_from) is refused.
+    plain = prepare_data(tiny_cfg).tokenizer
+    with pytest.raises(TmtError, match=r"data.train\[1\].tag='<BT>': not a piece"):
+        prepare_data(cfg, plain)
+
+
+def test_dry_run_reports_pairs_tokens_and_the_mixture_drawn_per_corpus(
+    tiny_cfg: Config, tiny_corpus: dict[str, Path], new_corpus: Path, capsys
+) -> None:
+    from transformer_mt.dry_run import dry_run
+
+    cfg = with_data(
+        tiny_cfg,
+        train=(Corpus(str(tiny_corpus["train"]), weight=3.0), Corpus(str(new_corpus), tag="<x>")),
+    )
+    summary = dry_run(cfg)
+    first, second = summary["corpora"]
+    assert (first["key"], first["pairs"], first["weight"]) == ("data.train[0]", 300, 3.0)
+    assert (second["pairs"], second["tag"]) == (200, "<x>")
+    assert first["drawn"] + second["drawn"] == 500 and first["drawn"] == 375
+    assert first["share"] == 0.75 and second["passes"] == 0.625
+    assert first["src_tokens"] > 0 and second["src_tokens"] > second["tgt_tokens"]  # + the tag
+    assert summary["filters"]["train"]["kept"] == 500
+    out = capsys.readouterr().out
+    assert "data.train[1]: 200 pairs" in out and "tag <x>; drawn 125 (25.0% of the epoch" in out
+
+
+# --- best-N averaging --------------------------------------------------------------------------
+
+
+def write_scored_run(tmp_path: Path, cfg: Config, spm: bytes, scores: list[dict]) -> Path:
+    from conftest import model_parts
+
+    for step, valid in enumerate(scores, 1):
+        weights, state = model_parts(cfg, spm, seed=step)
+        info = {"epoch": 0, "valid": valid} if valid is not None else {"epoch": 0}
+        path = run.checkpoint_dir(tmp_path, step)
+        checkpoint.write(path, step, cfg, weights, spm, state, info)
+    return tmp_path
+
+
+def test_average_best_n_picks_the_n_best_by_the_metric(
+    tiny_cfg: Config, tiny_spm: bytes, tmp_path: Path
+) -> None:
+    scores = [
+        {"val_bleu": 3.0, "val_loss": 2.0},
+        {"val_bleu": 9.0, "val_loss": 2.5},
+        {"val_loss": 1.0},  # BLEU not measured at this step
+        {"val_bleu": 7.0, "val_loss": 1.5},
+        {"val_bleu": "high", "val_loss": float("nan")},  # hostile values are no scores
+        None,
+    ]
+    run_dir = write_scored_run(tmp_path / "run", tiny_cfg, tiny_spm, scores)
+    steps = lambda models: [m.step for m in models]  # noqa: E731
+    assert steps(run.best_models(run_dir, 2, "val_bleu")) == [2, 4]
+    assert steps(run.best_models(run_dir, 3, "val_loss")) == [3, 4, 1]
+    assert run.scored_metric(run_dir) == "val_bleu"  # measured, so the default
+    with pytest.raises(TmtError, match="4 checkpoints with val_bleu asked for, 3 carry it"):
+        list(run.best_models(run_dir, 4, "val_bleu"))
+    with pytest.raises(TmtError, match="--by bleu: expected one of val_bleu"):
+        list(run.best_models(run_dir, 1, "bleu"))
+
+    best = tmt(
+        "average", str(run_dir), "--best", "2", "--by", "val_bleu", "-o", str(tmp_path / "a")
+    )
+    assert best.returncode == 0, best.stderr
+    result = json.loads(best.stdout)
+    assert result["by"] == "val_bleu"
+    assert [Path(p).name for p in result["averaged"]] == ["step_00000002", "step_00000004"]
+    mean = checkpoint.read(tmp_path / "a")
+    parts = [checkpoint.read(run.checkpoint_dir(run_dir, s)).state_dict for s in (2, 4)]
+    for name, tensor in mean.state_dict.items():
+        assert torch.allclose(tensor, (parts[0][name] + parts[1][name]) / 2)
+    both = tmt("average", str(run_dir), "--best", "9", "--last", "1", "-o", str(tmp_path / "e"))
+    assert both.returncode == 2 and "--last and --best: choose one" in both.stderr
+    assert not (tmp_path / "e").exists()
+
+
+def test_training_keeps_the_best_checkpoints_with_their_scores(
+    tiny_cfg: Config, tmp_path: Path
+) -> None:
+    cfg = with_train(
+        tiny_cfg, out_dir=str(tmp_path), max_steps=24, save_every=3, valid_every=3,
+        keep_last=1, keep_best=3,
+    )  # fmt: skip
+    train(cfg)
+    losses = {r["step"]: r["val_loss"] for r in records(tmp_path) if "val_loss" in r}
+    best_three = sorted(losses, key=losses.get)[:3]
+    kept = [int(p.name.removeprefix("step_")) for p in run.list_checkpoints(tmp_path)]
+    assert set(kept) == {*best_three, 24}
+    for step in kept:
+        path = run.checkpoint_dir(tmp_path, step)
+        assert run.checkpoint_scores(path)["val_loss"] == pytest.approx(losses[step])
+
+
+# --- curves ------------------------------------------------------------------------------------
+
+
+def write_metrics(run_dir: Path, scale: float) -> Path:
+    run_dir.mkdir(parents=True)
+    lines = []
+    for step in range(10, 110, 10):
+        lines.append({"step": step, "epoch": 0, "loss": scale * 5 / step**0.3, "lr": 1e-3 * step,
+                      "tokens_per_s": 900.0 + step})  # fmt: skip
+        if step % 20 == 0:
+            lines.append({"step": step, "val_loss": scale * 4 / step**0.3, "val_bleu": step / 5})
+    text = "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 110, "loss'  # torn by a kill
+    (run_dir / "metrics.jsonl").write_text(text)
+    return run_dir
+
+
+def test_plot_overlays_runs_into_a_png_with_every_curve(tmp_path: Path) -> None:
+    from matplotlib import image
+
+    from transformer_mt import plot
+
+    runs = [write_metrics(tmp_path / "a", 1.0), write_metrics(tmp_path / "b", 1.3)]
+    result = plot.draw_curves(runs, tmp_path / "out.png")
+    # Two runs: train and validation loss of each, BLEU, learning rate and tokens/s of each.
+    assert result["curves"] == {"loss": 4, "validation BLEU": 2, "learning rate": 2,
+                                "throughput": 2}  # fmt: skip
+    pixels = image.imread(tmp_path / "out.png")
+    assert pixels.shape == (750, 1100, 4)
+    rgb = (pixels[..., :3] * 255).round().astype(int)
+    for colour in ((31, 119, 180), (255, 127, 14)):  # matplotlib's C0 and C1: both runs drawn
+        assert (np.abs(rgb - colour).sum(-1) < 30).sum() > 500
+    svg = plot.draw_curves(runs[:1], tmp_path / "out.svg")
+    assert svg["curves"]["loss"] == 2 and (tmp_path / "out.svg").read_text().lstrip().startswith(
+        "<"
+    )
+    with pytest.raises(TmtError, match=r"out.jpg: the plot is written as .png, .svg, .pdf"):
+        plot.draw_curves(runs, tmp_path / "out.jpg")
+    with pytest.raises(TmtError, match="no metrics.jsonl"):
+        plot.draw_curves([tmp_path / "missing"], tmp_path / "x.png")
+
+
+def test_tmt_plot_command(tmp_path: Path, trained_run: Path) -> None:
+    runs = [write_metrics(tmp_path / "a", 1.0), write_metrics(tmp_path / "b", 1.3)]
+    done = tmt("plot", *map(str, runs), "-o", str(tmp_path / "both.png"))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["runs"] == 2 and (tmp_path / "both.png").stat().st_size > 10_000
+    managed = tmt("plot", str(runs[0]), "-o", str(trained_run / "metrics.jsonl"))
+    assert managed.returncode == 2 and "a file of the run directory" in managed.stderr
+
+
+def test_training_draws_curves_and_writes_tensorboard_events(
+    tiny_cfg: Config, tmp_path: Path
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(with_train(tiny_cfg, out_dir=str(tmp_path), max_steps=10, curves=True, tensorboard=True))
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [5, 10]
+    assert [e.step for e in events.Scalars("valid/val_loss")] == [10]
+    logged = [r["loss"] for r in records(tmp_path) if "loss" in r]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(logged, rel=1e-6)
+
+
+def test_tensorboard_without_the_package_is_a_one_line_error(
+    tiny_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(TmtError, match=r"needs the tensorboard package: pip install"):
+        train(with_train(tiny_cfg, out_dir=str(tmp_path), tensorboard=True))
+    assert not (tmp_path / "checkpoints").exists()

@@ -1,0 +1,109 @@
+"""Training curves from metrics.jsonl: loss, validation BLEU, learning rate and tokens/s against
+updates, for one run or several overlaid (a colour per run). matplotlib draws them headless (the
+Agg canvas, no pyplot state); the file is written atomically, so a kill never leaves half a PNG.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformer_mt import files
+from transformer_mt.exits import TmtError
+
+RUN_CURVES = "curves.png"  # what training draws into its run directory at each validation
+FORMATS = (".png", ".svg", ".pdf")
+# (title, y label, [(metrics.jsonl key, line style, legend suffix)]) per panel, in reading order.
+PANELS = (
+    (
+        "loss",
+        "label-smoothed loss per token",
+        [("loss", "-", "train"), ("val_loss", "--o", "valid")],
+    ),
+    ("validation BLEU", "BLEU", [("val_bleu", "-o", "")]),
+    ("learning rate", "lr", [("lr", "-", "")]),
+    ("throughput", "target tokens/s", [("tokens_per_s", "-", "")]),
+)
+
+
+class NoMatplotlib(TmtError):
+    """matplotlib is an optional extra: training goes on without curves, `tmt plot` says so."""
+
+
+def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's (step, value) points from a run's metrics.jsonl, in step order. Lines that
+    do not read (a torn last line after a kill) are skipped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise TmtError(f"{run_dir}: no metrics.jsonl (not a tmt run directory, or not started)")
+    points: dict[str, list[tuple[int, float]]] = {}
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as err:
+        raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
+    for line in lines:
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError, RecursionError):
+            continue
+        for name, value in record.items():
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if number and name not in ("step", "epoch") and math.isfinite(value):
+                points.setdefault(name, []).append((step, float(value)))
+    return {name: sorted(values) for name, values in points.items()}
+
+
+def draw_curves(run_dirs: Sequence[Path], output: Path) -> dict[str, Any]:
+    """Draw the runs' curves into `output` (.png, .svg or .pdf); what was drawn: the number of
+    curves in each panel."""
+    output = Path(output)
+    if output.suffix.lower() not in FORMATS:
+        raise TmtError(f"{output}: the plot is written as {', '.join(FORMATS)}; name it so")
+    runs = [(Path(run_dir), read_curves(Path(run_dir))) for run_dir in run_dirs]
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise NoMatplotlib(
+            "plotting needs matplotlib: pip install 'transformer_mt[plot]'"
+        ) from None
+
+    figure = Figure(figsize=(11, 7.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    names = _labels([run_dir for run_dir, _ in runs])
+    counts = {}
+    for axes, (title, ylabel, series) in zip(figure.subplots(2, 2).flat, PANELS, strict=True):
+        drawn = 0
+        for colour, ((_, points), name) in enumerate(zip(runs, names, strict=True)):
+            for key, style, suffix in series:
+                if key not in points:
+                    continue
+                steps, values = zip(*points[key], strict=True)
+                label = f"{name} {suffix}".strip()
+                axes.plot(steps, values, style, color=f"C{colour}", label=label, markersize=3)
+                drawn += 1
+        counts[title] = drawn
+        axes.set_title(title)
+        axes.set_xlabel("updates")
+        axes.set_ylabel(ylabel)
+        axes.grid(alpha=0.3)
+        if drawn:
+            axes.legend(fontsize="small")
+        else:
+            keys = ", ".join(key for key, _, _ in series)
+            axes.text(0.5, 0.5, f"no {keys} recorded", ha="center", transform=axes.transAxes)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=output.suffix.lower().lstrip("."))
+    files.atomic_write(output, buffer.getvalue())
+    return {"output": str(output), "runs": len(runs), "curves": counts}
+
+
+def _labels(run_dirs: list[Path]) -> list[str]:
+    """Short names for the legend: the directory names, or the paths when those collide."""
+    names = [run_dir.name or str(run_dir) for run_dir in run_dirs]
+    return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
