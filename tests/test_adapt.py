@@ -222,6 +222,25 @@ def test_a_mixture_reads_each_corpus_from_its_own_source(
     assert np.bincount(data.train.groups).tolist() == [300, 20, 10]
 
 
+def test_a_mixture_resumes_bit_exactly_and_is_no_split_to_score(
+    tiny_cfg: Config, tiny_corpus: dict[str, Path], new_corpus: Path, tmp_path: Path
+) -> None:
+    from transformer_mt import evaluate
+
+    mixture = (Corpus(str(tiny_corpus["train"])), Corpus(str(new_corpus), weight=3.0, tag="<x>"))
+    cfg = with_data(with_train(tiny_cfg, save_every=4, max_steps=8), train=mixture)
+    train(with_train(cfg, out_dir=str(tmp_path / "whole")))
+    train(with_train(cfg, out_dir=str(tmp_path / "halves"), max_steps=4))
+    train(with_train(cfg, out_dir=str(tmp_path / "halves")))
+    whole, halves = (
+        checkpoint.read(run.checkpoint_dir(tmp_path / name, 8)).state_dict
+        for name in ("whole", "halves")
+    )
+    assert all(torch.equal(whole[k], halves[k]) for k in whole)
+    with pytest.raises(TmtError, match="data.train is a mixture of 2 corpora"):
+        evaluate.read_split(cfg, "data.train")
+
+
 def test_a_tag_is_one_piece_that_reaches_the_encoder_of_its_corpus_only(
     tiny_cfg: Config, tiny_corpus: dict[str, Path], new_corpus: Path
 ) -> None:
