@@ -6,16 +6,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from conftest import reverse_pairs, with_data, write_parallel
+from typer.testing import CliRunner
 
 from transformer_mt import checkpoint, run
+from transformer_mt.cli import app
 from transformer_mt.config import Config, Corpus
 from transformer_mt.data import TokenBucketSampler, prepare_data
 from transformer_mt.distributed import DistInfo
@@ -35,10 +37,10 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def tmt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "transformer_mt", *args], capture_output=True, text=True, timeout=300
-    )
+def tmt(*args: str) -> SimpleNamespace:
+    """A tmt command, in this process (the CLI's own tests run it as a subprocess too)."""
+    result = CliRunner().invoke(app, list(args))
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -342,8 +344,13 @@ def test_average_best_n_picks_the_n_best_by_the_metric(
     parts = [checkpoint.read(run.checkpoint_dir(run_dir, s)).state_dict for s in (2, 4)]
     for name, tensor in mean.state_dict.items():
         assert torch.allclose(tensor, (parts[0][name] + parts[1][name]) / 2)
-    both = tmt("average", str(run_dir), "--best", "9", "--last", "1", "-o", str(tmp_path / "e"))
-    assert both.returncode == 2 and "--last and --best: choose one" in both.stderr
+    for args, message in [
+        (["--best", "9", "--last", "1"], "--last and --best: choose one"),
+        (["--best", "-2"], "--best: expected a number of checkpoints >= 1"),
+        (["--by", "val_bleu"], "--by ranks the checkpoints of --best N"),
+    ]:
+        refused = tmt("average", str(run_dir), *args, "-o", str(tmp_path / "e"))
+        assert refused.returncode == 2 and refused.stderr.strip() == f"tmt: error: {message}"
     assert not (tmp_path / "e").exists()
 
 

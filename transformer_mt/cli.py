@@ -313,6 +313,9 @@ def average(
     """Average checkpoints into one self-contained model (§6.1: the last 5 for base, 20 for big)."""
     from transformer_mt import checkpoint, run
 
+    if last < 0 or best < 0:
+        flag = "--last" if last < 0 else "--best"
+        raise TmtError(f"{flag}: expected a number of checkpoints >= 1")
     if last and best:
         raise TmtError("--last and --best: choose one")
     if (last or best) and len(inputs) != 1:
