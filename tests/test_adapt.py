@@ -410,6 +410,11 @@ def test_plot_overlays_runs_into_a_png_with_every_curve(tmp_path: Path) -> None:
         plot.draw_curves(runs, tmp_path / "out.jpg")
     with pytest.raises(TmtError, match="no metrics.jsonl"):
         plot.draw_curves([tmp_path / "missing"], tmp_path / "x.png")
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "metrics.jsonl").write_text('not json\n[1, 2]\n"step"\n')
+    with pytest.raises(TmtError, match=r"metrics.jsonl: no records to plot \(3 lines"):
+        plot.draw_curves([tmp_path / "garbage"], tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_tmt_plot_command(tmp_path: Path, trained_run: Path) -> None:

@@ -55,6 +55,8 @@ def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if number and name not in ("step", "epoch") and math.isfinite(value):
                 points.setdefault(name, []).append((step, float(value)))
+    if not points:
+        raise TmtError(f"{path}: no records to plot ({len(lines)} lines, none readable)")
     return {name: sorted(values) for name, values in points.items()}
 
 
