@@ -54,11 +54,11 @@ def with_decode(translator, **changes):
 
 
 def run_tmt(translator, lines, beam: int, early_stopping: str = "bound"):
-    from transformer_mt import evaluate
+    from transformer_mt import translate
 
     t = with_decode(translator, beam_size=beam, early_stopping=early_stopping)
     start = time.perf_counter()
-    outputs = [hyps[0].tokens if hyps else [] for hyps in evaluate.translate_lines(t, lines)]
+    outputs = [hyps[0].tokens if hyps else [] for hyps in translate.translate_lines(t, lines)]
     return time.perf_counter() - start, outputs
 
 
@@ -118,20 +118,20 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from transformer_mt import evaluate, export
+    from transformer_mt import corpus, evaluate, export, translate
 
     # Same normalisation for everyone: score / |Y|^α (HF and CTranslate2 cannot do GNMT's).
     overrides = ["decode.length_penalty_form=power", "decode.device=cpu"]
-    translator = evaluate.load_translator(args.checkpoint, overrides)
+    translator = translate.load_translator(args.checkpoint, overrides)
     # Not a tmt option: measured here to show why (dynamic int8 of the feed-forward and output
     # projections of the attention; the fused Q/K/V and the tied output projection stay fp32).
-    int8 = evaluate.load_translator(args.checkpoint, overrides)
+    int8 = translate.load_translator(args.checkpoint, overrides)
     quantized = {n for n, m in int8.model.named_modules()
                  if isinstance(m, torch.nn.Linear) and not n.endswith("in_proj")}  # fmt: skip
     int8 = dataclasses.replace(
         int8, model=torch.ao.quantization.quantize_dynamic(int8.model, quantized, torch.qint8)
     )
-    sources, references = evaluate.read_split(translator.config, "data.test")
+    sources, references = corpus.read_split(translator.config.data, "data.test")
     sources, references = sources[: args.lines], references[: args.lines]
     hf_model, architecture = export._hf_model(translator)
     results: dict[str, dict] = {}

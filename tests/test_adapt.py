@@ -227,7 +227,7 @@ def test_a_mixture_reads_each_corpus_from_its_own_source(
 def test_a_mixture_resumes_bit_exactly_and_is_no_split_to_score(
     tiny_cfg: Config, tiny_corpus: dict[str, Path], new_corpus: Path, tmp_path: Path
 ) -> None:
-    from transformer_mt import evaluate
+    from transformer_mt import corpus
 
     mixture = (Corpus(str(tiny_corpus["train"])), Corpus(str(new_corpus), weight=3.0, tag="<x>"))
     cfg = with_data(with_train(tiny_cfg, save_every=4, max_steps=8), train=mixture)
@@ -240,7 +240,7 @@ def test_a_mixture_resumes_bit_exactly_and_is_no_split_to_score(
     )
     assert all(torch.equal(whole[k], halves[k]) for k in whole)
     with pytest.raises(TmtError, match="data.train is a mixture of 2 corpora"):
-        evaluate.read_split(cfg, "data.train")
+        corpus.read_split(cfg.data, "data.train")
 
 
 def test_a_tag_is_one_piece_that_reaches_the_encoder_of_its_corpus_only(

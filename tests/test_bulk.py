@@ -9,7 +9,7 @@ from conftest import reverse_pairs
 from test_train import run_tmt
 from typer.testing import CliRunner
 
-from transformer_mt import bulk, evaluate, faults
+from transformer_mt import bulk, faults, translate
 from transformer_mt.cli import app
 from transformer_mt.exits import TmtError
 
@@ -79,7 +79,7 @@ def test_kill_then_resume_translates_only_the_missing_chunks(
     assert committed == ["00000000.txt", "00000001.txt", "00000002.txt"]
     stamps = {name: (job / name).stat().st_mtime_ns for name in committed}
     # The resumed job, in process, so its chunk commits can be watched.
-    translator = evaluate.load_translator(trained_run, [f"decode.chunk_lines={CHUNK}"])
+    translator = translate.load_translator(trained_run, [f"decode.chunk_lines={CHUNK}"])
     written: list[str] = []
     real_write = bulk.files.atomic_write
 
@@ -131,7 +131,7 @@ def test_a_resume_with_another_model_or_options_is_refused(
         assert result.exit_code == 2 and named in result.stderr, result.output
         assert "other decoding options (decode." in result.stderr
         assert "--overwrite" in result.stderr and "Traceback" not in result.output
-    translator = evaluate.load_translator(trained_run, [f"decode.chunk_lines={CHUNK}"])
+    translator = translate.load_translator(trained_run, [f"decode.chunk_lines={CHUNK}"])
     with (
         pytest.raises(TmtError, match="unfinished job with another model"),
         pytest.MonkeyPatch.context() as patch,
@@ -177,12 +177,14 @@ def test_a_second_job_on_the_same_output_is_refused(
     trained_run: Path, big_input: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out.txt"
-    translator = evaluate.load_translator(trained_run, [f"decode.chunk_lines={CHUNK}"])
+    translator = translate.load_translator(trained_run, [f"decode.chunk_lines={CHUNK}"])
     holder = bulk.run.RunLock(tmp_path / f"out.txt{bulk.JOB_SUFFIX}")
     holder.acquire()  # another job, alive, holds the output's job directory
     try:
-        with pytest.raises(TmtError, match=r"in use by pid \d+ .* translate into another --output"):
+        with pytest.raises(TmtError, match=r"in use by pid \d+ .* translate into another output"):
             bulk.translate_job(translator, str(big_input), str(out))
+        refused = runner.invoke(app, translate_args(trained_run, big_input, out))
+        assert refused.exit_code == 2 and "translate into another --output" in refused.stderr
     finally:
         holder.release()
     assert not out.exists()

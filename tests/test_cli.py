@@ -243,17 +243,17 @@ def test_translate_into_head_exits_quietly(trained: Path) -> None:
 def test_decoding_flags_become_decode_overrides(
     trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformer_mt import evaluate
+    from transformer_mt import translate
 
     seen = []
-    real = evaluate.load_translator
+    real = translate.load_translator
 
     def spy(*args, **kwargs):
         translator = real(*args, **kwargs)
         seen.append(translator.config.decode)
         return translator
 
-    monkeypatch.setattr(evaluate, "load_translator", spy)
+    monkeypatch.setattr(translate, "load_translator", spy)
     (tmp_path / "in.txt").write_text("kalo mi\n")
     flags = ["--beam", "3", "--lenpen", "1.0", "--max-tokens", "77", "--device", "cpu",
              "--precision", "bf16", "--set", "decode.beam_size=9", "--nbest", "2"]  # fmt: skip

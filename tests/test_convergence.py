@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import reverse_pairs, write_parallel
 
-from transformer_mt import evaluate
+from transformer_mt import evaluate, translate
 from transformer_mt.config import load_config
 from transformer_mt.train import train
 
@@ -29,5 +29,5 @@ def test_reverse_task_reaches_bleu_90(tmp_path: Path) -> None:
         ],
     )  # fmt: skip
     train(cfg)
-    report = evaluate.evaluate(evaluate.load_translator(tmp_path / "run"), split="test")
+    report = evaluate.evaluate(translate.load_translator(tmp_path / "run"), split="test")
     assert report["bleu"] > 90, report

@@ -11,7 +11,7 @@ import torch
 from conftest import reverse_pairs
 from typer.testing import CliRunner
 
-from transformer_mt import checkpoint, evaluate, export, run
+from transformer_mt import checkpoint, corpus, export, run, translate
 from transformer_mt.cli import app
 from transformer_mt.config import Config
 from transformer_mt.exits import TmtError
@@ -35,13 +35,13 @@ def pre_norm_run(tiny_cfg: Config, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def greedy_tokens(model: Path, lines: list[str]) -> list[list[int]]:
-    translator = evaluate.load_translator(model, ["decode.beam_size=1"])
-    return [h[0].tokens if h else [] for h in evaluate.translate_lines(translator, lines)]
+    translator = translate.load_translator(model, ["decode.beam_size=1"])
+    return [h[0].tokens if h else [] for h in translate.translate_lines(translator, lines)]
 
 
 def check_lines(model: Path) -> list[str]:
-    translator = evaluate.load_translator(model)
-    return evaluate.read_split(translator.config, "data.valid")[0][:LINES]
+    translator = translate.load_translator(model)
+    return corpus.read_split(translator.config.data, "data.valid")[0][:LINES]
 
 
 @pytest.mark.parametrize("layout", ["post_norm", "pre_norm"])
@@ -54,7 +54,7 @@ def test_ctranslate2_export_reproduces_tmt(
     report = export.export(model, "ctranslate2", tmp_path / "ct2", check_lines=LINES)
     assert report["check_lines"] == LINES and report["quantization"] == "float32"
     # The directory works on its own, as a user deploys it.
-    translator = evaluate.load_translator(model)
+    translator = translate.load_translator(model)
     tok = translator.tokenizer
     lines = check_lines(model) + [s for s, _ in reverse_pairs(4, seed=11)]
     ct2 = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu")
@@ -94,7 +94,7 @@ def test_huggingface_export_loads_with_auto_classes_and_reproduces_tmt(
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     hf = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "hf")).eval()
     assert type(hf).__name__ == architecture
-    translator = evaluate.load_translator(model)
+    translator = translate.load_translator(model)
     lines = check_lines(model)[:3]
     # The tokenizer gives tmt's ids (the source with </s>), and decodes them back the same way.
     for line in [*lines, "  extra   spaces ", "kalo mi <s> literal"]:

@@ -10,14 +10,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "transformer_mt"
 # Which project modules each module may import (module level or inside functions).
 ALLOWED = {
     "__init__": {
-        "evaluate"
+        "translate"
     },  # the Python API, imported lazily (from transformer_mt import Translator)
     "__main__": {"cli"},
     "exits": set(),  # the leaf: exit codes, TmtError, stop signals
     "files": set(),  # stdlib-only file primitives
     "allocator": set(),  # stdlib only: runs before torch is imported
     "config": {"exits"},
-    "corpus": {"config", "exits", "files"},
+    "textio": {"exits", "files"},
+    "corpus": {"config", "exits", "files", "textio"},
     "tokenizer": {"config", "exits"},
     "data": {"config", "corpus", "exits", "files", "tokenizer"},  # trains the tokenizer too
     "model": {"config"},
@@ -26,12 +27,13 @@ ALLOWED = {
     "distributed": {"exits"},
     "faults": set(),
     # One checkpoint's format; it rebuilds its own model and tokenizer (one loading path).
-    "checkpoint": {"__init__", "config", "exits", "faults", "files", "model", "tokenizer"},
+    "checkpoint": {"config", "exits", "faults", "files", "model", "tokenizer"},
     # A run directory's lifetime; its metrics log all-reduces the sums since the last record.
     "run": {"checkpoint", "config", "distributed", "exits", "files", "tokenizer"},
     "train": {
         "checkpoint",
         "config",
+        "corpus",
         "data",
         "distributed",
         "evaluate",  # validation BLEU decodes exactly as tmt evaluate does
@@ -50,22 +52,22 @@ ALLOWED = {
     "dry_run": {"config", "data", "model", "run"},  # run: the model train.init_from names
     "plot": {"exits", "files"},  # metrics.jsonl in, a figure out
     "search": set(),  # a step function in, hypotheses out: no model, no config
-    "evaluate": {
+    "translate": {
         "checkpoint",
         "config",
-        "corpus",
         "data",
         "distributed",
         "exits",
-        "files",
         "model",
         "run",
         "search",
+        "textio",
         "tokenizer",
     },
-    "export": {"__init__", "config", "evaluate", "exits", "files"},  # a model for CTranslate2 or HF
+    "evaluate": {"config", "corpus", "distributed", "exits", "model", "tokenizer", "translate"},
+    "export": {"checkpoint", "config", "corpus", "exits", "files", "textio", "translate"},
     # A file translated in committed chunks over a process group.
-    "bulk": {"__init__", "config", "distributed", "evaluate", "exits", "faults", "files", "run"},
+    "bulk": {"config", "distributed", "exits", "faults", "files", "run", "textio", "translate"},
     "cli": {
         "allocator",
         "bulk",
@@ -77,7 +79,9 @@ ALLOWED = {
         "export",
         "plot",
         "run",
+        "textio",
         "train",
+        "translate",
     },
 }
 MODULES = set(ALLOWED)

@@ -154,7 +154,7 @@ def test_translate_refuses_an_output_that_is_an_input(finished: Path, tmp_path: 
 def test_a_failed_translation_keeps_the_old_output(
     finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformer_mt import evaluate
+    from transformer_mt import translate
 
     source, output = tmp_path / "in.txt", tmp_path / "out.txt"
     source.write_text("kalo mi\n")
@@ -163,10 +163,10 @@ def test_a_failed_translation_keeps_the_old_output(
     def fail(translator, lines, first_line=0):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(evaluate, "translate_lines", fail)
+    monkeypatch.setattr(translate, "translate_lines", fail)
     # The streaming path (stdin into a file): no temporary is left.
-    result = runner.invoke(app, ["translate", "-m", str(finished), "-o", str(output)],
-                           input="kalo mi\n")  # fmt: skip
+    result = runner.invoke(app, ["translate", "-m", str(finished), "-o", str(output),
+                                 "--overwrite"], input="kalo mi\n")  # fmt: skip
     assert result.exit_code == 4
     assert output.read_text() == "yesterday's translations\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from test_train import cli_args, final_weights, numbers, records, run_tmt, with_train
 from typer.testing import CliRunner
 
-from transformer_mt import checkpoint, corpus, evaluate, run
+from transformer_mt import checkpoint, run, textio, translate
 from transformer_mt.cli import app
 from transformer_mt.config import Config, apply_overrides
 from transformer_mt.data import prepare_data
@@ -484,7 +484,7 @@ def test_corruption_is_caught_by_translate_average_and_resume(
     newest = run_dir / "checkpoints" / "step_00000008"
     corrupt(newest, kind)
     with pytest.raises(TmtError):
-        evaluate.load_translator(newest)
+        translate.load_translator(newest)
     with pytest.raises(TmtError):
         checkpoint.average(
             map(checkpoint.read, [run_dir / "checkpoints" / "step_00000004", newest])
@@ -532,7 +532,7 @@ def test_malicious_checkpoint_is_refused_by_translate_and_resume(
         checkpoint.read(newest, train_state=True)  # what translate (model.pt) and resume read
     if file == "model.pt":
         with pytest.raises(TmtError, match="refused: holds more than tensors"):
-            evaluate.load_translator(newest)
+            translate.load_translator(newest)
     # Resume never runs it either: the checkpoint is reported, skipped, and the one before it used.
     with caplog.at_level("INFO"):
         summary = train(with_train(train_cfg, out_dir=str(run_dir), max_steps=10))
@@ -613,12 +613,12 @@ def test_reader_splits_on_newline_only(
     path = tmp_path_factory.mktemp("r") / "f.txt"
     path.write_bytes(data)
     expected = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
-    assert len(list(corpus.read_lines(path))) == expected
+    assert len(list(textio.read_lines(path))) == expected
 
 
 @pytest.fixture(scope="module")
-def fuzz_translator(straight: Path) -> evaluate.Translator:
-    return evaluate.load_translator(straight, ["decode.beam_size=2", "decode.max_len_b=5"])
+def fuzz_translator(straight: Path) -> translate.Translator:
+    return translate.load_translator(straight, ["decode.beam_size=2", "decode.max_len_b=5"])
 
 
 NASTY = st.text(
@@ -636,9 +636,9 @@ NASTY = st.text(
     )
 )
 def test_translate_is_total_and_one_to_one(
-    fuzz_translator: evaluate.Translator, lines: list[str]
+    fuzz_translator: translate.Translator, lines: list[str]
 ) -> None:
-    out = evaluate.translate_text(fuzz_translator, lines)
+    out = translate.translate_text(fuzz_translator, lines)
     assert len(out) == len(lines)
     assert not any("\n" in t or "\r" in t for t in out)
     assert all(out[i] == "" for i, line in enumerate(lines) if not line.strip(" \t"))

@@ -13,7 +13,7 @@ import pytest
 from conftest import model_parts
 from typer.testing import CliRunner
 
-from transformer_mt import checkpoint, evaluate, run
+from transformer_mt import checkpoint, run, translate
 from transformer_mt.cli import app
 from transformer_mt.config import Config, load_config
 from transformer_mt.exits import TmtError
@@ -122,8 +122,8 @@ def assert_each_once(counts: Counter[str], checkpoints: list[Path], names: list[
 
 
 def test_translate_reads_its_checkpoint_once(trained_run: Path, opened: Counter[str]) -> None:
-    translator = evaluate.load_translator(trained_run)  # a run directory: its best checkpoint
-    assert evaluate.translate_text(translator, ["kalo mi"])
+    translator = translate.load_translator(trained_run)  # a run directory: its best checkpoint
+    assert translate.translate_text(translator, ["kalo mi"])
     assert_each_once(opened, [run.best(trained_run)], ["manifest.json", "model.pt"])
 
 

@@ -307,14 +307,14 @@ def test_best_by_bleu_and_average_at_the_end(train_cfg: Config, tmp_path: Path) 
     assert run.best(tmp_path).name == f"step_{best['step']:08d}"
     # The validation BLEU of training is the BLEU tmt evaluate reports for the same model: for
     # the checkpoint of step 6 and for the final average.
-    from transformer_mt import evaluate
+    from transformer_mt import evaluate, translate
 
-    step6 = evaluate.load_translator(run.checkpoint_dir(tmp_path, 6), ["decode.beam_size=1"])
+    step6 = translate.load_translator(run.checkpoint_dir(tmp_path, 6), ["decode.beam_size=1"])
     report = evaluate.evaluate(step6, split="valid")
     assert (report["bleu"], report["chrf"]) == (bleus[-1]["val_bleu"], bleus[-1]["val_chrf"])
     average = summary["average"]
     assert average["checkpoints"] == 2
     assert checkpoint.verify(Path(average["path"])) is None
-    t = evaluate.load_translator(Path(average["path"]), ["decode.beam_size=1"])
+    t = translate.load_translator(Path(average["path"]), ["decode.beam_size=1"])
     report = evaluate.evaluate(t, split="valid")
     assert (report["bleu"], report["chrf"]) == (average["val_bleu"], average["val_chrf"])

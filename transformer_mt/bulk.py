@@ -10,13 +10,12 @@ every world_size-th chunk still missing; when all are there, rank 0 writes OUT.t
 in input order, one line per input line, or nbest rows) and removes the job directory. The same
 command after a kill, a lost rank or a full disk translates only the missing chunks; a different
 model, input or decoding option is refused, naming it. Sampling draws from each line's own random
-stream (evaluate.line_uniforms), so 1 process, N processes and a resumed job write the same bytes.
+stream (translate.line_uniforms), so 1 process, N processes and a resumed job write the same bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
@@ -29,11 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from transformer_mt import distributed, evaluate, exits, faults, files, run
+from transformer_mt import distributed, exits, faults, files, run, textio, translate
 from transformer_mt.config import to_dict
 from transformer_mt.distributed import DistInfo
-from transformer_mt.evaluate import Translator
 from transformer_mt.exits import TmtError
+from transformer_mt.translate import Translator
 
 logger = logging.getLogger("tmt")
 
@@ -42,7 +41,6 @@ JOB_FILE = "job.json"
 JOB_FORMAT = 1
 # Decoding options that do not change what is written: where and in what batches it runs.
 NOT_IN_IDENTITY = ("device", "max_tokens", "buffer_lines")
-FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +68,7 @@ def translate_job(
     info = distributed.setup(str(translator.device), timeout_s=86_400.0)  # ranks finish unevenly
     output = Path(output_path)
     lock = run.RunLock(output.with_name(output.name + JOB_SUFFIX),
-                       hint="or translate into another --output")  # fmt: skip
+                       hint="or translate into another {output}", mentions=["output"])  # fmt: skip
     try:
         plan = _agree(info, lambda: _plan(translator, input_path, output_path, overwrite, lock))
         mine = plan.missing[info.rank :: info.world_size]
@@ -88,6 +86,11 @@ def translate_job(
     if info.is_main:  # the output is complete: the job is over
         shutil.rmtree(plan.job_dir, ignore_errors=True)
     return report
+
+
+def _exit_code(err: OSError) -> int:
+    """A write that found no room exits NO_ROOM; any other failed write is bad input."""
+    return exits.NO_ROOM if err.errno in textio.WRITE_FAILED else exits.BAD_INPUT
 
 
 def _agree(info: DistInfo, make_plan: Any) -> Plan:
@@ -119,10 +122,9 @@ def _plan(
     translator: Translator, input_path: str, output_path: str, overwrite: bool, lock: run.RunLock
 ) -> Plan:
     """Check the job against what is on disk, take the job directory (`lock`), find what is left."""
-    evaluate._check_output(output_path, input_path)
     source, output = Path(input_path), Path(output_path)
     if not source.is_file():
-        raise TmtError(f"--input {input_path}: no such file")
+        raise TmtError(f"{input_path}: no such file", param="input")
     job_dir = output.with_name(output.name + JOB_SUFFIX)
     chunk_lines = translator.config.decode.chunk_lines
     digest, offsets, lines = _scan(source, chunk_lines)
@@ -142,15 +144,16 @@ def _plan(
         if not overwrite:
             what = _difference(previous, identity)
             raise TmtError(
-                f"--output {output_path}: {job_dir} is an unfinished job with {what};"
-                " run it with the same ones to finish it, or add --overwrite to start again"
-            )
+                f"{output_path}: {job_dir} is an unfinished job with {what}; run it with the same"
+                " ones to finish it, or add {overwrite} to start again",
+                param="output", mentions=["overwrite"],
+            )  # fmt: skip
         previous = None
-    if previous is None and output.exists() and not overwrite:
-        raise TmtError(f"--output {output_path}: exists; add --overwrite to replace it")
+    # An output of an earlier session of this job (not yet assembled) is its own to replace.
+    textio.check_output(output_path, [input_path], overwrite=overwrite or previous is not None)
     if not output.parent.is_dir():
         raise TmtError(
-            f"--output {output_path}: cannot write in {output.parent} (no such directory)"
+            f"{output_path}: cannot write in {output.parent} (no such directory)", param="output"
         )
     lock.acquire()  # a second job on this output stops here, naming the first
     try:
@@ -162,8 +165,9 @@ def _plan(
             files.atomic_write(job_dir / JOB_FILE, json.dumps(identity, indent=1).encode())
     except OSError as err:
         raise TmtError(
-            f"--output {output_path}: cannot write in {job_dir.parent} ({err.strerror or err})",
-            exit_code=exits.NO_ROOM if err.errno in FULL_DISK else exits.BAD_INPUT,
+            f"{output_path}: cannot write in {job_dir.parent} ({err.strerror or err})",
+            exit_code=_exit_code(err),
+            param="output",
         ) from None
     missing = _uncommitted(job_dir, len(offsets), lines, translator)
     if previous is not None and len(missing) < len(offsets):
@@ -259,8 +263,8 @@ def _translate_chunks(
     with open(input_path, "rb") as source, bar:
         for chunk in chunks:
             first = chunk * chunk_lines
-            lines = list(_read_chunk(source, plan.offsets[chunk], first,
-                                     _chunk_size(chunk, plan.lines, chunk_lines)))  # fmt: skip
+            count = _chunk_size(chunk, plan.lines, chunk_lines)
+            lines = list(_read_chunk(source, input_path, plan.offsets[chunk], first, count))
             text = "".join(_rows(translator, lines, first))
             try:
                 files.atomic_write(_chunk_path(plan.job_dir, chunk), text.encode("utf-8"))
@@ -268,26 +272,27 @@ def _translate_chunks(
                 raise TmtError(
                     f"{plan.job_dir}: cannot commit chunk {chunk} ({err.strerror or err});"
                     " the chunks before it are kept: run the same command again to finish",
-                    exit_code=exits.NO_ROOM if err.errno in FULL_DISK else exits.BAD_INPUT,
+                    exit_code=_exit_code(err),
                 ) from None
             bar.update(len(lines))
             faults.fault_point("chunk", chunk + 1)
     return len(chunks)
 
 
-def _read_chunk(source: Any, offset: int, first: int, count: int) -> Iterator[str]:
+def _read_chunk(source: Any, where: str, offset: int, first: int, count: int) -> Iterator[str]:
+    """Lines first+1 .. first+count of the input, read from byte `offset`."""
     source.seek(offset)
     for i, line in enumerate(files.split_lines(source)):
         if i == count:
             return
-        yield evaluate.decode_line(line, first + i + 1)
+        yield textio.decode_line(line, where, first + i + 1, "warn")[0]
 
 
 def _rows(translator: Translator, lines: list[str], first: int) -> Iterator[str]:
     """The output rows of these lines: one per line, or nbest tab-separated rows as translate's."""
     nbest = translator.config.decode.nbest
-    for i, hyps in enumerate(evaluate.translate_lines(translator, lines, first_line=first)):
-        yield from evaluate.output_rows(translator, first + i, hyps, nbest)
+    for i, hyps in enumerate(translate.translate_lines(translator, lines, first_line=first)):
+        yield from translate.output_rows(translator, first + i, hyps, nbest)
 
 
 # --- rank 0: the output ------------------------------------------------------------------------
@@ -309,8 +314,9 @@ def _assemble(plan: Plan, translator: Translator, output_path: str) -> None:
                     shutil.copyfileobj(part, sink)
     except OSError as err:
         raise TmtError(
-            f"--output {output_path}: cannot write ({err.strerror or err}); the translated chunks"
-            f" are kept in {job_dir}: run the same command again",
-            exit_code=exits.NO_ROOM if err.errno in FULL_DISK else exits.BAD_INPUT,
+            f"{output_path}: cannot write ({err.strerror or err}); the translated chunks are kept"
+            f" in {job_dir}: run the same command again",
+            exit_code=_exit_code(err),
+            param="output",
         ) from None
     logger.debug("assembled %s in %.2f s", output_path, time.perf_counter() - start)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import importlib.metadata
 import io
 import json
 import logging
@@ -38,7 +39,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from transformer_mt import __version__, exits, faults, files
+from transformer_mt import exits, faults, files
 from transformer_mt.config import (
     MODEL_SECTIONS,
     Config,
@@ -53,8 +54,12 @@ from transformer_mt.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
 _MIN_TORCH = "2.10"  # weights_only bypasses before: CVE-2025-32434 (< 2.6), CVE-2026-24747 (< 2.10)
-MODEL_FILE, STATE_FILE, MANIFEST_FILE = "model.pt", "train_state.pt", "manifest.json"
-CHECKPOINTS = "checkpoints"  # a run keeps its training checkpoints in this directory (run.py)
+MODEL_FILE, STATE_FILE, MANIFEST_FILE = "model.pt", "train_state.pt", files.MANIFEST_FILE
+CHECKPOINTS = files.CHECKPOINTS  # a run keeps its training checkpoints in this directory (run.py)
+try:  # the installed package's version, stamped into every manifest (and export report)
+    TMT_VERSION = importlib.metadata.version("transformer_mt")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+    TMT_VERSION = "unknown"
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +111,14 @@ def write(
             "files": digests,
             "config_sha256": config_hash(cfg),
             "tokenizer_sha256": hashlib.sha256(tokenizer_bytes).hexdigest(),
-            "tmt_version": __version__,
+            "tmt_version": TMT_VERSION,
             "torch_version": torch.__version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **(info or {}),
         }
         # The manifest is the commit marker: written last, after every file it vouches for.
         files.atomic_write(staging / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
-        _swap_into_place(staging, final)
+        files.swap_into_place(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # a failed save leaves nothing behind
         raise
@@ -141,20 +146,6 @@ def _write_files(
     if train_state is not None:
         digests[STATE_FILE] = _write_torch(staging / STATE_FILE, train_state, written, step)
     return digests
-
-
-def _swap_into_place(staging: Path, final: Path) -> None:
-    """Rename the complete staging directory to its final name (replacing a checkpoint saved at
-    the same step, e.g. by the final save) and make the rename durable."""
-    root, name = final.parent, final.name
-    previous = None
-    if final.exists():
-        previous = root / f".old-{name}-{os.getpid()}"
-        os.rename(final, previous)
-    os.rename(staging, final)
-    files.fsync_dir(root)
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
 
 
 def recover(root: Path, live_writers: bool) -> None:

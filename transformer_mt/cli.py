@@ -5,7 +5,6 @@ Heavy modules (torch, datasets) are imported inside the commands so `tmt --help`
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import logging
@@ -47,8 +46,17 @@ def _commands() -> None:
     """tmt: train the Transformer of 'Attention Is All You Need' and translate raw text."""
 
 
+# The flag that sets each library parameter an error may name, where it is not "--" + the name.
+_FLAG_OF = {"fmt": "--format", "checkpoint": "-m"}
+
+
+def _flag(param: str) -> str:
+    return _FLAG_OF.get(param, "--" + param.replace("_", "-"))
+
+
 def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Bad input ends a command with one line on stderr and exit code 2, never a traceback."""
+    """Bad input ends a command with one line on stderr and exit code 2, never a traceback; the
+    parameters an error names are written as this command line's flags."""
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -58,13 +66,15 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except TmtError as err:
             if os.environ.get("TMT_DEBUG"):
                 raise
-            typer.echo(f"tmt: error: {err}", err=True)
+            typer.echo(f"tmt: error: {err.render(_flag)}", err=True)
             raise typer.Exit(err.exit_code) from None
         except OSError as err:  # what the library did not name itself: still one line
             if os.environ.get("TMT_DEBUG") or isinstance(err, BrokenPipeError):
                 raise
+            from transformer_mt.textio import WRITE_FAILED
+
             where = f"{err.filename}: " if err.filename else ""
-            full = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+            full = err.errno in WRITE_FAILED
             typer.echo(f"tmt: error: {where}{err.strerror or err}", err=True)
             raise typer.Exit(exits.NO_ROOM if full else exits.BAD_INPUT) from None
 
@@ -195,7 +205,7 @@ def translate(
     A file into a file is a resumable job in chunks (decode.chunk_lines): the same command after
     a kill translates only what is missing. Under torchrun the processes share the chunks."""
     from transformer_mt import bulk
-    from transformer_mt import evaluate as lib
+    from transformer_mt import translate as lib
 
     overrides = _decode_overrides(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
@@ -209,7 +219,7 @@ def translate(
                        f" ({report['resumed_chunks']} translated before)", err=True)  # fmt: skip
         return
     try:
-        lib.translate_file(translator, input_, output)
+        lib.translate_file(translator, input_, output, overwrite)
     except BrokenPipeError:  # the reader left (e.g. `| head -1`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
@@ -243,6 +253,7 @@ def evaluate(
 ) -> None:
     """sacreBLEU (with signature), chrF and lowercased BLEU of a model or a hypothesis file."""
     from transformer_mt import evaluate as lib
+    from transformer_mt import textio, translate
 
     if split not in ("test", "valid", "train"):
         raise TmtError(f"--split {split!r}: expected test, valid or train")
@@ -250,14 +261,16 @@ def evaluate(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision
     )
     # Splits come from the model's config (its data section), else from the default preset.
-    translator = lib.load_translator(checkpoint, overrides, average_last) if checkpoint else None
+    translator = None
+    if checkpoint:
+        translator = translate.load_translator(checkpoint, overrides, average_last)
     cfg = translator.config if translator else load_config("multi30k", set_ or [])
     report = lib.evaluate(
         translator,
         split=split,
-        sources=lib.read_text_file(src) if src else None,
-        references=lib.read_text_file(ref) if ref else None,
-        hypotheses=lib.read_text_file(hyp) if hyp else None,
+        sources=textio.read_text_file(src, "input") if src else None,
+        references=textio.read_text_file(ref, "ref") if ref else None,
+        hypotheses=textio.read_text_file(hyp, "hyp") if hyp else None,
         cfg=cfg,
     )
     typer.echo(json.dumps(report) if as_json else lib.format_report(report))
@@ -351,14 +364,12 @@ def plot(
 ) -> None:
     """Draw training loss, validation loss and BLEU, learning rate and tokens/s against updates."""
     from transformer_mt import plot as lib
-    from transformer_mt import run
+    from transformer_mt import textio
 
     output = output or (
         run_dirs[0] / lib.RUN_CURVES if len(run_dirs) == 1 else Path(lib.RUN_CURVES)
     )
-    managed = run.managed_by_tmt(output)
-    if managed:
-        raise TmtError(f"-o {output}: {managed}; choose another output")
+    textio.check_output(output, run_dirs, overwrite=True)
     typer.echo(json.dumps(lib.draw_curves(run_dirs, output)))
 
 

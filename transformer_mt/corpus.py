@@ -10,10 +10,9 @@ counted). Files are streamed into Arrow, so no split is ever held as Python stri
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import hashlib
 import json
-import zlib
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -21,7 +20,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transformer_mt import files
+from transformer_mt import files, textio
 from transformer_mt.config import DataConfig
 from transformer_mt.exits import TmtError
 
@@ -31,7 +30,6 @@ if TYPE_CHECKING:
 BUNDLED_DIR = Path(str(resources.files("transformer_mt") / "multi30k"))
 MULTI30K_SPLITS = ("train", "val", "test_2016_flickr")
 MULTI30K_LANGS = ("en", "de", "fr")
-_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -120,7 +118,7 @@ def open_split(cfg: DataConfig, key: str, location: str | None = None) -> RawSpl
     if not isinstance(location, str):
         raise TmtError(
             f"{key} is a mixture of {len(location)} corpora; name one file instead"
-            " (e.g. tmt evaluate --src FILE --ref FILE)"
+            " (e.g. tmt evaluate -i FILE --ref FILE)"
         )
     reading = json.dumps(
         [cfg.source, cfg.src_lang, cfg.tgt_lang, cfg.src_field, cfg.tgt_field, cfg.encoding_errors]
@@ -140,42 +138,21 @@ def open_split(cfg: DataConfig, key: str, location: str | None = None) -> RawSpl
     return RawSplit(key=key, origin=origin, fingerprint=fingerprint, cfg=cfg, location=location)
 
 
+def read_split(cfg: DataConfig, key: str) -> tuple[list[str], list[str]]:
+    """Raw source and reference text of the split that config key `key` names ("data.test")."""
+    split = open_split(cfg, key)
+    with tempfile.TemporaryDirectory(prefix="tmt-eval-") as work:
+        dataset = split.load(Path(work))
+        return [s or "" for s in dataset["src"]], [t or "" for t in dataset["tgt"]]
+
+
 # --- text files --------------------------------------------------------------------------------
 
-
-def read_lines(path: Path) -> Iterator[bytes]:
-    """The lines of a plain or gzipped file as bytes, split on b"\\n" only (see the docstring)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    lineno = 0
-    try:
-        with opener(path, "rb") as handle:
-            for lineno, line in enumerate(files.split_lines(handle), 1):
-                yield line[len(_BOM) :] if lineno == 1 and line.startswith(_BOM) else line
-    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
-        raise TmtError(f"{path}:{lineno + 1}: corrupt gzip data ({err})") from None
-    except OSError as err:
-        raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
-
-
-_ENCODING_HINT = " (set data.encoding_errors=replace or skip to accept such lines)"
-
-
-def decode_line(
-    line: bytes, path: str, lineno: int, errors: str, hint: str = _ENCODING_HINT
-) -> tuple[str, bool]:
-    """(text, invalid): UTF-8 text of one line under the encoding policy; skip gives ""."""
-    try:
-        return line.decode("utf-8"), False
-    except UnicodeDecodeError as err:
-        if errors == "strict":
-            raise TmtError(
-                f"{path}:{lineno}: invalid UTF-8 at byte offset {err.start}{hint}"
-            ) from None
-        return (line.decode("utf-8", "replace") if errors == "replace" else ""), True
+_HINT = " (set data.encoding_errors=replace or skip to accept such lines)"
 
 
 def _generate_parallel(src_path: str, tgt_path: str, cfg: DataConfig) -> Iterator[dict[str, Any]]:
-    src_lines, tgt_lines = read_lines(Path(src_path)), read_lines(Path(tgt_path))
+    src_lines, tgt_lines = textio.read_lines(Path(src_path)), textio.read_lines(Path(tgt_path))
     for lineno, (src, tgt) in enumerate(zip_longest(src_lines, tgt_lines), 1):
         if src is None or tgt is None:
             longer = tgt_lines if src is None else src_lines
@@ -184,27 +161,27 @@ def _generate_parallel(src_path: str, tgt_path: str, cfg: DataConfig) -> Iterato
             raise TmtError(
                 f"line counts differ: {src_path} has {src_n} lines, {tgt_path} has {tgt_n}"
             )
-        src_text, src_bad = decode_line(src, src_path, lineno, cfg.encoding_errors)
-        tgt_text, tgt_bad = decode_line(tgt, tgt_path, lineno, cfg.encoding_errors)
+        src_text, src_bad = textio.decode_line(src, src_path, lineno, cfg.encoding_errors, _HINT)
+        tgt_text, tgt_bad = textio.decode_line(tgt, tgt_path, lineno, cfg.encoding_errors, _HINT)
         yield _record(src_text, tgt_text, src_bad or tgt_bad)
 
 
 def _generate_tsv(path: str, cfg: DataConfig) -> Iterator[dict[str, Any]]:
-    lines = enumerate(read_lines(Path(path)), 1)
+    lines = enumerate(textio.read_lines(Path(path)), 1)
     fields = (cfg.src_field, cfg.tgt_field)
     if not any(fields):
         fields = ("0", "1")
     header: list[str] | None = None
     if not all(f.isdigit() for f in fields):
         _, first = next(lines, (1, b""))
-        header = decode_line(first, path, 1, "strict")[0].split("\t")
+        header = textio.decode_line(first, path, 1, "strict", _HINT)[0].split("\t")
         for name in fields:
             if name not in header:
                 raise TmtError(f"{path}:1: header has no column {name!r} (columns: {header})")
     columns = [header.index(f) if header is not None else int(f) for f in fields]
     width = len(header) if header is not None else None
     for lineno, line in lines:
-        text, bad = decode_line(line, path, lineno, cfg.encoding_errors)
+        text, bad = textio.decode_line(line, path, lineno, cfg.encoding_errors, _HINT)
         if bad and cfg.encoding_errors == "skip":
             yield _record("", "", True)
             continue
@@ -219,8 +196,8 @@ def _generate_tsv(path: str, cfg: DataConfig) -> Iterator[dict[str, Any]]:
 
 
 def _generate_jsonl(path: str, cfg: DataConfig) -> Iterator[dict[str, Any]]:
-    for lineno, line in enumerate(read_lines(Path(path)), 1):
-        text, bad = decode_line(line, path, lineno, cfg.encoding_errors)
+    for lineno, line in enumerate(textio.read_lines(Path(path)), 1):
+        text, bad = textio.decode_line(line, path, lineno, cfg.encoding_errors, _HINT)
         if bad and cfg.encoding_errors == "skip":
             yield _record("", "", True)
             continue

@@ -38,7 +38,7 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK), if any."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = local_rank_of_process()
     target = resolve_device(device, local_rank, key="train.device")
     use_cuda = target.type == "cuda"
     if use_cuda:
@@ -50,6 +50,12 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
             device_id=target if use_cuda else None,
         )
     return DistInfo(rank, world_size, local_rank, target)
+
+
+def local_rank_of_process() -> int:
+    """This process's index on its machine (torchrun's LOCAL_RANK; 0 outside torchrun): which GPU
+    it trains or decodes on."""
+    return int(os.environ.get("LOCAL_RANK", 0))
 
 
 def resolve_device(spec: str, index: int = 0, key: str = "device") -> torch.device:

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -32,11 +33,34 @@ SIGNAL_GRACE_S = 25.0
 
 
 class TmtError(Exception):
-    """A failure the user can act on: the CLI prints it on one line and exits with `exit_code`."""
+    """A failure the user can act on: the CLI prints it on one line and exits with `exit_code`.
 
-    def __init__(self, message: str, exit_code: int = BAD_INPUT) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+    A library function names what it was given by its parameter's name, never by a command-line
+    flag its caller may not have typed: `param` is the parameter the message is about (the message
+    then reads "output out.txt: exists; ..."), and each name in `mentions` is written "{name}" in
+    the message. `render` writes them as the caller knows them; the CLI writes its flags ("--output
+    out.txt: exists; add --overwrite to replace it"), str() the parameter names."""
+
+    def __init__(
+        self,
+        message: str,
+        exit_code: int = BAD_INPUT,
+        param: str | None = None,
+        mentions: Sequence[str] = (),
+    ) -> None:
+        self.message, self.exit_code = message, exit_code
+        self.param, self.mentions = param, tuple(mentions)
+        super().__init__(self.render(lambda name: name))
+
+    def render(self, name_of: Callable[[str], str]) -> str:
+        """The message, each parameter it names written as name_of(parameter)."""
+        text = self.message
+        for name in self.mentions:
+            text = text.replace("{" + name + "}", name_of(name))
+        return f"{name_of(self.param)} {text}" if self.param else text
+
+    def __reduce__(self) -> tuple[Any, ...]:  # sent between ranks whole, not as its text alone
+        return (type(self), (self.message, self.exit_code, self.param, self.mentions))
 
 
 class StopSignals:

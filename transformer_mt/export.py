@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from transformer_mt import __version__, evaluate, files
+from transformer_mt import checkpoint, corpus, files, textio, translate
 from transformer_mt.config import apply_overrides
-from transformer_mt.evaluate import Translator
 from transformer_mt.exits import TmtError
+from transformer_mt.translate import Translator
 
 logger = logging.getLogger(__name__)
 
@@ -52,20 +52,26 @@ def export(
     output: Path,
     quantization: str | None = None,
     check_lines: int = 0,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Export `model` (a checkpoint, an average or a run directory) to `output` in format `fmt`
-    after checking it against tmt on `check_lines` validation lines (0: all of them)."""
+    after checking it against tmt on `check_lines` validation lines (0: all of them); an earlier
+    export at `output` is replaced only with `overwrite`."""
     if fmt not in FORMATS:
-        raise TmtError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
+        raise TmtError(f"{fmt}: expected one of {', '.join(FORMATS)}", param="fmt")
     if quantization is not None and (fmt != "ctranslate2" or quantization not in QUANTIZATIONS):
         allowed = f"ctranslate2 takes {', '.join(QUANTIZATIONS)}"
-        raise TmtError(f"--quantization {quantization}: not for --format {fmt} ({allowed})")
+        raise TmtError(
+            f"{quantization}: not for {{fmt}} {fmt} ({allowed})",
+            param="quantization", mentions=["fmt"],
+        )  # fmt: skip
     if check_lines < 0:
-        raise TmtError(f"--check-lines {check_lines}: expected 0 (all) or more")
-    _check_output(output)
+        raise TmtError(f"{check_lines}: expected 0 (all) or more", param="check_lines")
+    _check_output(output, model, overwrite)
     builder = _require(fmt)
-    translator = evaluate.load_translator(model, ["decode.device=cpu", "decode.precision=fp32"])
-    sources, _ = evaluate.read_split(translator.config, "data.valid")
+    settings = ["decode.device=cpu", "decode.precision=fp32"]
+    translator = translate.load_translator(model, settings)
+    sources, _ = corpus.read_split(translator.config.data, "data.valid")
     lines = [s for s in sources if s.strip()][: check_lines or None]
     if not lines:
         raise TmtError(f"data.valid ({translator.config.data.valid}): no lines to check against")
@@ -73,18 +79,16 @@ def export(
         translator,
         config=apply_overrides(translator.config, ["decode.beam_size=1", "decode.nbest=1"]),
     )
-    expected = [h[0].tokens if h else [] for h in evaluate.translate_lines(greedy, lines)]
+    expected = [h[0].tokens if h else [] for h in translate.translate_lines(greedy, lines)]
     staging = output.parent / f".tmp-export-{output.name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         report = builder(translator, staging, lines, expected, quantization)
-        report |= {"format": fmt, "source": translator.origin, "tmt_version": __version__}
+        version = checkpoint.TMT_VERSION
+        report |= {"format": fmt, "source": translator.origin, "tmt_version": version}
         files.atomic_write(staging / REPORT_FILE, json.dumps(report, indent=1).encode())
         output.parent.mkdir(parents=True, exist_ok=True)
-        if output.exists():  # an empty directory (checked above)
-            output.rmdir()
-        os.rename(staging, output)
-        files.fsync_dir(output.parent)
+        files.swap_into_place(staging, output)  # an empty directory or an earlier export
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -93,9 +97,17 @@ def export(
     return {"output": str(output), **report}
 
 
-def _check_output(output: Path) -> None:
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise TmtError(f"{output}: exists and is not an empty directory; choose another output")
+def _check_output(output: Path, model: str | Path, overwrite: bool) -> None:
+    """An export goes into a new or empty directory, or replaces an earlier export with
+    `overwrite`; never anything else (textio.check_output: nor the model, nor tmt's files)."""
+    if output.exists() and not (output.is_dir() and not output.is_symlink()):
+        raise TmtError(f"{output}: exists and is not a directory; choose another output")
+    if output.is_dir() and any(output.iterdir()) and not (output / REPORT_FILE).is_file():
+        raise TmtError(
+            f"{output}: exists and is not an empty directory nor a tmt export; choose another"
+            " output"
+        )
+    textio.check_output(output, [model], overwrite)
 
 
 def _require(fmt: str) -> Callable[..., dict[str, Any]]:
@@ -105,7 +117,7 @@ def _require(fmt: str) -> Callable[..., dict[str, Any]]:
         try:
             __import__(package)
         except ImportError:
-            raise TmtError(f"--format {fmt} needs the {package} package: {_EXTRA}") from None
+            raise TmtError(f"{fmt} needs the {package} package: {_EXTRA}", param="fmt") from None
     return _ctranslate2 if fmt == "ctranslate2" else _huggingface
 
 
@@ -123,13 +135,7 @@ def _parity(expected: list[list[int]], found: list[list[int]], lines: list[str],
 
 def _limits(translator: Translator, lines: Sequence[str]) -> list[int]:
     """tmt's maximum output length per line (the EOS included), as translate_lines applies it."""
-    decode, limit = translator.config.decode, translator.config.model.max_positions - 1
-    ids = translator.tokenizer.encode(list(lines))
-    return [
-        min(int(decode.max_len_a * min(len(x), limit) + decode.max_len_b),
-            translator.config.model.max_positions)
-        for x in ids
-    ]  # fmt: skip
+    return translate.output_limits(translator, translate.source_ids(translator, lines))
 
 
 def _batches(limits: list[int], size: int = 64) -> list[list[int]]:
@@ -429,7 +435,7 @@ def hf_tokenizer(translator: Translator) -> Any:
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(translator.tokenizer.model_bytes)
     if proto.trainer_spec.model_type != 2:
-        raise TmtError("--format huggingface: the tokenizer is not a BPE model")
+        raise TmtError("huggingface: the tokenizer is not a BPE model", param="fmt")
     pieces = [(p.piece, p.score) for p in proto.pieces]
     vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
     merges = sorted(

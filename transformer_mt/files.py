@@ -3,11 +3,15 @@
 - `atomic_file` / `atomic_write`: a file appears complete under its name or not at all (temporary
   file beside it, fsync, rename, directory fsync). Every file tmt writes goes through it.
 - `fsync_dir`: make a rename or a new directory entry durable.
+- `swap_into_place`: a complete staging directory renamed to its final name, replacing what is
+  there.
 - `sha256_file`: a streaming SHA-256 of a file of any size.
 - `remove_leftovers`: sweep what killed writers left behind (hidden staging names).
 - `split_lines`: bytes split on b"\\n" only, one trailing b"\\r" dropped: Python's text mode would
   also split on a lone "\\r", and `str.splitlines` on nine separators, which misaligns corpora that
   `wc -l` calls equal.
+- The names of tmt's own files, defined once here, below every module that writes them and the one
+  output check (textio.check_output) that keeps every command from writing over them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ from pathlib import Path
 from typing import BinaryIO
 
 TEMP_SUFFIX = ".tmp"  # temporary files of atomic writes: ".NAME.XXXXXX.tmp" beside NAME
+
+# --- the names of tmt's own files ----------------------------------------------------------------
+MANIFEST_FILE = "manifest.json"  # a checkpoint directory's commit marker (checkpoint.py)
+CHECKPOINTS = "checkpoints"  # the directory of a run's training checkpoints (run.py)
+CONFIG_FILE = "config.yaml"  # a run's resolved config (run.py)
+TOKENIZER_FILE = "tokenizer.model"  # a run's sentencepiece model (run.py)
+METRICS_FILE = "metrics.jsonl"  # a run's metrics log (metrics.py)
+LOCK_FILE = ".lock"  # the holder of a run directory or a file job (run.RunLock)
+RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, LOCK_FILE)  # a run directory's own files
 
 
 @contextlib.contextmanager
@@ -65,6 +78,21 @@ def sha256_file(path: Path) -> str:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def swap_into_place(staging: Path, final: Path) -> None:
+    """Rename a complete staging directory to its final name, replacing what is there (renamed
+    aside to ".old-NAME-PID" first, removed last: checkpoint.recover puts it back if a kill comes
+    between the two renames), and make the renames durable."""
+    root, name = final.parent, final.name
+    previous = None
+    if final.exists():
+        previous = root / f".old-{name}-{os.getpid()}"
+        os.rename(final, previous)
+    os.rename(staging, final)
+    fsync_dir(root)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
 
 
 def remove_leftovers(root: Path, patterns: Iterable[str], older_than_s: float = 0.0) -> None:

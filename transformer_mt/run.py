@@ -29,7 +29,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,9 +124,14 @@ class RunLock:
     the kernel releases when the holder dies, however it dies). The file names the holder, so a
     second trainer is refused with who holds it, and a lock left by a crash is simply taken."""
 
-    def __init__(self, run_dir: Path, hint: str = "or train into another train.out_dir") -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        hint: str = "or train into another train.out_dir",
+        mentions: Sequence[str] = (),
+    ) -> None:
         self.path = run_dir / LOCK_FILE
-        self.hint = hint  # what else the refused user can do
+        self.hint, self.mentions = hint, mentions  # what else the refused user can do
         self.fd: int | None = None
 
     def acquire(self) -> None:
@@ -145,7 +150,8 @@ class RunLock:
             os.close(fd)
             raise TmtError(
                 f"{self.path.parent}: in use by {holder or 'another process'}; wait for it to"
-                f" end, stop it, {self.hint}"
+                f" end, stop it, {self.hint}",
+                mentions=self.mentions,
             ) from None
         except OSError as err:  # a filesystem without locks: train, but say so
             logger.warning("%s: cannot lock (%s); make sure no other trainer uses it",
@@ -505,18 +511,6 @@ def prune(
     for path in checkpoints:
         if path.resolve() not in keep:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def managed_by_tmt(path: Path) -> str | None:
-    """What `path` is when tmt manages it (a checkpoint's file, a run's own file), else None:
-    a command must never write its output over one."""
-    path = Path(path).absolute()
-    if (path.parent / checkpoint.MANIFEST_FILE).exists() or path.parent.name == CHECKPOINTS:
-        return f"inside the checkpoint directory {path.parent}"
-    run_files = ("config.yaml", "tokenizer.model", "metrics.jsonl", LOCK_FILE)
-    if path.name in run_files and (path.parent / CHECKPOINTS).is_dir():
-        return f"a file of the run directory {path.parent}"
-    return None
 
 
 # --- finding models: each checkpoint read (and so verified) once --------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transformer_mt import checkpoint, distributed, evaluate, exits, plot, run
+from transformer_mt import checkpoint, corpus, distributed, evaluate, exits, plot, run
 from transformer_mt.checkpoint import Checkpoint
 from transformer_mt.config import Config
 from transformer_mt.data import Batch, PreparedData, prepare_data
@@ -161,7 +161,8 @@ class _Session:
         self.valid_batches = _valid_batches(self.data, cfg, info)
         heartbeat.beat(self.step)
         # Validation BLEU reads the raw validation text: scored exactly as tmt evaluate scores it.
-        self.valid_text = evaluate.read_split(cfg, "data.valid") if cfg.train.bleu_every else None
+        bleu = cfg.train.bleu_every
+        self.valid_text = corpus.read_split(cfg.data, "data.valid") if bleu else None
         self.metrics = run.MetricsLog(
             self.run_dir, info, cfg.train.max_steps, self.step, cfg.train.tensorboard
         )

@@ -1,0 +1,171 @@
+"""Translating: equivalences on a tiny trained model, 1:1 lines, streams, loading, the Python API."""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import reverse_pairs
+
+from transformer_mt import run, translate
+from transformer_mt.exits import TmtError
+
+SOURCES = [s for s, _ in reverse_pairs(12, seed=7)]
+
+
+def translator(trained_run: Path, *overrides: str) -> translate.Translator:
+    return translate.load_translator(trained_run / "checkpoints" / "step_00000030", list(overrides))
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_batched_equals_one_by_one_and_order_is_restored(trained_run: Path, beam: int) -> None:
+    t = translator(
+        trained_run, f"decode.beam_size={beam}", "decode.max_tokens=60"
+    )  # several batches
+    together = translate.translate_lines(t, SOURCES)
+    for source, hyps in zip(SOURCES, together, strict=True):
+        alone = translate.translate_lines(t, [source])[0]
+        assert [h.tokens for h in hyps] == [h.tokens for h in alone]
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in alone], abs=1e-4)
+    assert translate.translate_text(t, SOURCES[::-1]) == translate.translate_text(t, SOURCES)[::-1]
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_beam_score_equals_forced_decoding_score(trained_run: Path, beam: int) -> None:
+    t = translator(trained_run, f"decode.beam_size={beam}", "decode.nbest=1")
+    tok = t.tokenizer
+    for source, hyps in zip(SOURCES[:6], translate.translate_lines(t, SOURCES[:6]), strict=True):
+        hyp = hyps[0]
+        src = torch.tensor([[*tok.encode([source])[0], tok.eos_id]])
+        tgt_in = torch.tensor([[tok.bos_id, *hyp.tokens]])
+        target = torch.tensor([*hyp.tokens, tok.eos_id])
+        with torch.no_grad():
+            log_probs = torch.log_softmax(t.model(src, tgt_in)[0], dim=-1)
+        forced = log_probs[torch.arange(len(target)), target].sum().item()
+        assert hyp.log_prob == pytest.approx(forced, abs=1e-4)
+
+
+def test_empty_lines_are_empty_outputs_without_the_model(
+    trained_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = translator(trained_run)
+    seen: list[int] = []
+    real = translate._translate_batch
+    monkeypatch.setattr(
+        translate,
+        "_translate_batch",
+        lambda tr, sources, ids: seen.append(len(sources)) or real(tr, sources, ids),
+    )
+    out = translate.translate_text(t, ["", SOURCES[0], "   ", "\t", SOURCES[1], ""])
+    assert len(out) == 6 and out[0] == out[2] == out[3] == out[5] == ""
+    assert sum(seen) == 2  # only the two real sentences were decoded
+    assert translate.translate_text(t, ["", " "]) == ["", ""]
+    assert translate.translate_text(t, []) == []
+
+
+def test_over_long_lines_are_truncated_with_a_warning(
+    trained_run: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    t = translator(trained_run, "decode.beam_size=2")
+    long_line = " ".join([SOURCES[0]] * 100)  # far more tokens than model.max_positions (128)
+    with caplog.at_level(logging.WARNING):
+        out = translate.translate_text(t, [SOURCES[1], long_line])
+    assert len(out) == 2
+    assert any("line 2" in r.message and "truncated to 127" in r.message for r in caplog.records)
+
+
+def test_stream_keeps_lines_one_to_one(trained_run: Path) -> None:
+    t = translator(trained_run)
+    raw = ("\n".join([SOURCES[0], "", SOURCES[1] + "\r", "bad \xff byte"]) + "\n").encode(
+        "utf-8", "surrogateescape"
+    )
+    raw = raw.replace("\xff".encode(), b"\xff")
+    sink = io.StringIO()
+    assert translate.translate_stream(t, io.BytesIO(raw), sink) == 4
+    lines = sink.getvalue().split("\n")
+    assert len(lines) == 5 and lines[-1] == "" and lines[1] == ""
+    assert lines[0] == translate.translate_text(t, [SOURCES[0]])[0]
+    assert lines[2] == translate.translate_text(t, [SOURCES[1]])[0]  # the \r of a CRLF is dropped
+
+
+def test_stream_nbest_format(trained_run: Path) -> None:
+    t = translator(trained_run, "decode.beam_size=3", "decode.nbest=3")
+    sink = io.StringIO()
+    translate.translate_stream(t, io.BytesIO(f"{SOURCES[0]}\n\n".encode()), sink)
+    rows = [line.split("\t") for line in sink.getvalue().splitlines()]
+    assert [r[0] for r in rows] == ["0", "0", "0", "1", "1", "1"]
+    scores = [float(r[1]) for r in rows[:3]]
+    assert scores == sorted(scores, reverse=True)
+    assert [r[2] for r in rows[3:]] == ["", "", ""]
+
+
+def test_load_translator_from_run_directory_and_average(trained_run: Path) -> None:
+    best = run.best(trained_run)
+    assert translate.load_translator(trained_run).origin == str(best)
+    averaged = translate.load_translator(trained_run, average_last=3)
+    assert "step_00000010, step_00000020, step_00000030" in averaged.origin
+    with pytest.raises(TmtError, match="not a checkpoint .* nor a run directory"):
+        translate.load_translator(trained_run / "nowhere")
+    with pytest.raises(TmtError, match="model.d_model: fixed by the checkpoint"):
+        translate.load_translator(trained_run, ["model.d_model=64"])
+
+
+def test_early_stopping_setting_reaches_the_search(
+    trained_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["early_stopping"])
+        return real(*args, **kwargs)
+
+    real = translate.beam_search
+    monkeypatch.setattr(translate, "beam_search", recording)
+    bound = translate.translate_text(translator(trained_run, "decode.beam_size=3"), SOURCES[:3])
+    current = translate.translate_text(
+        translator(trained_run, "decode.beam_size=3", "decode.early_stopping=current"), SOURCES[:3]
+    )
+    assert seen[0] == "bound" and seen[-1] == "current"
+    assert len(bound) == len(current) == 3
+    with pytest.raises(TmtError, match="early_stopping"):
+        translator(trained_run, "decode.early_stopping=never")
+
+
+# --- the Python API and the decoding precision -------------------------------------------------
+
+
+def test_python_api_translates_as_the_command_does(trained_run: Path) -> None:
+    from transformer_mt import Translator  # the package's own face, loaded on first use
+
+    translator = Translator.load(trained_run, device="cpu")
+    assert translator.config.decode.device == "cpu" and translator.device.type == "cpu"
+    out = translator.translate(SOURCES[:4], beam=2)
+    command = translate.load_translator(trained_run, ["decode.beam_size=2"])
+    assert out == translate.translate_text(command, SOURCES[:4])
+    assert translator.translate(["", SOURCES[0]]) == ["", translate.translate_text(
+        translate.load_translator(trained_run), [SOURCES[0]])[0]]  # fmt: skip
+    with pytest.raises(TmtError, match="device: set when loading"):
+        translator.translate(["x"], device="cuda")
+    with pytest.raises(TmtError, match="decode.beam_size = 0: expected >= 1"):
+        translator.translate(["x"], beam=0)
+
+
+def test_readme_python_example_runs(trained_run: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "Translator.load(" in example and ".translate(" in example
+    namespace: dict = {}
+    exec(example.replace('"runs/multi30k"', repr(str(trained_run))), namespace)
+    assert isinstance(namespace["translations"], list) and len(namespace["translations"]) == 2
+
+
+def test_bf16_decoding_on_cpu_translates_every_line(trained_run: Path) -> None:
+    bf16 = translate.load_translator(trained_run, ["decode.precision=bf16"])
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    out = translate.translate_text(bf16, SOURCES)
+    assert len(out) == len(SOURCES) and all(isinstance(t, str) for t in out)
+    fp32 = translate.translate_text(translate.load_translator(trained_run), SOURCES)
+    assert sum(a == b for a, b in zip(out, fp32, strict=True)) >= len(SOURCES) // 2

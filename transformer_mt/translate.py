@@ -1,0 +1,295 @@
+"""Translating raw text: the one path behind `tmt translate`, `tmt evaluate`, the file job
+(bulk.py), export's parity check and the validation BLEU of training.
+
+A `Translator` is a model loaded once onto a device in a precision, with its tokenizer and
+decoding settings. Raw text in, detokenized text out: the sentencepiece model travels inside the
+checkpoint. Inputs are sorted by length and batched by tokens; outputs come back in input order,
+exactly one per input line. An empty line gives an empty output without running the model; a line
+longer than the model's positions is truncated with a warning. search.py knows nothing of the
+model: `_translate_batch` gives it the step function (one decoder step over the cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, TextIO
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from transformer_mt import checkpoint, distributed, run, textio
+from transformer_mt.config import Config, apply_overrides
+from transformer_mt.data import TokenBucketSampler
+from transformer_mt.exits import TmtError
+from transformer_mt.model import DecoderCache, Transformer, make_src_mask
+from transformer_mt.search import Hypothesis, beam_search, greedy, sample
+from transformer_mt.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+_LINE_BREAKS = re.compile("[\r\n]")
+
+
+@dataclass(frozen=True)
+class Translator:
+    """A model ready to translate raw text: the Python face of `tmt translate`.
+
+    from transformer_mt import Translator
+    translator = Translator.load("runs/multi30k", device="cpu")
+    translator.translate(["Ein Hund rennt."], beam=5)
+    """
+
+    model: Transformer  # in eval mode, on `device`, in the decoding precision
+    tokenizer: Tokenizer
+    config: Config  # the checkpoint's config with the caller's overrides
+    device: torch.device
+    origin: str  # what was loaded, for messages
+
+    @classmethod
+    def load(
+        cls, path: str | Path, device: str = "auto", precision: str = "fp32", **decode: Any
+    ) -> Translator:
+        """A checkpoint, an averaged model or a run directory (its average, else its best, else its
+        newest checkpoint); `decode` sets DecodeConfig fields by name (beam_size=5, ...)."""
+        settings = {**decode, "device": device, "precision": precision}
+        return load_translator(path, _keyword_overrides(settings))
+
+    def translate(self, lines: Sequence[str], beam: int | None = None, **decode: Any) -> list[str]:
+        """The best translation of each line, in order (one per line; "" for an empty line);
+        `beam` and `decode` (DecodeConfig fields by name) apply to this call only."""
+        if beam is not None:
+            decode["beam_size"] = beam
+        moved = {"device", "precision"} & set(decode)
+        if moved:
+            raise TmtError(f"{', '.join(sorted(moved))}: set when loading (Translator.load)")
+        translator = self
+        if decode:
+            config = apply_overrides(self.config, _keyword_overrides(decode))
+            translator = dataclasses.replace(self, config=config)
+        return translate_text(translator, list(lines))
+
+
+def _keyword_overrides(settings: dict[str, Any]) -> list[tuple[str, str]]:
+    """decode.* overrides from keyword arguments; an error quotes the keyword as it was given."""
+    return [(f"decode.{k}={v}", f"{k}={v!r}") for k, v in settings.items()]
+
+
+def load_translator(
+    path: str | Path, overrides: Sequence[str | tuple[str, str]] = (), average_last: int = 0
+) -> Translator:
+    """A checkpoint directory, an averaged model, or a run directory (its average, else its best
+    checkpoint, else its newest; with average_last=N the average of its newest N), each read
+    once, on decode.device in decode.precision."""
+    if average_last > 0:
+        saved = checkpoint.average(run.newest_models(Path(path), average_last))
+        origin = f"average of {', '.join(Path(p).name for p in saved.sources)}"
+    else:
+        saved = run.load_model(Path(path))
+        origin = str(saved.path)
+    cfg = apply_overrides(saved.config, overrides)
+    fixed = checkpoint.model_differences(saved.config, b"", cfg, b"")
+    if fixed:
+        raise TmtError(f"{', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
+    # Under torchrun each process decodes on its own GPU (LOCAL_RANK), as in training.
+    target = distributed.resolve_device(
+        cfg.decode.device, distributed.local_rank_of_process(), key="decode.device"
+    )
+    tokenizer = saved.tokenizer()
+    model = _in_precision(checkpoint.build_model(saved, tokenizer), cfg.decode.precision, target)
+    return Translator(model.eval(), tokenizer, cfg, target, origin)
+
+
+def _in_precision(model: Transformer, precision: str, device: torch.device) -> Transformer:
+    """The model on `device` in the decoding precision (decode.precision)."""
+    if precision == "fp16" and device.type != "cuda":
+        raise TmtError("decode.precision=fp16 needs a GPU (decode.device); use bf16 or fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return model.to(device=device, dtype=dtype)
+
+
+# --- lines to hypotheses -----------------------------------------------------------------------
+
+
+class _DecodeState:
+    """What search.py needs from the model: the decoder cache and source mask, reorderable."""
+
+    def __init__(self, cache: DecoderCache, src_mask: torch.Tensor) -> None:
+        self.cache, self.src_mask = cache, src_mask
+
+    def reorder(self, index: torch.Tensor) -> None:
+        sentences = self.cache.reorder(index.to(self.src_mask.device))
+        if sentences is not None:  # the source mask is per sentence, like the cross K/V
+            self.src_mask = self.src_mask.index_select(0, sentences)
+
+
+def source_ids(translator: Translator, lines: Sequence[str]) -> list[list[int]]:
+    """The subword ids of each line as the model reads it: lone surrogates (possible in Python
+    strings, never in UTF-8, fatal to sentencepiece) replaced, and cut to the model's positions
+    (source tokens + EOS must fit them) with a warning."""
+    limit = translator.config.model.max_positions - 1
+    ids = translator.tokenizer.encode([_SURROGATES.sub("\ufffd", line) for line in lines])
+    for i, seq in enumerate(ids):
+        if len(seq) > limit:
+            logger.warning(
+                "line %d: %d tokens, truncated to %d (model.max_positions)", i + 1, len(seq), limit
+            )
+            ids[i] = seq[:limit]
+    return ids
+
+
+def output_limits(translator: Translator, sources: Sequence[Sequence[int]]) -> list[int]:
+    """§6.1: the maximum output length (the EOS included) of each source, a · |x| + b, within the
+    position table."""
+    decode, positions = translator.config.decode, translator.config.model.max_positions
+    return [min(int(decode.max_len_a * len(x) + decode.max_len_b), positions) for x in sources]
+
+
+@torch.inference_mode()
+def translate_lines(
+    translator: Translator, lines: Sequence[str], first_line: int = 0
+) -> list[list[Hypothesis]]:
+    """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line.
+    `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling)."""
+    ids = source_ids(translator, lines)
+    results: list[list[Hypothesis]] = [[] for _ in lines]
+    todo = [i for i, seq in enumerate(ids) if seq]  # empty input: empty output, no model call
+    if not todo:
+        return results
+    lengths = np.array([len(ids[i]) + 1 for i in todo])
+    budget = max(translator.config.decode.max_tokens, int(lengths.max()))
+    sampler = TokenBucketSampler(lengths, lengths, budget, seed=0, shuffle=False)
+    for batch in sampler.epoch_batches(0):
+        chosen = [todo[j] for j in batch]
+        hypotheses = _translate_batch(
+            translator, [ids[i] for i in chosen], [first_line + i for i in chosen]
+        )
+        for index, hyps in zip(chosen, hypotheses, strict=True):
+            results[index] = hyps
+    return results
+
+
+def _translate_batch(
+    translator: Translator, sources: list[list[int]], line_ids: Sequence[int]
+) -> list[list[Hypothesis]]:
+    """Encode a batch of sources once and search over the decoder: sampling, greedy or beam."""
+    model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
+    samples = decode.nbest if decode.sampling != "none" else 1
+    if samples > 1:  # N independent samples of a line are N rows of the same source
+        sources = [seq for seq in sources for _ in range(samples)]
+    src = torch.full((len(sources), max(map(len, sources)) + 1), tok.pad_id, dtype=torch.long)
+    for row, seq in enumerate(sources):
+        src[row, : len(seq)] = torch.tensor(seq)
+        src[row, len(seq)] = tok.eos_id
+    src = src.to(translator.device)
+    k = 1 if decode.sampling != "none" else decode.beam_size
+    src_mask = make_src_mask(src, tok.pad_id)
+    memory = model.encode(src, src_mask)
+    # k decoder rows per sentence (B·k); the source stays (B, S, D): see DecoderCache.
+    state = _DecodeState(model.start_cache(memory, beam=k), src_mask)
+
+    def step(tokens: torch.Tensor, s: _DecodeState) -> tuple[torch.Tensor, _DecodeState]:
+        logits = model.decode(tokens[:, None], None, s.src_mask, s.cache)  # (N, 1, V)
+        return F.log_softmax(logits[:, 0].float(), dim=-1), s
+
+    common = {
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "banned": (tok.pad_id, tok.bos_id),
+        "alpha": decode.length_penalty,
+        "form": decode.length_penalty_form,
+        "device": translator.device,
+    }
+    limits = output_limits(translator, sources)
+    if decode.sampling != "none":
+        uniforms = torch.stack([
+            line_uniforms(decode.seed, line, j, model.cfg.max_positions)
+            for line in line_ids for j in range(samples)
+        ])  # fmt: skip
+        hypotheses = sample(
+            step, state, limits, uniforms=uniforms, method=decode.sampling,
+            temperature=decode.temperature, **common,
+        )  # fmt: skip
+        return [hypotheses[i : i + samples] for i in range(0, len(hypotheses), samples)]
+    if k == 1:
+        return [[h] for h in greedy(step, state, limits, **common)]
+    return beam_search(
+        step, state, limits, beam_size=k, nbest=decode.nbest,
+        early_stopping=decode.early_stopping, **common,
+    )  # fmt: skip
+
+
+def line_uniforms(seed: int, line: int, sample_index: int, steps: int) -> torch.Tensor:
+    """(steps,) uniforms in [0, 1) that drive sample `sample_index` of input line `line`: a
+    function of these three numbers alone, whichever process or batch translates the line."""
+    key = np.random.SeedSequence([seed, line, sample_index]).generate_state(1, np.uint64)[0]
+    generator = torch.Generator().manual_seed(int(key))
+    return torch.rand(steps, generator=generator, dtype=torch.float64)
+
+
+# --- hypotheses to text ------------------------------------------------------------------------
+
+
+def translate_text(translator: Translator, lines: Sequence[str]) -> list[str]:
+    """Detokenized best translation of each line, in input order."""
+    best = [hyps[0].tokens if hyps else [] for hyps in translate_lines(translator, lines)]
+    return detokenize(translator, best)
+
+
+def detokenize(translator: Translator, outputs: Sequence[Sequence[int]]) -> list[str]:
+    """Text of each output, on one line: byte pieces could spell a line break, which would break
+    the one-output-line-per-input-line promise, so CR and LF become spaces."""
+    return [_LINE_BREAKS.sub(" ", text) for text in translator.tokenizer.decode(outputs)]
+
+
+def output_rows(
+    translator: Translator, index: int, hyps: Sequence[Hypothesis], nbest: int
+) -> list[str]:
+    """What translate writes for input line `index` (from 0): its best translation, or with
+    nbest > 1 that many rows "index<TAB>score<TAB>text" (rows of zeros for an empty line)."""
+    if nbest == 1:
+        return [detokenize(translator, [hyps[0].tokens if hyps else []])[0] + "\n"]
+    texts = detokenize(translator, [h.tokens for h in hyps])
+    rows = [f"{index}\t{h.score:.4f}\t{t}\n" for h, t in zip(hyps, texts, strict=True)]
+    return rows or [f"{index}\t0.0000\t\n"] * nbest
+
+
+# --- streams and files -------------------------------------------------------------------------
+
+
+def translate_stream(
+    translator: Translator, source: BinaryIO, sink: TextIO, where: str = "input"
+) -> int:
+    """Translate lines from `source` to `sink` as they arrive: a chunk is whatever is already
+    waiting (up to decode.buffer_lines), so a pipe is translated in batches and an interactive
+    line right away. Returns the number of lines. Bytes split on b"\\n" only; invalid UTF-8 is
+    replaced (and reported, naming `where`) so every input line gets its output line."""
+    decode = translator.config.decode
+    count = 0
+    for chunk in textio.waiting_chunks(textio.stream_lines(source, where), decode.buffer_lines):
+        for i, hyps in enumerate(translate_lines(translator, chunk, first_line=count)):
+            sink.write("".join(output_rows(translator, count + i, hyps, decode.nbest)))
+        sink.flush()
+        count += len(chunk)
+    return count
+
+
+def translate_file(
+    translator: Translator, input_path: str, output_path: str, overwrite: bool = False
+) -> int:
+    """Translate `input_path` ("-": stdin, streamed) into `output_path` ("-": stdout). A file
+    output appears complete or not at all (an interrupted or failed translation leaves the old
+    content); textio.check_output says what it may be. Returns the line count."""
+    textio.check_output(output_path, inputs=[input_path], overwrite=overwrite)
+    where = "stdin" if input_path == textio.STDIO else input_path
+    with (
+        textio.open_input(input_path) as source,
+        textio.open_output(output_path) as sink,
+    ):
+        return translate_stream(translator, source, sink, where)
