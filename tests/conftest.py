@@ -120,7 +120,7 @@ def model_parts(cfg: Config, spm: bytes, seed: int = 0) -> tuple[dict, dict]:
     what checkpoint.read verifies a checkpoint against."""
     import torch
 
-    from transformer_mt import checkpoint
+    from transformer_mt import train_state
     from transformer_mt.model import Transformer
     from transformer_mt.optim import build_optimizer
     from transformer_mt.tokenizer import Tokenizer
@@ -130,6 +130,6 @@ def model_parts(cfg: Config, spm: bytes, seed: int = 0) -> tuple[dict, dict]:
     model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
     optimizer, scheduler = build_optimizer(model, cfg.model, cfg.optim)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    ranks = [{"rng": checkpoint.capture_rng(), "metrics": {}}]
-    state = checkpoint.train_state(optimizer, scheduler, scaler, ranks, {"step": 0})
+    ranks = [{"rng": train_state.capture_rng(), "metrics": {}}]
+    state = train_state.collect(optimizer, scheduler, scaler, ranks, {"step": 0})
     return model.state_dict(), state

@@ -16,7 +16,7 @@ import torch
 from conftest import reverse_pairs, with_data, write_parallel
 from typer.testing import CliRunner
 
-from transformer_mt import checkpoint, run
+from transformer_mt import averaging, checkpoint, run
 from transformer_mt.cli import app
 from transformer_mt.config import Config, Corpus
 from transformer_mt.data import TokenBucketSampler, prepare_data
@@ -73,7 +73,7 @@ def test_fine_tuning_starts_at_step_1_from_the_parents_weights_with_a_fresh_opti
     )
     parent = run.init_model(cfg)
     assert parent.path == run.load_model(trained_run).path  # a run directory: its best or average
-    model, opt, progress, window = _build(cfg, parent.tokenizer(), CPU, None, parent)
+    model, opt, progress, window = _build(cfg, parent.tokenizer, CPU, None, parent)
     weights = model.state_dict()
     assert weights.keys() == parent.state_dict.keys()
     assert all(torch.equal(weights[k], parent.state_dict[k]) for k in weights)
@@ -83,10 +83,10 @@ def test_fine_tuning_starts_at_step_1_from_the_parents_weights_with_a_fresh_opti
     def no_training(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("the tokenizer was trained again")
 
-    monkeypatch.setattr("transformer_mt.data.train_tokenizer", no_training)
+    monkeypatch.setattr("transformer_mt.tokenizer.train_tokenizer", no_training)
     from transformer_mt.dry_run import dry_run
 
-    assert dry_run(cfg)["vocab_size"] == parent.tokenizer().vocab_size  # the parent's, too
+    assert dry_run(cfg)["vocab_size"] == parent.tokenizer.vocab_size  # the parent's, too
     capsys.readouterr()
     train(cfg)
     first, *later = records(tmp_path)
@@ -324,14 +324,14 @@ def test_average_best_n_picks_the_n_best_by_the_metric(
         None,
     ]
     run_dir = write_scored_run(tmp_path / "run", tiny_cfg, tiny_spm, scores)
-    steps = lambda models: [m.step for m in models]  # noqa: E731
-    assert steps(run.best_models(run_dir, 2, "val_bleu")) == [2, 4]
-    assert steps(run.best_models(run_dir, 3, "val_loss")) == [3, 4, 1]
-    assert run.scored_metric(run_dir) == "val_bleu"  # measured, so the default
+    steps = lambda mean: [int(Path(p).name.removeprefix("step_")) for p in mean.sources]  # noqa: E731
+    assert steps(averaging.best_of(run_dir, 2, "val_bleu")) == [2, 4]
+    assert steps(averaging.best_of(run_dir, 3, "val_loss")) == [1, 3, 4]
+    assert averaging.scored_metric(run_dir) == "val_bleu"  # measured, so the default
     with pytest.raises(TmtError, match="4 checkpoints with val_bleu asked for, 3 carry it"):
-        list(run.best_models(run_dir, 4, "val_bleu"))
-    with pytest.raises(TmtError, match="--by bleu: expected one of val_bleu"):
-        list(run.best_models(run_dir, 1, "bleu"))
+        averaging.best_of(run_dir, 4, "val_bleu")
+    with pytest.raises(TmtError, match="by bleu: expected one of val_bleu"):
+        averaging.best_of(run_dir, 1, "bleu")
 
     best = tmt(
         "average", str(run_dir), "--best", "2", "--by", "val_bleu", "-o", str(tmp_path / "a")
@@ -368,7 +368,7 @@ def test_training_keeps_the_best_checkpoints_with_their_scores(
     assert set(kept) == {*best_three, 24}
     for step in kept:
         path = run.checkpoint_dir(tmp_path, step)
-        assert run.checkpoint_scores(path)["val_loss"] == pytest.approx(losses[step])
+        assert checkpoint.scores(path)["val_loss"] == pytest.approx(losses[step])
 
 
 # --- curves ------------------------------------------------------------------------------------

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import model_parts, reverse_pairs
 
-from transformer_mt import checkpoint, run, translate
+from transformer_mt import averaging, checkpoint, run, translate
 from transformer_mt.config import Config, apply_overrides
 from transformer_mt.exits import TmtError
 
@@ -28,7 +29,7 @@ def fake(tmp_path: Path, name: str, cfg: Config, spm: bytes, step: int, **rows: 
 def test_average_golden_values(tiny_cfg: Config, tiny_spm: bytes, tmp_path: Path) -> None:
     a = fake(tmp_path, "a", tiny_cfg, tiny_spm, 1, row0=[1.0, 2.0, 3.0], row1=[-1.0])
     b = fake(tmp_path, "b", tiny_cfg, tiny_spm, 2, row0=[3.0, 4.0, 8.0], row1=[2.5])
-    mean = checkpoint.average(map(checkpoint.read, [b, a]))  # any order: sources sorted by step
+    mean = averaging.average([b, a])  # any order: sources sorted by step
     embedding = mean.state_dict["embedding.weight"]
     assert torch.equal(embedding[0, :3], torch.tensor([2.0, 3.0, 5.5]))
     assert torch.equal(embedding[1, :1], torch.tensor([0.75]))
@@ -40,7 +41,7 @@ def test_average_golden_values(tiny_cfg: Config, tiny_spm: bytes, tmp_path: Path
 def test_average_of_copies_is_bitwise_the_original(trained_run: Path) -> None:
     one = trained_run / "checkpoints" / "step_00000030"
     original = checkpoint.read(one).state_dict
-    mean = checkpoint.average(checkpoint.read(one) for _ in range(3))
+    mean = averaging.average([one] * 3)
     assert all(torch.equal(original[k], mean.state_dict[k]) for k in original)
 
 
@@ -52,18 +53,18 @@ def test_average_refuses_different_models(
     a = fake(tmp_path, "a", tiny_cfg, tiny_spm, 1)
     wider = apply_overrides(tiny_cfg, ["model.d_ff=128"])
     with pytest.raises(TmtError, match="cannot average .*: model.d_ff differ"):
-        checkpoint.average(map(checkpoint.read, [a, fake(tmp_path, "b", wider, tiny_spm, 2)]))
+        averaging.average([a, fake(tmp_path, "b", wider, tiny_spm, 2)])
     sentences = [s for pair in reverse_pairs(200, seed=9) for s in pair]
     other_spm = train_tokenizer(
         sentences, tiny_cfg.tokenizer.__class__(vocab_size=48, byte_fallback=False)
     )
     with pytest.raises(TmtError, match="the tokenizer model differ"):
         other = fake(tmp_path, "c", tiny_cfg, other_spm.model_bytes, 3)
-        checkpoint.average(map(checkpoint.read, [a, other]))
+        averaging.average([a, other])
 
 
 def test_write_average_is_a_loadable_model(trained_run: Path, tmp_path: Path) -> None:
-    out = checkpoint.write_average(run.newest_models(trained_run, 2), tmp_path / "avg").path
+    out = averaging.write(averaging.newest(trained_run, 2), tmp_path / "avg").path
     assert checkpoint.verify(out) is None
     assert checkpoint.read(out).sources == tuple(
         str(p) for p in run.list_checkpoints(trained_run)[-2:]
@@ -71,14 +72,30 @@ def test_write_average_is_a_loadable_model(trained_run: Path, tmp_path: Path) ->
     # The written model translates exactly as the same average made in memory.
     written = translate.translate_text(translate.load_translator(out), SOURCES)
     assert written == translate.translate_text(
-        translate.load_translator(trained_run, average_last=2), SOURCES
+        translate.load_translator(trained_run, last=2), SOURCES
     )
     (tmp_path / "occupied").mkdir()
     (tmp_path / "occupied" / "notes.txt").write_text("mine")
     with pytest.raises(TmtError, match="exists and is not a checkpoint"):
-        checkpoint.write_average(run.newest_models(trained_run, 2), tmp_path / "occupied")
-    with pytest.raises(TmtError, match="complete checkpoints, 9 asked for"):
-        list(run.newest_models(trained_run, 9))
+        averaging.check_output(tmp_path / "occupied")
+    with pytest.raises(TmtError, match="exists; add overwrite to replace it"):
+        averaging.check_output(out)  # an averaged model is replaced only when asked
+    averaging.check_output(out, overwrite=True)
+    with pytest.raises(TmtError, match="a training checkpoint; averaging into it would destroy"):
+        averaging.check_output(run.list_checkpoints(trained_run)[0], overwrite=True)
+
+
+def test_newest_takes_the_newest_that_read_and_counts(trained_run: Path, tmp_path: Path) -> None:
+    every = [str(p) for p in run.list_checkpoints(trained_run)]  # steps 10, 20, 30
+    assert averaging.newest(trained_run, 2).sources == tuple(every[-2:])
+    with pytest.raises(TmtError, match="3 complete checkpoints, 9 asked for"):
+        averaging.newest(trained_run, 9)
     # Training's final average takes what there is when the run kept fewer than asked.
-    every = run.list_checkpoints(trained_run)
-    assert [c.path for c in run.newest_models(trained_run, 9, allow_fewer=True)] == every[::-1]
+    assert averaging.newest(trained_run, 9, allow_fewer=True).sources == tuple(every)
+    copy = tmp_path / "run"
+    shutil.copytree(trained_run, copy, symlinks=True)
+    (copy / "checkpoints" / "step_00000030" / "model.pt").write_bytes(b"broken")
+    assert [Path(p).name for p in averaging.newest(copy, 2).sources] == [
+        "step_00000010",
+        "step_00000020",
+    ]  # the broken newest is skipped

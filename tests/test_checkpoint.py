@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import model_parts
 
-from transformer_mt import checkpoint, run
+from transformer_mt import checkpoint, run, train_state
 from transformer_mt.config import load_config
 from transformer_mt.exits import TmtError
 
@@ -168,10 +168,10 @@ def test_rng_states_round_trip_as_plain_tensors(tmp_path: Path) -> None:
     np.random.seed(2)
     np.random.standard_normal()  # leaves a cached Gaussian in NumPy's state
     torch.manual_seed(3)
-    state = checkpoint.capture_rng()
+    state = train_state.capture_rng()
     expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
     torch.save(state, tmp_path / "rng.pt")
-    checkpoint.restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
+    train_state.restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert (
         random.random(),
         np.random.standard_normal(3).tolist(),

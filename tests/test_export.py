@@ -11,7 +11,7 @@ import torch
 from conftest import reverse_pairs
 from typer.testing import CliRunner
 
-from transformer_mt import checkpoint, corpus, export, run, translate
+from transformer_mt import averaging, corpus, export, translate
 from transformer_mt.cli import app
 from transformer_mt.config import Config
 from transformer_mt.exits import TmtError
@@ -199,6 +199,6 @@ def test_export_of_a_run_takes_its_average(trained_run: Path, tmp_path: Path) ->
     import shutil
 
     shutil.copytree(trained_run, run_dir, symlinks=True)
-    mean = checkpoint.write_average(run.newest_models(run_dir, 2), run_dir / "average")
+    mean = averaging.write(averaging.newest(run_dir, 2), run_dir / "average")
     report = export.export(run_dir, "ctranslate2", tmp_path / "ct2", check_lines=2)
     assert report["source"] == str(mean.path)

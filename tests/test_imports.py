@@ -19,19 +19,25 @@ ALLOWED = {
     "config": {"exits"},
     "textio": {"exits", "files"},
     "corpus": {"config", "exits", "files", "textio"},
-    "tokenizer": {"config", "exits"},
-    "data": {"config", "corpus", "exits", "files", "tokenizer"},  # trains the tokenizer too
+    "tokenizer": {"config", "corpus", "exits", "files"},  # trains and caches the joint model
+    "data": {"config", "corpus", "exits", "files", "tokenizer"},
     "model": {"config"},
     "loss": set(),
     "optim": {"config"},
     "distributed": {"exits"},
     "faults": set(),
     # One checkpoint's format; it rebuilds its own model and tokenizer (one loading path).
-    "checkpoint": {"config", "exits", "faults", "files", "model", "tokenizer"},
+    "checkpoint": {"config", "exits", "faults", "files", "model", "tokenizer", "train_state"},
+    "train_state": {"exits"},
+    "metrics": {"distributed", "exits", "files"},
+    "averaging": {"checkpoint", "exits", "run", "textio"},
     # A run directory's lifetime; its metrics log all-reduces the sums since the last record.
-    "run": {"checkpoint", "config", "distributed", "exits", "files", "tokenizer"},
+    "run": {"checkpoint", "config", "distributed", "exits", "files", "metrics", "tokenizer"},
     "train": {
+        "averaging",
         "checkpoint",
+        "metrics",
+        "train_state",
         "config",
         "corpus",
         "data",
@@ -53,6 +59,7 @@ ALLOWED = {
     "plot": {"exits", "files"},  # metrics.jsonl in, a figure out
     "search": set(),  # a step function in, hypotheses out: no model, no config
     "translate": {
+        "averaging",
         "checkpoint",
         "config",
         "data",
@@ -70,6 +77,7 @@ ALLOWED = {
     "bulk": {"config", "distributed", "exits", "faults", "files", "run", "textio", "translate"},
     "cli": {
         "allocator",
+        "averaging",
         "bulk",
         "checkpoint",
         "config",

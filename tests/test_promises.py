@@ -26,7 +26,7 @@ from conftest import reverse_pairs, write_parallel
 from test_train import cli_args, numbers, records, run_tmt, with_train
 from typer.testing import CliRunner
 
-from transformer_mt import checkpoint, files, run
+from transformer_mt import checkpoint, files, metrics, run
 from transformer_mt.cli import app
 from transformer_mt.config import Config, apply_overrides
 from transformer_mt.data import prepare_data
@@ -372,13 +372,13 @@ class FullAfter:
 def test_full_disk_on_the_metrics_log(
     train_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_init = run.MetricsLog.__init__
+    real_init = metrics.MetricsLog.__init__
 
     def init(self, *args, **kwargs):  # the disk fills up after the checkpoint of step 4
         real_init(self, *args, **kwargs)
         self.handle = FullAfter(self.handle, '"step": 6')
 
-    monkeypatch.setattr(run.MetricsLog, "__init__", init)
+    monkeypatch.setattr(metrics.MetricsLog, "__init__", init)
     with pytest.raises(TmtError) as err:
         train(with_train(train_cfg, out_dir=str(tmp_path)))
     assert err.value.exit_code == 4

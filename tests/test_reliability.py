@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from test_train import cli_args, final_weights, numbers, records, run_tmt, with_train
 from typer.testing import CliRunner
 
-from transformer_mt import checkpoint, run, textio, translate
+from transformer_mt import averaging, checkpoint, run, textio, train_state, translate
 from transformer_mt.cli import app
 from transformer_mt.config import Config, apply_overrides
 from transformer_mt.data import prepare_data
@@ -182,7 +182,7 @@ def test_without_rng_restore_a_resume_would_differ(
 ) -> None:
     # Negative control: the exactness above depends on the saved RNG states.
     train(with_train(train_cfg, out_dir=str(tmp_path), max_steps=4))
-    monkeypatch.setattr(checkpoint, "restore_rng", lambda state: None)
+    monkeypatch.setattr(train_state, "restore_rng", lambda state: None)
     train(with_train(train_cfg, out_dir=str(tmp_path)))
     assert [r.get("loss") for r in records(tmp_path)][5:] != [
         r.get("loss") for r in records(straight)
@@ -486,9 +486,7 @@ def test_corruption_is_caught_by_translate_average_and_resume(
     with pytest.raises(TmtError):
         translate.load_translator(newest)
     with pytest.raises(TmtError):
-        checkpoint.average(
-            map(checkpoint.read, [run_dir / "checkpoints" / "step_00000004", newest])
-        )
+        averaging.average([run_dir / "checkpoints" / "step_00000004", newest])
     assert run.latest_valid(run_dir).name == "step_00000004"  # resume falls back...
     assert any(
         "skipping checkpoint" in r.message and "step_00000008" in r.message for r in caplog.records

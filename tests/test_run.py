@@ -13,10 +13,12 @@ import pytest
 from conftest import model_parts
 from typer.testing import CliRunner
 
-from transformer_mt import checkpoint, run, translate
+from transformer_mt import averaging, checkpoint, run, translate
 from transformer_mt.cli import app
 from transformer_mt.config import Config, load_config
 from transformer_mt.exits import TmtError
+from transformer_mt.model import Transformer
+from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.train import train
 
 CFG = load_config("tiny")
@@ -75,17 +77,6 @@ def test_load_model_takes_a_checkpoint_or_a_run(tmp_path: Path, save) -> None:
         run.load_model(tmp_path / "elsewhere")
 
 
-def test_newest_models_reads_lazily_and_counts(tmp_path: Path, save) -> None:
-    for step in (1, 2, 3):
-        save(tmp_path, step)
-    newest = run.newest_models(tmp_path, 2)
-    assert next(newest).step == 3  # read as taken, newest first
-    assert [c.step for c in newest] == [2]
-    with pytest.raises(TmtError, match="3 complete checkpoints, 5 asked for"):
-        list(run.newest_models(tmp_path, 5))
-    assert [c.step for c in run.newest_models(tmp_path, 5, allow_fewer=True)] == [3, 2, 1]
-
-
 # --- each checkpoint file is opened (read, hashed, verified) once per command -------------------
 
 
@@ -119,6 +110,46 @@ def opened(monkeypatch: pytest.MonkeyPatch):
 def assert_each_once(counts: Counter[str], checkpoints: list[Path], names: list[str]) -> None:
     expected = {str((c / n).resolve()): 1 for c in checkpoints for n in names}
     assert dict(counts) == expected
+
+
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts Transformer builds and sentencepiece parses (Tokenizer objects made)."""
+    counts: Counter[str] = Counter()
+    for cls in (Transformer, Tokenizer):
+        real = cls.__init__
+
+        def counting(self, *args, _real=real, _name=cls.__name__, **kwargs):
+            counts[_name] += 1
+            _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__init__", counting)
+    return counts
+
+
+def test_loading_a_run_parses_builds_and_reads_once(
+    trained_run: Path, opened: Counter[str], built: Counter[str]
+) -> None:
+    translate.Translator.load(trained_run)  # a run directory: its best checkpoint
+    assert built == {"Transformer": 1, "Tokenizer": 1}
+    assert_each_once(opened, [run.best(trained_run)], ["manifest.json", "model.pt"])
+    built.clear()
+    opened.clear()
+    translate.load_translator(trained_run, last=3)  # the average of its newest 3
+    assert built == {"Transformer": 1, "Tokenizer": 1}
+    assert_each_once(opened, run.list_checkpoints(trained_run)[-3:], ["manifest.json", "model.pt"])
+
+
+def test_average_parses_builds_and_reads_once(
+    trained_run: Path, tmp_path: Path, opened: Counter[str], built: Counter[str]
+) -> None:
+    result = CliRunner().invoke(
+        app, ["average", str(trained_run), "--last", "3", "-o", str(tmp_path / "avg")]
+    )
+    assert result.exit_code == 0, result.output
+    assert built == {"Transformer": 1, "Tokenizer": 1}
+    averaged = run.list_checkpoints(trained_run)[-3:]
+    assert_each_once(opened, averaged, ["manifest.json", "model.pt"])
 
 
 def test_translate_reads_its_checkpoint_once(trained_run: Path, opened: Counter[str]) -> None:
@@ -162,7 +193,7 @@ def test_a_run_is_translated_by_its_average_first_and_says_so(
 ) -> None:
     first, second = save(tmp_path, 1), save(tmp_path, 2)
     run.set_best(tmp_path, first)
-    mean = checkpoint.write_average([checkpoint.read(first)], tmp_path / "average")
+    mean = averaging.write(averaging.average([first]), tmp_path / "average")
     with caplog.at_level("INFO"):
         assert run.load_model(tmp_path).path == mean.path  # the average, before the best
     assert any("using its average" in m for m in caplog.messages)

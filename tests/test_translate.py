@@ -105,7 +105,7 @@ def test_stream_nbest_format(trained_run: Path) -> None:
 def test_load_translator_from_run_directory_and_average(trained_run: Path) -> None:
     best = run.best(trained_run)
     assert translate.load_translator(trained_run).origin == str(best)
-    averaged = translate.load_translator(trained_run, average_last=3)
+    averaged = translate.load_translator(trained_run, last=3)
     assert "step_00000010, step_00000020, step_00000030" in averaged.origin
     with pytest.raises(TmtError, match="not a checkpoint .* nor a run directory"):
         translate.load_translator(trained_run / "nowhere")

@@ -1,4 +1,5 @@
-"""The format of one checkpoint: write it atomically, read it (which verifies it), average several.
+"""One checkpoint directory: write it atomically, recover an interrupted write, read it (which
+verifies it and builds its model).
 
 A checkpoint is a directory:
 
@@ -13,33 +14,32 @@ manifest last), then renamed into place and the parent directory fsynced: a kill
 leaves either the complete checkpoint or none under the final name. Reading is verifying: each file
 is read once, its bytes hashed against the manifest and only then given to
 torch.load(weights_only=True), so a checkpoint that reads is a checkpoint that verifies, and no
-command reads a file twice. Where checkpoints live in a run directory is run.py's business.
+command reads a file twice. Reading also loads: the tokenizer is parsed once and the weights are
+loaded into the model the config describes, built once. Where checkpoints live in a run directory
+is run.py's business; what train_state.pt holds, train_state.py's; averaging, averaging.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import hashlib
 import importlib.metadata
 import io
 import json
 import logging
+import math
 import os
 import pickle
-import random
 import shutil
 import stat
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import numpy as np
 import torch
 
-from transformer_mt import exits, faults, files
+from transformer_mt import faults, files
 from transformer_mt.config import (
     MODEL_SECTIONS,
     Config,
@@ -51,6 +51,7 @@ from transformer_mt.config import (
 from transformer_mt.exits import TmtError
 from transformer_mt.model import Transformer
 from transformer_mt.tokenizer import Tokenizer
+from transformer_mt.train_state import check as check_train_state
 
 FORMAT_VERSION = 1
 _MIN_TORCH = "2.10"  # weights_only bypasses before: CVE-2025-32434 (< 2.6), CVE-2026-24747 (< 2.10)
@@ -66,18 +67,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint as read: model.pt's content, and train_state.pt's when it was asked for."""
+    """A checkpoint as read: model.pt's content loaded, and train_state.pt's when asked for."""
 
     path: Path
     step: int
     config: Config
-    state_dict: dict[str, torch.Tensor]
-    tokenizer_bytes: bytes
+    tokenizer: Tokenizer  # parsed once, when read
+    state_dict: dict[str, torch.Tensor]  # the weights (the model's own tensors when it is built)
+    # The model the config describes, holding the weights (on the CPU, in training mode); None
+    # for a checkpoint read to be averaged with another (read(..., average_with=...)).
+    model: Transformer | None = None
     train_state: dict[str, Any] | None = None
     sources: tuple[str, ...] = ()  # an averaged model: the checkpoints it averages, oldest first
 
-    def tokenizer(self) -> Tokenizer:
-        return Tokenizer(self.tokenizer_bytes, origin=f"{self.path} tokenizer")
+    @property
+    def tokenizer_bytes(self) -> bytes:
+        return self.tokenizer.model_bytes
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -229,12 +234,42 @@ _MANIFEST_LIMIT = 1 << 20  # a manifest is a few hundred bytes; a bigger one is 
 _SHA256_HEX = frozenset("0123456789abcdef")
 
 
-def read(path: str | Path, train_state: bool = False) -> Checkpoint:
+def read(
+    path: str | Path, train_state: bool = False, average_with: Checkpoint | None = None
+) -> Checkpoint:
     """Read model.pt (and train_state.pt) of a checkpoint directory, each file once, verified
-    against the manifest before it is unpickled (tensors and plain values only), then checked
-    against the model its own config describes: a checkpoint that reads is one that loads."""
+    against the manifest before it is unpickled (tensors and plain values only), then loaded: the
+    tokenizer parsed and the weights loaded into the model the config describes, each once. A
+    checkpoint that reads is one that loads.
+
+    With `average_with` (a checkpoint read before, to be averaged with this one), the model is
+    not built again: this one must hold the same model (model and tokenizer settings, tokenizer,
+    weight names and shapes), and it shares that checkpoint's parsed tokenizer."""
     path = Path(path)
     manifest = read_manifest(path)
+    step, cfg, weights, spm = _read_model_file(path, manifest)
+    sources = tuple(str(s) for s in manifest.get("averaged", ()) if isinstance(s, str))
+    if average_with is not None:
+        _check_same_model(average_with, path, cfg, spm, weights)
+        return Checkpoint(path, step, cfg, average_with.tokenizer, weights, sources=sources)
+    tokenizer = Tokenizer(spm, origin=f"{path / MODEL_FILE} tokenizer")
+    # The random initialisation of the build is overwritten by the weights; it draws from a
+    # forked generator, so reading a checkpoint never moves the caller's random streams.
+    with torch.random.fork_rng(devices=[]):
+        model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
+    load_weights(model, weights, path / MODEL_FILE)
+    state = None
+    if train_state:
+        state = _load_verified(path, STATE_FILE, manifest)
+        check_train_state(state, list(model.parameters()), path / STATE_FILE)
+    return Checkpoint(path, step, cfg, tokenizer, model.state_dict(), model, state, sources)
+
+
+def _read_model_file(
+    path: Path, manifest: dict[str, Any]
+) -> tuple[int, Config, dict[str, torch.Tensor], bytes]:
+    """model.pt's step, config, weights (named floating-point tensors) and tokenizer bytes,
+    checked against the manifest."""
     payload = _load_verified(path, MODEL_FILE, manifest)
     where = path / MODEL_FILE
     if not isinstance(payload, dict):
@@ -246,6 +281,11 @@ def read(path: str | Path, train_state: bool = False) -> Checkpoint:
     step, weights, spm = payload["step"], payload["model"], payload["tokenizer"]
     if not isinstance(step, int) or not isinstance(spm, bytes):
         raise TmtError(f"{where}: malformed checkpoint (step or tokenizer of the wrong type)")
+    if not isinstance(weights, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point()
+        for k, v in weights.items()
+    ):
+        raise TmtError(f"{where}: malformed checkpoint (the weights are not named float tensors)")
     # The config as stored: a newer tmt fills in keys added since; the hash is of the stored.
     stored = json.dumps(payload["config"], sort_keys=True).encode()
     found = {
@@ -256,13 +296,7 @@ def read(path: str | Path, train_state: bool = False) -> Checkpoint:
     differ = [key for key, value in found.items() if manifest.get(key) != value]
     if differ:
         raise TmtError(f"{path}: manifest does not match {MODEL_FILE} ({', '.join(differ)} differ)")
-    parameters = _check_weights(cfg, spm, weights, where)
-    state = None
-    if train_state:
-        state = _load_verified(path, STATE_FILE, manifest)
-        _check_train_state(state, parameters, path / STATE_FILE)
-    sources = tuple(str(s) for s in manifest.get("averaged", ()) if isinstance(s, str))
-    return Checkpoint(path, step, cfg, weights, spm, state, sources)
+    return step, cfg, weights, spm
 
 
 def verify(path: Path) -> str | None:
@@ -348,56 +382,35 @@ def _load_verified(path: Path, name: str, manifest: dict[str, Any]) -> Any:
         raise TmtError(f"{path / name}: unreadable ({str(err).splitlines()[0]})") from None
 
 
-def _check_weights(cfg: Config, spm: bytes, weights: Any, where: Path) -> list[torch.nn.Parameter]:
-    """Refuse weights that are not the tensors of the model `cfg` describes (names, shapes,
-    floating point); returns that model's parameters (shapes only: built on the meta device)."""
-    tokenizer = Tokenizer(spm, origin=f"{where} tokenizer")
-    with torch.device("meta"):
-        expected = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
-    if not isinstance(weights, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()
-    ):
-        raise TmtError(f"{where}: malformed checkpoint (the weights are not named tensors)")
-    shapes = {name: tuple(t.shape) for name, t in expected.state_dict().items()}
-    differ = [f"{n} unexpected" for n in weights if n not in shapes]
-    for name, shape in shapes.items():
-        found = tuple(weights[name].shape) if name in weights else "missing"
-        if found != shape or (name in weights and not weights[name].is_floating_point()):
-            differ.append(f"{name} {found} vs {shape}")
-    if differ:
-        raise TmtError(f"{where}: weights do not fit its config's model: {'; '.join(differ[:4])}")
-    return list(expected.parameters())
+# --- validation scores in the manifest ---------------------------------------------------------
+
+HIGHER_IS_BETTER = {"val_bleu": True, "val_chrf": True, "val_loss": False, "val_ppl": False}
 
 
-def _check_train_state(state: Any, parameters: list[torch.nn.Parameter], where: Path) -> None:
-    """Refuse a training state that could not be restored into the model's optimizer."""
+def scores(path: Path) -> dict[str, float]:
+    """The validation scores a checkpoint's manifest carries ({} for none or a broken one)."""
+    try:
+        found = read_manifest(path).get("valid")
+    except TmtError:
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {
+        name: float(value)
+        for name, value in found.items()
+        if name in HIGHER_IS_BETTER
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    }
 
-    def bad(what: str) -> TmtError:
-        return TmtError(f"{where}: malformed training state ({what})")
 
-    kinds = {"optimizer": dict, "scheduler": dict, "scaler": dict, "rng": list, "progress": dict}
-    if not isinstance(state, dict):
-        raise bad(f"holds a {type(state).__name__}")
-    for key, kind in kinds.items():
-        if not isinstance(state.get(key), kind):
-            raise bad(f"{key}: expected a {kind.__name__}")
-    groups, per_param = state["optimizer"].get("param_groups"), state["optimizer"].get("state")
-    if not isinstance(groups, list) or not isinstance(per_param, dict):
-        raise bad("optimizer: no param_groups or state")
-    indices = [i for g in groups if isinstance(g, dict) for i in g.get("params", [None])]
-    if sorted(map(str, indices)) != sorted(str(i) for i in range(len(parameters))):
-        raise bad(f"optimizer: {len(indices)} parameters, the model has {len(parameters)}")
-    for index, moments in per_param.items():
-        if not isinstance(moments, dict) or index not in range(len(parameters)):
-            raise bad(f"optimizer state of parameter {index!r}")
-        for name in ("exp_avg", "exp_avg_sq"):
-            value = moments.get(name)
-            if value is not None and getattr(value, "shape", None) != parameters[index].shape:
-                raise bad(f"optimizer {name} of parameter {index} has the wrong shape")
-    if not all(isinstance(r, dict) for r in state["rng"] + state.get("metrics", [])):
-        raise bad("rng or metrics: expected one mapping per rank")
-    if not all(isinstance(k, str) for k in state["progress"]):
-        raise bad("progress: expected named values")
+def ranked_by(checkpoints: list[Path], metric: str) -> list[tuple[Path, float]]:
+    """The checkpoints (oldest first) that carry `metric`, best first (ties: the newer first)."""
+    scored = [(path, scores(path).get(metric)) for path in reversed(checkpoints)]
+    sign = -1.0 if HIGHER_IS_BETTER[metric] else 1.0
+    ranked = [(path, value) for path, value in scored if value is not None]
+    return sorted(ranked, key=lambda item: sign * item[1])  # stable: newer first among ties
 
 
 # --- the model of a checkpoint -----------------------------------------------------------------
@@ -416,199 +429,35 @@ def model_differences(
 
 def load_weights(model: Transformer, state_dict: dict[str, torch.Tensor], origin: Path) -> None:
     """Load weights into `model`, refusing weights of another shape before any compute and naming
-    the parameters that differ."""
-    expected = model.state_dict()
-    differ = [f"{name} unexpected" for name in state_dict if name not in expected]
-    for name, tensor in expected.items():
-        found = tuple(state_dict[name].shape) if name in state_dict else "missing"
-        if found != tuple(tensor.shape):
-            differ.append(f"{name} {found} vs {tuple(tensor.shape)}")
+    the parameters that differ: the one shape check of every load."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    differ = _shape_differences(expected, state_dict)
     if differ:
-        raise TmtError(f"{origin}: weights do not fit this model: {'; '.join(differ[:4])}")
+        raise TmtError(f"{origin}: weights do not fit its model: {'; '.join(differ[:4])}")
     model.load_state_dict(state_dict)
 
 
-def build_model(saved: Checkpoint, tokenizer: Tokenizer) -> Transformer:
-    """The checkpoint's model (on the CPU, in training mode), with its weights."""
-    model = Transformer(saved.config.model, tokenizer.vocab_size, tokenizer.pad_id)
-    load_weights(model, saved.state_dict, saved.path)
-    return model
+def _shape_differences(
+    expected: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor]
+) -> list[str]:
+    differ = [f"{name} unexpected" for name in weights if name not in expected]
+    for name, shape in expected.items():
+        found = tuple(weights[name].shape) if name in weights else "missing"
+        if found != shape:
+            differ.append(f"{name} {found} vs {shape}")
+    return differ
 
 
-# --- averaging (§6.1) --------------------------------------------------------------------------
-
-
-def average(checkpoints: Iterable[Checkpoint]) -> Checkpoint:
-    """The element-wise mean of the checkpoints' weights, with the newest one's config and step.
-
-    Checkpoints are consumed one at a time (an iterator reads each as it comes), so memory holds
-    one checkpoint and the sums. Sums are accumulated in float64 and cast back, so N copies of one
-    checkpoint average back to it bitwise. All must share the architecture and the tokenizer.
-    """
-    sums: dict[str, torch.Tensor] = {}
-    dtypes: dict[str, torch.dtype] = {}
-    first = newest = None  # without their weights: only the config, tokenizer and step are kept
-    sources: list[tuple[int, str]] = []
-    for saved in checkpoints:
-        if first is None:
-            first = dataclasses.replace(saved, state_dict={}, train_state=None)
-            dtypes = {k: v.dtype for k, v in saved.state_dict.items()}
-            sums = {k: v.to(torch.float64) for k, v in saved.state_dict.items()}
-        else:
-            _check_same_model(first, saved, set(sums))
-            for key, value in saved.state_dict.items():
-                sums[key] += value.to(torch.float64)
-        if newest is None or saved.step >= newest.step:
-            newest = dataclasses.replace(saved, state_dict={}, train_state=None)
-        sources.append((saved.step, str(saved.path)))
-    if first is None or newest is None:
-        raise TmtError("no checkpoints to average")
-    mean = {k: (v / len(sources)).to(dtypes[k]) for k, v in sums.items()}
-    oldest_first = tuple(path for _, path in sorted(sources))
-    return dataclasses.replace(newest, state_dict=mean, sources=oldest_first)
-
-
-def write_average(checkpoints: Iterable[Checkpoint], output: Path) -> Checkpoint:
-    """Average `checkpoints` into a self-contained model directory at `output` (written
-    atomically); returns the averaged model as written."""
-    _check_average_output(output)
-    mean = average(checkpoints)
-    info = {"averaged": list(mean.sources)}
-    try:
-        write(output, mean.step, mean.config, mean.state_dict, mean.tokenizer_bytes, info=info)
-    except (OSError, RuntimeError) as err:  # disk full, quota, I/O (torch: RuntimeError)
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise TmtError(
-            f"{output}: writing the averaged model failed ({reason.splitlines()[0]});"
-            " nothing was left there",
-            exit_code=exits.NO_ROOM,
-        ) from None
-    return dataclasses.replace(mean, path=output)
-
-
-def _check_average_output(output: Path) -> None:
-    """An average may replace an averaged model, never a training checkpoint (its training state
-    would be lost) nor a file or directory that is not a model."""
-    if output.parent.name == CHECKPOINTS:
-        raise TmtError(
-            f"{output}: inside a run's {CHECKPOINTS}/ directory, where it would be taken for a"
-            " training checkpoint; choose another output"
-        )
-    if not output.exists() and not output.is_symlink():
-        return
-    if output.is_symlink() or not output.is_dir():
-        raise TmtError(f"{output}: exists and is not a model directory; choose another output")
-    if (output / MANIFEST_FILE).exists():
-        try:
-            listed = read_manifest(output)["files"]
-        except TmtError:
-            listed = {STATE_FILE: "unreadable"}
-        if STATE_FILE in listed:
-            raise TmtError(
-                f"{output}: a training checkpoint; averaging into it would destroy its training"
-                " state; choose another output"
-            )
-    elif any(output.iterdir()):
-        raise TmtError(f"{output}: exists and is not a checkpoint; choose another output")
-
-
-def _check_same_model(first: Checkpoint, other: Checkpoint, names: set[str]) -> None:
-    differ = model_differences(
-        first.config, first.tokenizer_bytes, other.config, other.tokenizer_bytes
-    )
-    if not differ and names != set(other.state_dict):
-        differ.append("the parameter names")
+def _check_same_model(
+    first: Checkpoint, path: Path, cfg: Config, spm: bytes, weights: dict[str, torch.Tensor]
+) -> None:
+    """Refuse weights that are not `first`'s model: they could not be averaged with it."""
+    differ = model_differences(first.config, first.tokenizer_bytes, cfg, spm)
+    if not differ:
+        expected = {name: tuple(t.shape) for name, t in first.state_dict.items()}
+        differ = _shape_differences(expected, weights)[:4]
     if differ:
-        raise TmtError(f"cannot average {first.path} with {other.path}: {', '.join(differ)} differ")
-
-
-# --- the training state ------------------------------------------------------------------------
-
-
-def train_state(
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler,
-    ranks: list[dict[str, Any]],
-    progress: dict[str, Any],
-) -> dict[str, Any]:
-    """What train_state.pt holds: Adam's state, the schedule, the fp16 scaler, the trainer's
-    progress (plain values), and per rank (in rank order) its RNG states (capture_rng) and its
-    metrics since the last record."""
-    return {
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
-        "rng": [r["rng"] for r in ranks],
-        "metrics": [r["metrics"] for r in ranks],
-        "progress": progress,
-    }
-
-
-def restore_train_state(
-    saved: Checkpoint,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler,
-    rank: int,
-    world_size: int,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Load a checkpoint's train_state.pt into the optimizer, schedule and scaler and restore this
-    rank's RNG states; returns the saved progress and this rank's metrics since the last record
-    (None when the world size changed or the checkpoint predates them)."""
-    state = saved.train_state or {}
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        same_world = len(state["rng"]) == world_size
-        if same_world:
-            restore_rng(state["rng"][rank])
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
-        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        raise TmtError(f"{saved.path / STATE_FILE}: cannot be restored ({reason})") from None
-    if not same_world:  # another world size: the data order resumes exactly, the dropout cannot
-        logger.warning(
-            "checkpoint has %d ranks, this run %d: random streams and the metrics since the"
-            " last record restart",
-            len(state["rng"]),
-            world_size,
-        )
-    metrics = state.get("metrics", [])
-    return state["progress"], metrics[rank] if same_world and len(metrics) == world_size else None
-
-
-# --- RNG state as tensors and primitives (loadable with weights_only) ----------------------------
-
-
-def capture_rng() -> dict[str, Any]:
-    """This process's Python, NumPy, torch and CUDA generator states."""
-    py_version, py_state, py_gauss = random.getstate()
-    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    return {
-        "python_version": py_version,
-        "python_state": torch.tensor(py_state, dtype=torch.int64),
-        "python_gauss": py_gauss,
-        "numpy_keys": torch.from_numpy(np_keys.astype(np.int64)),
-        "numpy_pos": int(np_pos),
-        "numpy_has_gauss": int(np_has_gauss),
-        "numpy_gauss": float(np_gauss),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(
-        (state["python_version"], tuple(state["python_state"].tolist()), state["python_gauss"])
-    )
-    keys = state["numpy_keys"].numpy().astype(np.uint32)
-    np.random.set_state(
-        ("MT19937", keys, state["numpy_pos"], state["numpy_has_gauss"], state["numpy_gauss"])
-    )
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        raise TmtError(f"cannot average {first.path} with {path}: {', '.join(differ)} differ")
 
 
 def _non_finite(tree: Any, prefix: str = "") -> list[str]:

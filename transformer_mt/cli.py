@@ -211,7 +211,7 @@ def translate(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
         precision=precision, sampling=sampling, temperature=temperature, seed=seed,
     )  # fmt: skip
-    translator = lib.load_translator(checkpoint, overrides, average_last)
+    translator = lib.load_translator(checkpoint, overrides, last=average_last)
     if bulk.is_bulk(input_, output):
         report = bulk.translate_job(translator, input_, output, overwrite)
         if "output" in report:  # rank 0
@@ -263,7 +263,7 @@ def evaluate(
     # Splits come from the model's config (its data section), else from the default preset.
     translator = None
     if checkpoint:
-        translator = translate.load_translator(checkpoint, overrides, average_last)
+        translator = translate.load_translator(checkpoint, overrides, last=average_last)
     cfg = translator.config if translator else load_config("multi30k", set_ or [])
     report = lib.evaluate(
         translator,
@@ -324,27 +324,10 @@ def average(
     ] = None,
 ) -> None:
     """Average checkpoints into one self-contained model (§6.1: the last 5 for base, 20 for big)."""
-    from transformer_mt import checkpoint, run
+    from transformer_mt import averaging
 
-    if last < 0 or best < 0:
-        flag = "--last" if last < 0 else "--best"
-        raise TmtError(f"{flag}: expected a number of checkpoints >= 1")
-    if last and best:
-        raise TmtError("--last and --best: choose one")
-    if (last or best) and len(inputs) != 1:
-        raise TmtError(f"{'--last' if last else '--best'} takes exactly one run directory")
-    if by and not best:
-        raise TmtError("--by ranks the checkpoints of --best N")
-    report: dict[str, Any] = {}
-    if best:
-        report["by"] = by = by or run.scored_metric(inputs[0])
-        models = run.best_models(inputs[0], best, by)
-    elif last:
-        models = run.newest_models(inputs[0], last)
-    else:
-        models = map(checkpoint.read, inputs)
-    mean = checkpoint.write_average(models, output)
-    typer.echo(json.dumps({"output": str(mean.path), "averaged": list(mean.sources), **report}))
+    report = averaging.average_into(inputs, output, last, best, by, overwrite=True)
+    typer.echo(json.dumps(report))
 
 
 @app.command()

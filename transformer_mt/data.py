@@ -1,4 +1,4 @@
-"""From raw parallel text to batches: joint tokenizer, encoded cache, filters, token-bucket batches.
+"""From raw parallel text to batches: encoded cache, filters, token-bucket batches.
 
 Encoding happens once per (data, tokenizer) and is cached as Arrow files that are memory-mapped on
 later runs; filters are applied to the cached lengths (milliseconds), so changing a filter never
@@ -26,9 +26,9 @@ import pyarrow.compute as pc
 import torch
 
 from transformer_mt import corpus, exits, files
-from transformer_mt.config import Config, DataConfig, TokenizerConfig
+from transformer_mt.config import Config, DataConfig
 from transformer_mt.exits import TmtError
-from transformer_mt.tokenizer import Tokenizer, train_tokenizer
+from transformer_mt.tokenizer import Tokenizer, load_or_train_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -126,50 +126,6 @@ def cache_root(cfg: DataConfig) -> Path:
     if os.environ.get("TMT_CACHE"):
         return Path(os.environ["TMT_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transformer_mt"
-
-
-def load_or_train_tokenizer(
-    cfg: TokenizerConfig, corpora: Sequence[corpus.RawSplit], load: Any, cache: Path
-) -> Tokenizer:
-    """The configured model_path, else the cached model for this data and config, else train one
-    on the sentences of every training corpus, with the corpora's tags as user-defined symbols."""
-    if cfg.model_path:
-        return Tokenizer.from_file(cfg.model_path)
-    settings = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-    tags = sorted({split.tag for split in corpora} - {""})
-    content = "|".join(split.fingerprint for split in corpora)
-    if tags:
-        content += "|tags:" + json.dumps(tags)
-    key = hashlib.sha256(f"{content}|{settings}".encode()).hexdigest()[:32]
-    path = cache / "tokenizers" / f"{key}.model"
-    if path.is_file():
-        try:
-            cached = Tokenizer.from_file(path)
-            logger.info("tokenizer: cached %s", path)
-            return cached
-        except TmtError as err:
-            logger.warning("cached tokenizer damaged (%s): rebuilding it", err)
-    if len(corpora) == 1:
-        dataset = load(corpora[0].key)
-    else:
-        import datasets
-
-        dataset = datasets.concatenate_datasets([load(split.key) for split in corpora])
-    logger.info("tokenizer: training %s, %d pieces", cfg.model_type, cfg.vocab_size)
-    tokenizer = train_tokenizer(_sample_sentences(dataset, cfg.max_sentences), cfg, tags)
-    files.atomic_write(path, tokenizer.model_bytes)
-    return tokenizer
-
-
-def _sample_sentences(dataset: Any, max_sentences: int) -> Iterator[str]:
-    """Source and target sentences; a seeded uniform sample of pairs when there are too many."""
-    pairs = len(dataset)
-    if 2 * pairs > max_sentences:
-        rng = np.random.default_rng(0)  # fixed: the tokenizer depends on data and config only
-        dataset = dataset.select(np.sort(rng.choice(pairs, max_sentences // 2, replace=False)))
-    for batch in dataset.select_columns(["src", "tgt"]).iter(batch_size=10_000):
-        yield from batch["src"]
-        yield from batch["tgt"]
 
 
 def _check_tags(tokenizer: Tokenizer, corpora: Sequence[corpus.RawSplit]) -> None:

@@ -38,8 +38,8 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK), if any."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = local_rank_of_process()
-    target = resolve_device(device, local_rank, key="train.device")
+    local_rank = _local_rank()
+    target = resolve_device(device, key="train.device")
     use_cuda = target.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -52,15 +52,16 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     return DistInfo(rank, world_size, local_rank, target)
 
 
-def local_rank_of_process() -> int:
-    """This process's index on its machine (torchrun's LOCAL_RANK; 0 outside torchrun): which GPU
-    it trains or decodes on."""
+def _local_rank() -> int:
+    """This process's index on its machine (torchrun's LOCAL_RANK; 0 outside torchrun)."""
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def resolve_device(spec: str, index: int = 0, key: str = "device") -> torch.device:
-    """auto (CUDA when there is a GPU), cpu, cuda (the `index`-th GPU) or cuda:N; asking for a
-    GPU where there is none is an error naming `key`, not a traceback from deep inside torch."""
+def resolve_device(spec: str, key: str = "device") -> torch.device:
+    """auto (CUDA when there is a GPU), cpu, cuda or cuda:N. "cuda" is this process's own GPU:
+    under torchrun each process trains or decodes on GPU LOCAL_RANK. Asking for a GPU where there
+    is none is an error naming `key`, not a traceback from deep inside torch."""
+    index = _local_rank()
     if spec.startswith("cuda"):
         index = int(spec.removeprefix("cuda:")) if spec.startswith("cuda:") else index
         if not torch.cuda.is_available():

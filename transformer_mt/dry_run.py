@@ -23,7 +23,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     """Prepare the data (filling the caches) and the model; print the report; return it. With
     train.init_from, the model is checked and its tokenizer used, as training would."""
     parent = run.init_model(cfg) if cfg.train.init_from else None
-    data = prepare_data(cfg, parent.tokenizer() if parent else None)
+    data = prepare_data(cfg, parent.tokenizer if parent else None)
     sampler = data.train.sampler(cfg.data.max_tokens, cfg.train.seed)
     batches = sampler.epoch_batches(0)
     model = Transformer(cfg.model, data.tokenizer.vocab_size, data.tokenizer.pad_id)

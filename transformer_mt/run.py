@@ -2,7 +2,7 @@
 
     OUT_DIR/config.yaml                 the resolved config of the latest session
     OUT_DIR/tokenizer.model             the joint sentencepiece model (also inside every checkpoint)
-    OUT_DIR/metrics.jsonl               one JSON object per log step, validation and skipped update
+    OUT_DIR/metrics.jsonl               one JSON object per log step, validation, event (metrics.py)
     OUT_DIR/curves.png                  loss, BLEU, learning rate and tokens/s (plot.py)
     OUT_DIR/tensorboard/                the same as TensorBoard events (train.tensorboard)
     OUT_DIR/checkpoints/step_00001000/  a checkpoint (checkpoint.py owns the format of one)
@@ -11,22 +11,20 @@
 
 Start: sweep what killed writers left, refuse a directory without room, write the config and the
 tokenizer, drop metrics past the resume step. Resume: the newest checkpoint that reads (verified
-and read once), checked against the config. Save: a checkpoint, the best link, retention. Every file
-is written atomically, and only by rank 0. Translating, evaluating and averaging find their models
-here too (load_model, newest_models), each checkpoint read once.
+and read once), checked against the config; or, for a new fine-tuning run, the model it starts
+from. Save: a checkpoint, the best link, retention. Every file is written atomically, and only by
+rank 0. Commands that take a run directory as a model find here the model it finished with
+(load_model: its average, else its best, else its newest checkpoint), each checkpoint read once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
-import math
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Collection, Iterator, Sequence
@@ -35,7 +33,7 @@ from typing import Any
 
 import torch
 
-from transformer_mt import checkpoint, distributed, exits, files
+from transformer_mt import checkpoint, distributed, exits, files, metrics
 from transformer_mt.checkpoint import Checkpoint
 from transformer_mt.config import (
     MODEL_SECTIONS,
@@ -51,9 +49,9 @@ from transformer_mt.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS = checkpoint.CHECKPOINTS
+CHECKPOINTS = files.CHECKPOINTS
 _PREFIX = "step_"
-LOCK_FILE = ".lock"
+LOCK_FILE = files.LOCK_FILE
 # What may differ between a run's checkpoint and the config resuming it: budgets, logging,
 # checkpoint cadence, decoding (it only scores validation) and how the run executes. Anything
 # else would make a different experiment of the same run (train.resume=force records it).
@@ -98,9 +96,9 @@ def start(
             exit_code=exits.NO_ROOM,
         )
     try:
-        files.atomic_write(run_dir / "config.yaml", to_yaml(cfg).encode())
-        files.atomic_write(run_dir / "tokenizer.model", tokenizer.model_bytes)
-        _trim_metrics(run_dir / "metrics.jsonl", step)
+        files.atomic_write(run_dir / files.CONFIG_FILE, to_yaml(cfg).encode())
+        files.atomic_write(run_dir / files.TOKENIZER_FILE, tokenizer.model_bytes)
+        metrics.trim(run_dir, step)
     except OSError as err:
         raise TmtError(
             f"{run_dir}: cannot write the run's files ({err.strerror or err})",
@@ -184,153 +182,6 @@ class RunLock:
                 os.ftruncate(self.fd, 0)  # a clean end leaves no holder behind
             os.close(self.fd)  # releases the flock
             self.fd = None
-
-
-def _trim_metrics(path: Path, step: int) -> None:
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines() if _record_step(line) <= step]
-        files.atomic_write(path, "".join(line + "\n" for line in kept).encode())
-
-
-def _record_step(line: str) -> int:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return sys.maxsize  # a torn last line from a kill: dropped
-
-
-class MetricsLog:
-    """What training reports: metrics.jsonl (rank 0 writes one JSON object per line, flushed as
-    written) and the progress bar (rank 0 shows it), with the sums of the updates since the last
-    record, which `flush` all-reduces over ranks (every rank calls it at the same steps)."""
-
-    def __init__(
-        self, run_dir: Path, info: DistInfo, max_steps: int, step: int, tensorboard: bool = False
-    ) -> None:
-        from tqdm import tqdm
-
-        self.info = info
-        self.handle = None
-        self.events = None  # a TensorBoard SummaryWriter (train.tensorboard), rank 0's
-        if info.is_main and tensorboard:
-            self.events = _summary_writer(run_dir / "tensorboard", step)
-        if info.is_main:
-            try:
-                self.handle = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-            except OSError as err:
-                raise TmtError(
-                    f"{run_dir / 'metrics.jsonl'}: cannot write ({err.strerror or err})",
-                    exit_code=exits.NO_ROOM,
-                ) from None
-        self.bar = tqdm(
-            total=max_steps or None, initial=step, disable=not info.is_main or None,
-            unit="step", dynamic_ncols=True, file=sys.stderr,
-        )  # fmt: skip
-        self._reset()
-
-    def _reset(self) -> None:
-        self.loss = self.nll = 0.0  # sums over this rank's target tokens
-        self.tokens = self.real_tokens = self.padded_tokens = 0
-        self.lr = 0.0
-        self.start = time.monotonic()
-
-    def update(
-        self, loss: float, nll: float, tokens: int, real: int, padded: int, lr: float
-    ) -> None:
-        """One applied update: its sums on this rank, and the learning rate it used."""
-        self.loss += loss
-        self.nll += nll
-        self.tokens += tokens
-        self.real_tokens += real
-        self.padded_tokens += padded
-        self.lr = lr
-        self.bar.update(1)
-
-    def flush(self, step: int, epoch: int) -> dict[str, Any]:
-        """The record of the updates since the last one (all ranks), written and shown."""
-        sums = [self.loss, self.nll, self.tokens]
-        totals = torch.tensor(sums, dtype=torch.float64, device=self.info.device)
-        loss, nll, tokens = distributed.all_reduce_sum(totals, self.info).tolist()
-        record = {
-            "step": step,
-            "epoch": epoch,
-            "loss": loss / tokens,
-            "nll": nll / tokens,
-            "ppl": math.exp(min(nll / tokens, 100.0)),
-            "lr": self.lr,
-            "tokens_per_s": tokens / max(time.monotonic() - self.start, 1e-9),
-            "padding_efficiency": self.real_tokens / self.padded_tokens,
-        }
-        self._reset()
-        self.write(record)
-        self.bar.set_postfix(
-            loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
-            tok_s=f"{record['tokens_per_s']:.0f}", pad=f"{record['padding_efficiency']:.2f}",
-        )  # fmt: skip
-        return record
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.handle is None:
-            return
-        if self.events is not None:  # the curves: update records and validations
-            for name, value in record.items():
-                if name in _TRAIN_CURVES or name.startswith("val_"):
-                    group = "valid" if name.startswith("val_") else "train"
-                    self.events.add_scalar(f"{group}/{name}", value, record["step"])
-        try:
-            self.handle.write(json.dumps(record) + "\n")
-            self.handle.flush()
-        except OSError as err:
-            raise TmtError(
-                f"{self.handle.name}: cannot write ({err.strerror or err}); the checkpoints"
-                " written so far are intact",
-                exit_code=exits.NO_ROOM,
-            ) from None
-
-    def window(self) -> dict[str, Any]:
-        """This rank's sums since the last record: saved with each checkpoint, so the first
-        record after a resume covers the same updates as in an uninterrupted run."""
-        sums = {"loss": self.loss, "nll": self.nll, "tokens": self.tokens, "lr": self.lr}
-        counts = {"real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens}
-        return {**sums, **counts, "seconds": time.monotonic() - self.start}
-
-    def restore(self, window: dict[str, Any]) -> None:
-        self.loss, self.nll, self.tokens = window["loss"], window["nll"], window["tokens"]
-        self.real_tokens, self.padded_tokens = window["real_tokens"], window["padded_tokens"]
-        self.lr, self.start = window["lr"], time.monotonic() - window["seconds"]
-
-    def show(self, message: str) -> None:
-        """A line on stderr past the bar (which is hidden off a terminal), from rank 0."""
-        if self.info.is_main:
-            self.bar.write(f"tmt: {message}", file=sys.stderr)
-
-    def close(self) -> None:
-        self.bar.close()
-        if self.events is not None:
-            self.events.close()
-        if self.handle is not None:
-            self.handle.close()
-
-
-_TRAIN_CURVES = ("loss", "nll", "ppl", "lr", "tokens_per_s", "padding_efficiency")
-
-
-def require_tensorboard() -> Any:
-    """TensorBoard's SummaryWriter class, or a one-line error naming the extra to install."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise TmtError(
-            "train.tensorboard=true needs the tensorboard package:"
-            " pip install 'transformer_mt[tensorboard]' (or set train.tensorboard=false)"
-        ) from None
-    return SummaryWriter
-
-
-def _summary_writer(log_dir: Path, step: int) -> Any:
-    """TensorBoard's writer; events past `step` (a resume) are purged from what it shows, as
-    metrics.jsonl drops them."""
-    return require_tensorboard()(str(log_dir), purge_step=step or None, flush_secs=30)
 
 
 # --- resume ------------------------------------------------------------------------------------
@@ -506,7 +357,7 @@ def prune(
     keep = set(checkpoints[-keep_last:] if keep_last > 0 else []) | set(protect)
     keep |= {best(run_dir)} - {None}
     if keep_best > 1:
-        keep |= {path for path, _ in ranked_by(checkpoints, metric)[:keep_best]}
+        keep |= {path for path, _ in checkpoint.ranked_by(checkpoints, metric)[:keep_best]}
     keep = {p.resolve() for p in keep}
     for path in checkpoints:
         if path.resolve() not in keep:
@@ -533,86 +384,6 @@ def latest_valid(run_dir: Path) -> Path | None:
     """The newest complete, uncorrupted checkpoint of a run (what a resume would start from)."""
     saved = next(newest_valid(run_dir, train_state=True), None)
     return saved.path if saved else None
-
-
-def newest_models(run_dir: Path, n: int, allow_fewer: bool = False) -> Iterator[Checkpoint]:
-    """The newest `n` checkpoints of a run that read, newest first, each read as it is taken (the
-    paper averages the last 5 or 20); with allow_fewer, as many as there are (at least 1)."""
-    if not (run_dir / CHECKPOINTS).is_dir():
-        raise TmtError(f"{run_dir}: not a run directory (no {CHECKPOINTS}/)")
-    taken = 0
-    for saved in newest_valid(run_dir):
-        yield saved
-        taken += 1
-        if taken == n:
-            return
-    if not (allow_fewer and taken):
-        raise TmtError(f"{run_dir}: {taken} complete checkpoints, {n} asked for")
-
-
-HIGHER_IS_BETTER = {"val_bleu": True, "val_chrf": True, "val_loss": False, "val_ppl": False}
-
-
-def checkpoint_scores(path: Path) -> dict[str, float]:
-    """The validation scores a checkpoint's manifest carries ({} for none or a broken one)."""
-    try:
-        scores = checkpoint.read_manifest(path).get("valid")
-    except TmtError:
-        return {}
-    if not isinstance(scores, dict):
-        return {}
-    return {
-        name: float(value)
-        for name, value in scores.items()
-        if name in HIGHER_IS_BETTER
-        and isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-    }
-
-
-def ranked_by(checkpoints: list[Path], metric: str) -> list[tuple[Path, float]]:
-    """The checkpoints that carry `metric`, best first (ties: the newer first)."""
-    scored = [(path, checkpoint_scores(path).get(metric)) for path in reversed(checkpoints)]
-    sign = -1.0 if HIGHER_IS_BETTER[metric] else 1.0
-    ranked = [(path, value) for path, value in scored if value is not None]
-    return sorted(ranked, key=lambda item: sign * item[1])  # stable: newer first among ties
-
-
-def scored_metric(run_dir: Path) -> str:
-    """What best-N averaging ranks a run's checkpoints by unless told: val_bleu when they carry
-    it (the run measured BLEU at checkpoint steps), else val_loss."""
-    carried = {name for path in list_checkpoints(run_dir) for name in checkpoint_scores(path)}
-    return "val_bleu" if "val_bleu" in carried else "val_loss"
-
-
-def best_models(run_dir: Path, n: int, metric: str) -> Iterator[Checkpoint]:
-    """The `n` best checkpoints of a run by a validation metric they carry, best first, each
-    read (so verified) as it is taken; broken ones are reported and skipped."""
-    if not (run_dir / CHECKPOINTS).is_dir():
-        raise TmtError(f"{run_dir}: not a run directory (no {CHECKPOINTS}/)")
-    if metric not in HIGHER_IS_BETTER:
-        raise TmtError(f"--by {metric}: expected one of {', '.join(HIGHER_IS_BETTER)}")
-    ranked = ranked_by(list_checkpoints(run_dir), metric)
-    if len(ranked) < n:
-        raise TmtError(
-            f"{run_dir}: {n} checkpoints with {metric} asked for, {len(ranked)} carry it (a"
-            " checkpoint carries the scores of a validation at its step; train.keep_best keeps"
-            " the best ones)"
-        )
-    taken = 0
-    for path, value in ranked:
-        try:
-            saved = checkpoint.read(path)
-        except TmtError as err:
-            logger.warning("skipping checkpoint %s: %s", path, err)
-            continue
-        logger.info("%s: %s %.4f", path.name, metric, value)
-        yield saved
-        taken += 1
-        if taken == n:
-            return
-    raise TmtError(f"{run_dir}: {n} checkpoints with {metric} asked for, {taken} read")
 
 
 AVERAGE = "average"  # OUT_DIR/average: training's final average of its newest checkpoints

@@ -1,22 +1,34 @@
 """The joint sentencepiece vocabulary (§5.1): trained on source + target, carried as model bytes.
 
 The model bytes travel with every run and checkpoint, so one file turns raw text into ids and back.
-Special ids (pad, unk, bos, eos) are read from the model, never assumed.
+Special ids (pad, unk, bos, eos) are read from the model, never assumed. A model is trained once
+per (training data, tokenizer config) and cached: <cache>/tokenizers/<key>.model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
+import json
+import logging
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import sentencepiece as spm
 
+from transformer_mt import files
 from transformer_mt.config import TokenizerConfig
 from transformer_mt.exits import TmtError
+
+if TYPE_CHECKING:
+    from transformer_mt.corpus import RawSplit
+
+logger = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -100,6 +112,53 @@ def train_tokenizer(
     except RuntimeError as err:
         raise TmtError(_explain_training_error(str(err), cfg)) from None
     return Tokenizer(buffer.getvalue())
+
+
+def load_or_train_tokenizer(
+    cfg: TokenizerConfig,
+    corpora: Sequence[RawSplit],
+    load: Callable[[str], Any],
+    cache: Path,
+) -> Tokenizer:
+    """The configured model_path, else the cached model for this data and config, else train one
+    on the sentences of every training corpus, with the corpora's tags as user-defined symbols."""
+    if cfg.model_path:
+        return Tokenizer.from_file(cfg.model_path)
+    settings = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    tags = sorted({split.tag for split in corpora} - {""})
+    content = "|".join(split.fingerprint for split in corpora)
+    if tags:
+        content += "|tags:" + json.dumps(tags)
+    key = hashlib.sha256(f"{content}|{settings}".encode()).hexdigest()[:32]
+    path = cache / "tokenizers" / f"{key}.model"
+    if path.is_file():
+        try:
+            cached = Tokenizer.from_file(path)
+            logger.info("tokenizer: cached %s", path)
+            return cached
+        except TmtError as err:
+            logger.warning("cached tokenizer damaged (%s): rebuilding it", err)
+    if len(corpora) == 1:
+        dataset = load(corpora[0].key)
+    else:
+        import datasets
+
+        dataset = datasets.concatenate_datasets([load(split.key) for split in corpora])
+    logger.info("tokenizer: training %s, %d pieces", cfg.model_type, cfg.vocab_size)
+    tokenizer = train_tokenizer(_sample_sentences(dataset, cfg.max_sentences), cfg, tags)
+    files.atomic_write(path, tokenizer.model_bytes)
+    return tokenizer
+
+
+def _sample_sentences(dataset: Any, max_sentences: int) -> Iterator[str]:
+    """Source and target sentences; a seeded uniform sample of pairs when there are too many."""
+    pairs = len(dataset)
+    if 2 * pairs > max_sentences:
+        rng = np.random.default_rng(0)  # fixed: the tokenizer depends on data and config only
+        dataset = dataset.select(np.sort(rng.choice(pairs, max_sentences // 2, replace=False)))
+    for batch in dataset.select_columns(["src", "tgt"]).iter(batch_size=10_000):
+        yield from batch["src"]
+        yield from batch["tgt"]
 
 
 def _explain_training_error(message: str, cfg: TokenizerConfig) -> str:

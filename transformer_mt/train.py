@@ -21,7 +21,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from transformer_mt import checkpoint, corpus, distributed, evaluate, exits, plot, run
+from transformer_mt import (
+    averaging,
+    checkpoint,
+    corpus,
+    distributed,
+    evaluate,
+    exits,
+    metrics,
+    plot,
+    run,
+    train_state,
+)
 from transformer_mt.checkpoint import Checkpoint
 from transformer_mt.config import Config
 from transformer_mt.data import Batch, PreparedData, prepare_data
@@ -54,7 +65,7 @@ class Progress:
 def train(cfg: Config) -> dict[str, Any]:
     """Train (or resume) the run in cfg.train.out_dir; returns where it ended (with this rank)."""
     if cfg.train.tensorboard:
-        run.require_tensorboard()  # before any work: a missing extra is a config error
+        metrics.require_tensorboard()  # before any work: a missing extra is a config error
     info = distributed.setup(cfg.train.device, cfg.train.distributed_timeout_s)
     heartbeat = distributed.Heartbeat(info)
     lock = run.RunLock(Path(cfg.train.out_dir))
@@ -85,10 +96,14 @@ def _build(
     parent: Checkpoint | None = None,
 ) -> tuple[Transformer, Optimization, Progress, dict[str, Any] | None]:
     """The model, Adam and the schedule, the same initial weights on every rank: the `parent`'s
-    when fine-tuning (with a fresh optimizer, schedule and data position); when resuming, then
-    the saved weights, optimizer, schedule, scaler, RNG states and data position."""
+    when fine-tuning (with a fresh optimizer, schedule and data position); when resuming, the
+    checkpoint's model (built when it was read) with the saved optimizer, schedule, scaler, RNG
+    states and data position."""
     torch.manual_seed(cfg.train.seed)
-    model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id).to(info.device)
+    if saved is not None:  # the same model settings: run.resume refuses others
+        model = saved.model.to(info.device)
+    else:
+        model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id).to(info.device)
     optimizer, scheduler = build_optimizer(
         model, cfg.model, cfg.optim, fused=info.device.type == "cuda"
     )
@@ -99,14 +114,14 @@ def _build(
     random.seed(cfg.train.seed + info.rank)
     np.random.seed(cfg.train.seed + info.rank)
     if saved is None:
-        if parent is not None:
-            checkpoint.load_weights(model, parent.state_dict, parent.path)
+        if parent is not None:  # its own dropout may differ: built from cfg, its weights loaded
+            model.load_state_dict(parent.state_dict)
             logger.info("fine-tuning %s (step %d) from step 0", parent.path, parent.step)
         return model, opt, Progress(), None
-    checkpoint.load_weights(model, saved.state_dict, saved.path)
-    state, window = checkpoint.restore_train_state(
-        saved, optimizer, scheduler, scaler, info.rank, info.world_size
-    )
+    state, window = train_state.restore(
+        saved.train_state or {}, optimizer, scheduler, scaler, info.rank, info.world_size,
+        where=saved.path / checkpoint.STATE_FILE,
+    )  # fmt: skip
     try:
         progress = Progress(**state)
     except TypeError as err:
@@ -132,7 +147,7 @@ class _Session:
         self.resumed_from = saved.path if saved else None
         # Fine-tuning starts from another model; once this run has a checkpoint, it resumes it.
         parent = run.init_model(cfg) if saved is None and cfg.train.init_from else None
-        tokenizer = (saved or parent).tokenizer() if (saved or parent) else None
+        tokenizer = (saved or parent).tokenizer if (saved or parent) else None
         # Tokenizer and data: rank 0 fills the cache first, then the other ranks read it warm.
         self.data = _prepare_data_rank0_first(cfg, tokenizer, info)
         _check_validation_split(cfg, self.data, info)
@@ -163,7 +178,7 @@ class _Session:
         # Validation BLEU reads the raw validation text: scored exactly as tmt evaluate scores it.
         bleu = cfg.train.bleu_every
         self.valid_text = corpus.read_split(cfg.data, "data.valid") if bleu else None
-        self.metrics = run.MetricsLog(
+        self.metrics = metrics.MetricsLog(
             self.run_dir, info, cfg.train.max_steps, self.step, cfg.train.tensorboard
         )
         if window is not None:
@@ -280,10 +295,10 @@ class _Session:
         """A checkpoint of this step: every rank's RNG states gathered, rank 0 writes."""
         progress, opt, now = self.progress, self.opt, time.monotonic()
         progress.elapsed_s, self.session_start = progress.elapsed_s + now - self.session_start, now
-        mine = {"rng": checkpoint.capture_rng(), "metrics": self.metrics.window()}
+        mine = {"rng": train_state.capture_rng(), "metrics": self.metrics.window()}
         ranks = distributed.gather_to_main(mine, self.info)
         if self.info.is_main:
-            state = checkpoint.train_state(
+            state = train_state.collect(
                 opt.optimizer, opt.scheduler, opt.scaler, ranks, progress.__dict__.copy()
             )
             scored_step, scores = self.scores
@@ -333,15 +348,16 @@ class _Session:
         its validation BLEU (rank 0 works, the others wait)."""
         n, result = self.cfg.train.average_last, None
         if n and self.info.is_main:
-            newest = run.newest_models(self.run_dir, n, allow_fewer=True)
-            mean = checkpoint.write_average(newest, self.run_dir / run.AVERAGE)
+            mean = averaging.newest(self.run_dir, n, allow_fewer=True)
+            averaging.check_output(self.run_dir / run.AVERAGE, overwrite=True)
+            mean = averaging.write(mean, self.run_dir / run.AVERAGE)
             result = {"path": str(mean.path), "checkpoints": len(mean.sources)}
-            if self.valid_text:
-                tokenizer, solo = self.data.tokenizer, DistInfo(0, 1, 0, self.info.device)
-                model = checkpoint.build_model(mean, tokenizer).to(self.info.device)
+            if self.valid_text and mean.model is not None:
+                solo = DistInfo(0, 1, 0, self.info.device)
                 result |= evaluate.validation_bleu(
-                    model, tokenizer, self.cfg, solo, *self.valid_text
-                )
+                    mean.model.to(self.info.device), mean.tokenizer, self.cfg, solo,
+                    *self.valid_text,
+                )  # fmt: skip
             logger.info("averaged %d checkpoints into %s %s", len(mean.sources), mean.path, result)
         if n:
             distributed.barrier(self.info)
@@ -397,7 +413,7 @@ def _stop_reason(progress: Progress, stats: StepStats, cfg: Config) -> str | Non
 
 
 def _record_skip(
-    progress: Progress, stats: StepStats, metrics: run.MetricsLog, micro: list[Batch]
+    progress: Progress, stats: StepStats, log: metrics.MetricsLog, micro: list[Batch]
 ) -> None:
     progress.skipped += 1
     if stats.skipped == "non_finite":
@@ -407,7 +423,7 @@ def _record_skip(
         progress.step, stats.skipped, [tuple(b.src.shape) for b in micro],
     )  # fmt: skip
     record = {"step": progress.step, "skipped": stats.skipped, "epoch": progress.epoch}
-    metrics.write({**record, "batch_index": progress.batch_index})
+    log.write({**record, "batch_index": progress.batch_index})
 
 
 def _prepare_data_rank0_first(

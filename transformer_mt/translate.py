@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_mt import checkpoint, distributed, run, textio
-from transformer_mt.config import Config, apply_overrides
+from transformer_mt import averaging, distributed, run, textio
+from transformer_mt.config import MODEL_SECTIONS, Config, apply_overrides, changed_keys
 from transformer_mt.data import TokenBucketSampler
 from transformer_mt.exits import TmtError
 from transformer_mt.model import DecoderCache, Transformer, make_src_mask
@@ -82,28 +82,29 @@ def _keyword_overrides(settings: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def load_translator(
-    path: str | Path, overrides: Sequence[str | tuple[str, str]] = (), average_last: int = 0
+    path: str | Path,
+    overrides: Sequence[str | tuple[str, str]] = (),
+    last: int = 0,
+    best: int = 0,
+    by: str | None = None,
 ) -> Translator:
     """A checkpoint directory, an averaged model, or a run directory (its average, else its best
-    checkpoint, else its newest; with average_last=N the average of its newest N), each read
-    once, on decode.device in decode.precision."""
-    if average_last > 0:
-        saved = checkpoint.average(run.newest_models(Path(path), average_last))
+    checkpoint, else its newest), read once and put on decode.device in decode.precision; with
+    `last` or `best` N, the average of the run's newest N or N best by `by` (averaging.choose)."""
+    saved = averaging.choose([path], last, best, by)
+    if saved is not None:
         origin = f"average of {', '.join(Path(p).name for p in saved.sources)}"
     else:
         saved = run.load_model(Path(path))
         origin = str(saved.path)
+    assert saved.model is not None  # a checkpoint read whole, or an average: its model is built
     cfg = apply_overrides(saved.config, overrides)
-    fixed = checkpoint.model_differences(saved.config, b"", cfg, b"")
+    fixed = changed_keys(saved.config, cfg, MODEL_SECTIONS)
     if fixed:
         raise TmtError(f"{', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
-    # Under torchrun each process decodes on its own GPU (LOCAL_RANK), as in training.
-    target = distributed.resolve_device(
-        cfg.decode.device, distributed.local_rank_of_process(), key="decode.device"
-    )
-    tokenizer = saved.tokenizer()
-    model = _in_precision(checkpoint.build_model(saved, tokenizer), cfg.decode.precision, target)
-    return Translator(model.eval(), tokenizer, cfg, target, origin)
+    target = distributed.resolve_device(cfg.decode.device, key="decode.device")
+    model = _in_precision(saved.model, cfg.decode.precision, target)
+    return Translator(model.eval(), saved.tokenizer, cfg, target, origin)
 
 
 def _in_precision(model: Transformer, precision: str, device: torch.device) -> Transformer:
