@@ -23,7 +23,7 @@ done
 # machine); validation and test stay the bundled Multi30k splits.
 common=(-c multi30k --set train.max_minutes=0 --set train.save_every=50 --set train.bleu_every=100)
 "$TMT" train "${common[@]}" --set train.out_dir="$OUT/parent" --set train.max_steps="$PARENT_STEPS" \
-  --set "data.train=[{split: $OUT/data/part, source: files}]" > "$OUT/parent.train.json"
+  --set "data.train=[{split: $OUT/data/part, source: files}]" --json > "$OUT/parent.train.json"
 "$TMT" evaluate -m "$OUT/parent" --json > "$OUT/parent.json"
 # Fine-tuning: a fresh, shorter warmup to half the preset's peak learning rate.
 for child in new control; do
@@ -31,10 +31,11 @@ for child in new control; do
   "$TMT" train "${common[@]}" --init-from "$OUT/parent" --set train.out_dir="$OUT/$child" \
     --set train.max_steps="$CHILD_STEPS" --set optim.warmup_steps=200 --set optim.lr_scale=0.5 \
     --set train.average_last=4 --set "data.train=[{split: $OUT/data/$data, source: files}]" \
-    > "$OUT/$child.train.json"
+    --json > "$OUT/$child.train.json"
   "$TMT" evaluate -m "$OUT/$child" --json > "$OUT/$child.json"
 done
-"$TMT" plot "$OUT/parent" "$OUT/new" "$OUT/control" -o "$OUT/curves.png" > /dev/null
+"$TMT" plot -m "$OUT/parent" -m "$OUT/new" -m "$OUT/control" -o "$OUT/curves.png" --overwrite \
+  > /dev/null
 for run in parent new control; do
   printf '%s\t' "$run"
   python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))

@@ -18,7 +18,7 @@ for pair in $directions; do
   extra=()
   if [ "$pair" = en-de ]; then extra=(--set model.dropout=0.1); fi
   "$TMT" train -c multi30k --set data.src_lang="$src" --set data.tgt_lang="$tgt" "${extra[@]}" \
-    --set train.out_dir="$run" --set train.max_minutes="$MINUTES" > "$run.train.json"
+    --set train.out_dir="$run" --set train.max_minutes="$MINUTES" --json > "$run.train.json"
   "$TMT" evaluate -m "$run/average" --split test --json > "$run/test.json"
 done
 for pair in $directions; do

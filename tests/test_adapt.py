@@ -278,9 +278,9 @@ def test_a_tag_is_one_piece_that_reaches_the_encoder_of_its_corpus_only(
 
 
 def test_dry_run_reports_pairs_tokens_and_the_mixture_drawn_per_corpus(
-    tiny_cfg: Config, tiny_corpus: dict[str, Path], new_corpus: Path, capsys
+    tiny_cfg: Config, tiny_corpus: dict[str, Path], new_corpus: Path
 ) -> None:
-    from transformer_mt.dry_run import dry_run
+    from transformer_mt.dry_run import dry_run, format_report
 
     cfg = with_data(
         tiny_cfg,
@@ -294,7 +294,7 @@ def test_dry_run_reports_pairs_tokens_and_the_mixture_drawn_per_corpus(
     assert first["share"] == 0.75 and second["passes"] == 0.625
     assert first["src_tokens"] > 0 and second["src_tokens"] > second["tgt_tokens"]  # + the tag
     assert summary["filters"]["train"]["kept"] == 500
-    out = capsys.readouterr().out
+    out = format_report(summary, cfg)
     assert "data.train[1]: 200 pairs" in out and "tag <x>; drawn 125 (25.0% of the epoch" in out
 
 
@@ -334,8 +334,9 @@ def test_average_best_n_picks_the_n_best_by_the_metric(
         averaging.best_of(run_dir, 1, "bleu")
 
     best = tmt(
-        "average", str(run_dir), "--best", "2", "--by", "val_bleu", "-o", str(tmp_path / "a")
-    )
+        "average", "-m", str(run_dir), "--best", "2", "--by", "val_bleu", "-o", str(tmp_path / "a"),
+        "--json",
+    )  # fmt: skip
     assert best.returncode == 0, best.stderr
     result = json.loads(best.stdout)
     assert result["by"] == "val_bleu"
@@ -349,7 +350,7 @@ def test_average_best_n_picks_the_n_best_by_the_metric(
         (["--best", "-2"], "--best: expected a number of checkpoints >= 1"),
         (["--by", "val_bleu"], "--by ranks the checkpoints of --best N"),
     ]:
-        refused = tmt("average", str(run_dir), *args, "-o", str(tmp_path / "e"))
+        refused = tmt("average", "-m", str(run_dir), *args, "-o", str(tmp_path / "e"))
         assert refused.returncode == 2 and refused.stderr.strip() == f"tmt: error: {message}"
     assert not (tmp_path / "e").exists()
 
@@ -419,10 +420,11 @@ def test_plot_overlays_runs_into_a_png_with_every_curve(tmp_path: Path) -> None:
 
 def test_tmt_plot_command(tmp_path: Path, trained_run: Path) -> None:
     runs = [write_metrics(tmp_path / "a", 1.0), write_metrics(tmp_path / "b", 1.3)]
-    done = tmt("plot", *map(str, runs), "-o", str(tmp_path / "both.png"))
+    done = tmt("plot", "-m", str(runs[0]), "-m", str(runs[1]), "-o", str(tmp_path / "both.png"),
+               "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["runs"] == 2 and (tmp_path / "both.png").stat().st_size > 10_000
-    managed = tmt("plot", str(runs[0]), "-o", str(trained_run / "metrics.jsonl"))
+    managed = tmt("plot", "-m", str(runs[0]), "-o", str(trained_run / "metrics.jsonl"))
     assert managed.returncode == 2 and "a file of the run directory" in managed.stderr
 
 

@@ -51,11 +51,10 @@ def test_module_entry_point_for_torchrun() -> None:
     assert out.returncode == 0 and "train" in out.stdout
 
 
-def test_dry_run_reports_and_ends_with_json(tiny_corpus: dict[str, Path]) -> None:
-    result = runner.invoke(app, ["train", *tiny_args(tiny_corpus), "--dry-run"])
+def test_dry_run_reports_for_people_and_as_json(tiny_corpus: dict[str, Path]) -> None:
+    result = runner.invoke(app, ["train", *tiny_args(tiny_corpus), "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
-    lines = result.stdout.strip().splitlines()
-    summary = json.loads(lines[-1])
+    summary = json.loads(result.stdout)
     assert summary["pairs"] == 300 and summary["valid_pairs"] == 40
     assert summary["vocab_size"] == 64
     # d_model 32, d_ff 64: attention 4·(32·32 + 32) = 4,224; FFN 2·32·64 + 64 + 32 = 4,192;
@@ -65,7 +64,10 @@ def test_dry_run_reports_and_ends_with_json(tiny_corpus: dict[str, Path]) -> Non
     assert summary["batches"] >= 1
     assert 0.5 < summary["padding_efficiency"] <= 1.0
     assert summary["filters"]["train"]["read"] == 300
+    result = runner.invoke(app, ["train", *tiny_args(tiny_corpus), "--dry-run"])
+    assert result.exit_code == 0, result.output
     assert "# resolved config" in result.stdout and "vocab_size: 64" in result.stdout
+    assert "data.train: read 300" in result.stdout and "padding efficiency: " in result.stdout
     assert (
         f"train: {tiny_corpus['train']}" in result.stdout
     )  # the resolved config shows the overrides
@@ -114,9 +116,9 @@ def test_train_runs_and_reports_where_it_ended(
         "--set",
         "train.max_steps=3",
     ]
-    result = runner.invoke(app, ["train", *args])
+    result = runner.invoke(app, ["train", *args, "--json"])
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    summary = json.loads(result.stdout)
     assert summary["step"] == 3 and summary["stop"] == "max_steps"
     assert Path(summary["checkpoint"]).name == "step_00000003"
     assert (tmp_path / "checkpoints" / "step_00000003" / "manifest.json").is_file()
@@ -143,7 +145,7 @@ def test_end_to_end_train_average_translate_evaluate(
     trained: Path, tiny_corpus: dict[str, Path], tmp_path: Path
 ) -> None:
     result = runner.invoke(
-        app, ["average", str(trained), "--last", "2", "-o", str(tmp_path / "avg")]
+        app, ["average", "-m", str(trained), "--last", "2", "-o", str(tmp_path / "avg"), "--json"]
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["averaged"][-1].endswith("step_00000006")
@@ -180,7 +182,7 @@ def test_end_to_end_train_average_translate_evaluate(
         ],
     )
     assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = json.loads(result.stdout)
     assert report["sentences"] == 40 and {"bleu", "chrf", "bleu_lc", "signature"} <= set(report)
     hyp = tmp_path / "hyp.txt"
     hyp.write_text("x\n" * 39)
@@ -199,7 +201,7 @@ def test_end_to_end_train_average_translate_evaluate(
     ("args", "message"),
     [
         (["translate", "-m", "/nonexistent"], "not a checkpoint"),
-        (["average", "/nonexistent", "--last", "2", "-o", "x"], "not a run directory"),
+        (["average", "-m", "/nonexistent", "--last", "2", "-o", "x"], "not a run directory"),
         (["evaluate", "--split", "dev"], "--split 'dev': expected test, valid or train"),
     ],
 )
@@ -290,3 +292,71 @@ def test_bad_decoding_flags_are_one_line(
     result = runner.invoke(app, ["translate", "-m", str(trained), *flags], input="kalo\n")
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
+
+
+# --- one convention for every command, and tmt 0.1's spellings for one release ----------------
+
+
+def test_old_spellings_still_work_with_a_note(trained: Path, tmp_path: Path) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("kalo mi\nnupe ri so\n")
+    new = runner.invoke(app, ["translate", "-m", str(trained), "--last", "2", "-i", str(source)])
+    assert new.exit_code == 0, new.output
+    for old in (
+        ["translate", "--checkpoint", str(trained), "--average-last", "2", "-i", str(source)],
+        ["translate", "-m", str(trained), "--average-last", "2", "-i", str(source)],
+    ):
+        result = runner.invoke(app, old)
+        assert result.exit_code == 0, result.output
+        assert result.stdout == new.stdout  # the same translations
+        assert "the old spelling goes in the next release" in result.stderr
+    evaluated = runner.invoke(
+        app, ["evaluate", "--checkpoint", str(trained), "--src", str(source), "--ref", str(source)]
+    )
+    assert evaluated.exit_code == 0 and "BLEU = " in evaluated.stdout, evaluated.output
+    assert "--src is now --input" in evaluated.stderr
+    averaged = runner.invoke(
+        app, ["average", str(trained), "--last", "2", "-o", str(tmp_path / "a")]
+    )
+    assert averaged.exit_code == 0 and (tmp_path / "a" / "manifest.json").is_file()
+    assert "a positional model is now -m/--model" in averaged.stderr
+    both = runner.invoke(app, ["translate", "-m", str(trained), "--checkpoint", str(trained)])
+    assert both.exit_code == 2 and "--checkpoint is the old spelling of --model" in both.stderr
+
+
+def test_every_command_that_writes_refuses_to_replace_without_overwrite(
+    trained: Path, tmp_path: Path
+) -> None:
+    taken = tmp_path / "taken.txt"
+    taken.write_text("keep me\n")
+    occupied = tmp_path / "occupied"
+    averaged = runner.invoke(
+        app, ["average", "-m", str(trained), "--last", "1", "-o", str(occupied)]
+    )
+    assert averaged.exit_code == 0, averaged.output
+    cases = [
+        ["translate", "-m", str(trained), "-o", str(taken)],  # stdin into an existing file
+        ["translate", "-m", str(trained), "-i", str(taken), "-o", str(taken)],
+        ["average", "-m", str(trained), "--last", "1", "-o", str(occupied)],
+        ["plot", "-m", str(trained), "-o", str(taken)],
+    ]
+    for args in cases:
+        result = runner.invoke(app, args, input="kalo mi\n")
+        assert result.exit_code == 2, (args, result.output)
+        assert "--overwrite" in result.stderr or "is the input file" in result.stderr, args
+    assert taken.read_text() == "keep me\n"
+    result = runner.invoke(app, ["translate", "-m", str(trained), "-o", str(taken), "--overwrite"],
+                           input="kalo mi\n")  # fmt: skip
+    assert result.exit_code == 0 and taken.read_text().count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate", "export", "average", "plot"])
+def test_every_command_that_prints_a_result_takes_json(command: str) -> None:
+    assert "--json" in runner.invoke(app, [command, "--help"]).stdout
+
+
+@pytest.mark.parametrize("command", ["translate", "evaluate", "export", "average", "plot"])
+def test_every_command_names_its_model_with_m(command: str) -> None:
+    help_text = runner.invoke(app, [command, "--help"]).stdout
+    assert "--model" in help_text and "-m" in help_text
+    assert "--checkpoint" not in help_text and "--average-last" not in help_text  # hidden

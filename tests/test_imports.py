@@ -56,7 +56,7 @@ ALLOWED = {
     # One update: loss, collectives, Adam; Batch from data and the fault points inside.
     "step": {"config", "data", "distributed", "faults", "loss", "model"},
     "dry_run": {"config", "data", "model", "run"},  # run: the model train.init_from names
-    "plot": {"exits", "files"},  # metrics.jsonl in, a figure out
+    "plot": {"exits", "files", "metrics", "textio"},  # metrics.jsonl in, a figure out
     "search": set(),  # a step function in, hypotheses out: no model, no config
     "translate": {
         "averaging",

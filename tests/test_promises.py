@@ -110,16 +110,20 @@ def test_average_refuses_to_overwrite_a_training_checkpoint(finished: Path, tmp_
     target = run.checkpoint_dir(run_dir, 8)
     before = snapshot(target)
     for output in (target, run_dir / "checkpoints" / "averaged"):
-        result = runner.invoke(app, ["average", str(run_dir), "--last", "2", "-o", str(output)])
+        result = runner.invoke(app, ["average", "-m", str(run_dir), "--last", "2",
+                                     "-o", str(output), "--overwrite"])  # fmt: skip
         assert result.exit_code == 2, result.output
         assert str(output) in one_line_error(result.stderr)
     assert snapshot(target) == before and checkpoint.verify(target) is None
     assert not (run_dir / "checkpoints" / "averaged").exists()
-    # An averaged model may be replaced by a new average: training's OUT_DIR/average is.
-    for _ in range(2):
-        result = runner.invoke(app, ["average", str(run_dir), "-o", str(tmp_path / "avg"),
-                                     "--last", "2"])  # fmt: skip
+    # An averaged model may be replaced by a new average (training's OUT_DIR/average is), when
+    # asked to: --overwrite.
+    args = ["average", "-m", str(run_dir), "-o", str(tmp_path / "avg"), "--last", "2"]
+    for extra in ([], ["--overwrite"]):
+        result = runner.invoke(app, [*args, *extra])
         assert result.exit_code == 0, result.output
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "exists; add --overwrite" in one_line_error(result.stderr)
 
 
 def test_resume_skips_a_model_only_checkpoint_under_a_step_name(
@@ -430,7 +434,7 @@ def test_full_disk_on_translate_output_and_average(finished: Path, tmp_path: Pat
                               "-o", "/dev/full"])  # fmt: skip
     assert out.exit_code == 4 and "/dev/full" in one_line_error(out.stderr)
     result = subprocess.run(
-        [sys.executable, "-m", "transformer_mt", "average", str(finished), "--last", "2",
+        [sys.executable, "-m", "transformer_mt", "average", "-m", str(finished), "--last", "2",
          "-o", str(tmp_path / "avg")],
         capture_output=True, text=True, cwd=REPO, preexec_fn=limit_file_size(4096), timeout=120,
     )  # fmt: skip

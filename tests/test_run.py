@@ -144,7 +144,7 @@ def test_average_parses_builds_and_reads_once(
     trained_run: Path, tmp_path: Path, opened: Counter[str], built: Counter[str]
 ) -> None:
     result = CliRunner().invoke(
-        app, ["average", str(trained_run), "--last", "3", "-o", str(tmp_path / "avg")]
+        app, ["average", "-m", str(trained_run), "--last", "3", "-o", str(tmp_path / "avg")]
     )
     assert result.exit_code == 0, result.output
     assert built == {"Transformer": 1, "Tokenizer": 1}
@@ -162,7 +162,8 @@ def test_average_reads_each_checkpoint_once(
     trained_run: Path, tmp_path: Path, opened: Counter[str]
 ) -> None:
     result = CliRunner().invoke(
-        app, ["average", str(trained_run), "--last", "3", "-o", str(tmp_path / "avg")]
+        app,
+        ["average", "-m", str(trained_run), "--last", "3", "-o", str(tmp_path / "avg"), "--json"],
     )
     assert result.exit_code == 0, result.output
     averaged = run.list_checkpoints(trained_run)[-3:]

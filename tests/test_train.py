@@ -40,7 +40,7 @@ def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 def cli_args(cfg: Config, run_dir: Path) -> list[str]:
     """`tmt train` arguments reproducing `cfg` exactly (every key through --set)."""
-    args = ["train", "-c", "tiny"]
+    args = ["train", "-c", "tiny", "--json"]
     for section, values in to_dict(cfg).items():
         args += [
             arg

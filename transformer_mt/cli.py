@@ -1,4 +1,12 @@
-"""The `tmt` command line: parse, load the config, call one library function.
+"""The `tmt` command line: parse, load the config, call one library function, print its result.
+
+One convention for every command: what a command reads is named with -m/--model (a checkpoint,
+an averaged model or a run directory; repeatable where several are read), --last N / --best N
+[--by METRIC] average a run's newest or best checkpoints, text comes in with -i/--input and goes
+out with -o/--output, an existing output is replaced only with --overwrite, and a result is
+printed for people unless --json asks for one JSON object. Old spellings (tmt 0.1) still work for
+one release, with a note: --checkpoint, --average-last, --src, positional models of average and
+plot.
 
 Heavy modules (torch, datasets) are imported inside the commands so `tmt --help` is instant.
 """
@@ -12,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -47,7 +55,7 @@ def _commands() -> None:
 
 
 # The flag that sets each library parameter an error may name, where it is not "--" + the name.
-_FLAG_OF = {"fmt": "--format", "checkpoint": "-m"}
+_FLAG_OF = {"fmt": "--format", "model": "-m"}
 
 
 def _flag(param: str) -> str:
@@ -81,6 +89,71 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+T = TypeVar("T")
+
+
+def _renamed(new: T, old: T, new_name: str, old_name: str) -> T:
+    """The value of an option that tmt 0.1 spelled `old_name`: the old spelling still works for
+    one release, with a note; giving both is an error."""
+    if old in (None, 0, []):
+        return new
+    if new not in (None, 0, []):
+        raise TmtError(f"{old_name} is the old spelling of {new_name}: give {new_name} only")
+    typer.echo(
+        f"tmt: note: {old_name} is now {new_name}; the old spelling goes in the next release",
+        err=True,
+    )
+    return old
+
+
+def _echo(result: dict[str, Any], as_json: bool, text: str) -> None:
+    """A command's result: one JSON object with --json, else `text` for people."""
+    typer.echo(json.dumps(result) if as_json else text)
+
+
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")]
+Output = Annotated[Path, typer.Option("--output", "-o", help="Where to write it.")]
+Overwrite = Annotated[
+    bool, typer.Option("--overwrite", help="Replace an existing output (never tmt's own files).")
+]
+# What a command reads; the hidden options are tmt 0.1's spellings.
+Model = Annotated[
+    Path | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="A checkpoint, an averaged model, or a run directory (its average, else its best"
+        " checkpoint, else its newest).",
+    ),
+]
+Models = Annotated[
+    list[Path] | None,
+    typer.Option("--model", "-m", help="A checkpoint or run directory (repeatable)."),
+]
+OldModel = Annotated[Path | None, typer.Option("--checkpoint", hidden=True)]
+OldModels = Annotated[list[Path] | None, typer.Argument(hidden=True, metavar="MODELS")]
+Last = Annotated[
+    int, typer.Option("--last", help="Average the newest N checkpoints of the run (§6.1).")
+]
+Best = Annotated[int, typer.Option("--best", help="Average the N best checkpoints of the run.")]
+By = Annotated[
+    str | None,
+    typer.Option(
+        "--by",
+        help="What --best ranks by: val_bleu, val_chrf, val_loss or val_ppl (default: val_bleu"
+        " when the run measured it, else val_loss).",
+    ),
+]
+OldLast = Annotated[int, typer.Option("--average-last", hidden=True)]
+
+
+def _model(new: Path | None, old: Path | None) -> Path:
+    model = _renamed(new, old, "--model", "--checkpoint")
+    if model is None:
+        raise TmtError("no model: name it with -m/--model (a checkpoint or a run directory)")
+    return model
+
+
 @app.command()
 @_user_errors
 def train(
@@ -97,6 +170,7 @@ def train(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Prepare data and batches, report, exit.")
     ] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Train a model. Multi-GPU: torchrun --nproc_per_node=N -m transformer_mt train -c CONFIG."""
     from transformer_mt import dry_run as dry_run_lib
@@ -105,27 +179,34 @@ def train(
     overrides = [*(set_ or []), *([f"train.init_from={init_from}"] if init_from else [])]
     cfg = load_config(config, overrides)
     if dry_run:
-        dry_run_lib.dry_run(cfg)
+        report = dry_run_lib.dry_run(cfg)
+        _echo(report, as_json, dry_run_lib.format_report(report, cfg))
         return
     summary = train_lib.train(cfg)
-    if summary["rank"] == 0:  # a single process, or rank 0 of a distributed run
-        typer.echo(json.dumps({k: v for k, v in summary.items() if k != "rank"}))
+    if summary.pop("rank") == 0:  # a single process, or rank 0 of a distributed run
+        _echo(summary, as_json, _train_text(summary))
     if summary["stop"] in exits.SIGNAL_EXIT:  # stopped by a signal, after saving
         raise typer.Exit(exits.SIGNAL_EXIT[summary["stop"]])
 
 
-CheckpointOption = Annotated[
-    Path,
-    typer.Option(
-        "--checkpoint",
-        "-m",
-        help="A checkpoint or averaged model, or a run directory (its average, else its best).",
-    ),
-]
-AverageLast = Annotated[
-    int,
-    typer.Option("--average-last", help="Average the newest N checkpoints of the run directory."),
-]
+def _train_text(summary: dict[str, Any]) -> str:
+    lines = [
+        f"stopped at step {summary['step']} ({summary['stop']}), epoch {summary['epoch']},"
+        f" {summary['skipped_updates']} updates skipped",
+        f"checkpoint: {summary['checkpoint']}",
+    ]
+    if summary["best_value"] is not None:
+        lines.append(
+            f"best {summary['best_metric']}: {summary['best_value']:.4f}"
+            f" at step {summary['best_step']}"
+        )
+    if "average" in summary:
+        average = summary["average"]
+        scores = "".join(f", {k} {v:.2f}" for k, v in average.items() if k.startswith("val_"))
+        lines.append(f"average: {average['path']} ({average['checkpoints']} checkpoints{scores})")
+    return "\n".join(lines)
+
+
 # The decoding options people change most; each is one decode.* override (the rest: --set).
 Beam = Annotated[
     int | None, typer.Option("--beam", help="Beam size, 1 = greedy (decode.beam_size).")
@@ -169,13 +250,14 @@ def _decode_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[
 @app.command()
 @_user_errors
 def translate(
-    checkpoint: CheckpointOption,
+    model: Model = None,
     input_: Annotated[
         str, typer.Option("--input", "-i", help="Raw text, one sentence per line; - = stdin.")
     ] = "-",
     output: Annotated[
         str, typer.Option("--output", "-o", help="Detokenized translations; - = stdout.")
     ] = "-",
+    overwrite: Overwrite = False,
     nbest: Annotated[
         int | None, typer.Option("--nbest", help="Write N hypotheses per line: index, score, text.")
     ] = None,
@@ -194,11 +276,12 @@ def translate(
     seed: Annotated[
         int | None, typer.Option("--seed", help="Sampling seed (each line's stream: seed, line).")
     ] = None,
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace an existing --output file.")
-    ] = False,
-    average_last: AverageLast = 0,
+    last: Last = 0,
+    best: Best = 0,
+    by: By = None,
     set_: Overrides = None,
+    old_model: OldModel = None,
+    old_last: OldLast = 0,
 ) -> None:
     """Translate raw text, one output line per input line (other options: --set decode.KEY=V).
 
@@ -211,7 +294,8 @@ def translate(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
         precision=precision, sampling=sampling, temperature=temperature, seed=seed,
     )  # fmt: skip
-    translator = lib.load_translator(checkpoint, overrides, last=average_last)
+    last = _renamed(last, old_last, "--last", "--average-last")
+    translator = lib.load_translator(_model(model, old_model), overrides, last, best, by)
     if bulk.is_bulk(input_, output):
         report = bulk.translate_job(translator, input_, output, overwrite)
         if "output" in report:  # rank 0
@@ -227,14 +311,13 @@ def translate(
 @app.command()
 @_user_errors
 def evaluate(
-    checkpoint: Annotated[
-        Path | None, typer.Option("--checkpoint", "-m", help="Model to translate with.")
-    ] = None,
+    model: Model = None,
     split: Annotated[
         str, typer.Option("--split", help="test or valid: a split of the model's config.")
     ] = "test",
-    src: Annotated[
-        Path | None, typer.Option("--src", help="Source file to translate instead of a split.")
+    input_: Annotated[
+        Path | None,
+        typer.Option("--input", "-i", help="Source file to translate instead of a split."),
     ] = None,
     ref: Annotated[
         Path | None, typer.Option("--ref", help="Reference file instead of the split's.")
@@ -242,48 +325,49 @@ def evaluate(
     hyp: Annotated[
         Path | None, typer.Option("--hyp", help="Score this hypothesis file; no translating.")
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: AsJson = False,
     beam: Beam = None,
     lenpen: Lenpen = None,
     max_tokens: MaxTokens = None,
     device: Device = None,
     precision: Precision = None,
-    average_last: AverageLast = 0,
+    last: Last = 0,
+    best: Best = 0,
+    by: By = None,
     set_: Overrides = None,
+    old_model: OldModel = None,
+    old_input: Annotated[Path | None, typer.Option("--src", hidden=True)] = None,
+    old_last: OldLast = 0,
 ) -> None:
     """sacreBLEU (with signature), chrF and lowercased BLEU of a model or a hypothesis file."""
     from transformer_mt import evaluate as lib
     from transformer_mt import textio, translate
 
-    if split not in ("test", "valid", "train"):
-        raise TmtError(f"--split {split!r}: expected test, valid or train")
     overrides = _decode_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision
     )
+    model = _renamed(model, old_model, "--model", "--checkpoint")
+    input_ = _renamed(input_, old_input, "--input", "--src")
+    last = _renamed(last, old_last, "--last", "--average-last")
     # Splits come from the model's config (its data section), else from the default preset.
-    translator = None
-    if checkpoint:
-        translator = translate.load_translator(checkpoint, overrides, last=average_last)
-    cfg = translator.config if translator else load_config("multi30k", set_ or [])
+    translator = translate.load_translator(model, overrides, last, best, by) if model else None
     report = lib.evaluate(
         translator,
         split=split,
-        sources=textio.read_text_file(src, "input") if src else None,
+        sources=textio.read_text_file(input_, "input") if input_ else None,
         references=textio.read_text_file(ref, "ref") if ref else None,
         hypotheses=textio.read_text_file(hyp, "hyp") if hyp else None,
-        cfg=cfg,
+        cfg=translator.config if translator else load_config("multi30k", set_ or []),
     )
-    typer.echo(json.dumps(report) if as_json else lib.format_report(report))
+    _echo(report, as_json, lib.format_report(report))
 
 
 @app.command()
 @_user_errors
 def export(
-    checkpoint: CheckpointOption,
+    output: Output,
     fmt: Annotated[str, typer.Option("--format", help="ctranslate2 or huggingface.")],
-    output: Annotated[
-        Path, typer.Option("--output", "-o", help="Directory to create (new or empty).")
-    ],
+    model: Model = None,
     quantization: Annotated[
         str | None,
         typer.Option("--quantization", help="ctranslate2 only: int8, int8_float16 or float16."),
@@ -292,50 +376,67 @@ def export(
         int,
         typer.Option("--check-lines", help="Validation lines the export must reproduce; 0 = all."),
     ] = 0,
+    overwrite: Overwrite = False,
+    last: Last = 0,
+    best: Best = 0,
+    by: By = None,
+    as_json: AsJson = False,
+    old_model: OldModel = None,
 ) -> None:
     """Export to CTranslate2 or Hugging Face; written only if its greedy outputs equal tmt's."""
     from transformer_mt import export as lib
 
-    typer.echo(json.dumps(lib.export(checkpoint, fmt, output, quantization, check_lines)))
+    report = lib.export(
+        _model(model, old_model), fmt, output, quantization, check_lines, overwrite,
+        last=last, best=best, by=by,
+    )  # fmt: skip
+    kind = report.get("architecture") or report.get("quantization")
+    text = (
+        f"exported {report['source']} to {report['output']} ({report['format']}, {kind}):"
+        f" its greedy outputs equal tmt's on {report['check_lines']} validation lines"
+    )
+    if "quantized_identical_lines" in report:
+        text += f"; quantized, {report['quantized_identical_lines']} lines identical"
+    _echo(report, as_json, text)
 
 
 @app.command()
 @_user_errors
 def average(
-    inputs: Annotated[
-        list[Path], typer.Argument(help="Checkpoints to average, or one run directory.")
-    ],
-    output: Annotated[
-        Path, typer.Option("--output", "-o", help="Directory of the averaged model.")
-    ],
+    output: Output,
+    models: Models = None,
     last: Annotated[
         int, typer.Option("--last", help="With a run directory: its newest N checkpoints.")
     ] = 0,
     best: Annotated[
         int, typer.Option("--best", help="With a run directory: its N best checkpoints (--by).")
     ] = 0,
-    by: Annotated[
-        str | None,
-        typer.Option(
-            "--by",
-            help="What --best ranks by: val_bleu, val_chrf, val_loss or val_ppl"
-            " (default: val_bleu when the run measured it, else val_loss).",
-        ),
-    ] = None,
+    by: By = None,
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
+    old_models: OldModels = None,
 ) -> None:
-    """Average checkpoints into one self-contained model (§6.1: the last 5 for base, 20 for big)."""
+    """Average checkpoints into one self-contained model (§6.1: the last 5 for base, 20 for big):
+    -m CKPT -m CKPT ..., or -m RUN_DIR with --last N or --best N."""
     from transformer_mt import averaging
 
-    report = averaging.average_into(inputs, output, last, best, by, overwrite=True)
-    typer.echo(json.dumps(report))
+    models = _renamed(models, old_models, "-m/--model", "a positional model")
+    report = averaging.average_into(models or [], output, last, best, by, overwrite)
+    names = ", ".join(Path(p).name for p in report["averaged"])
+    ranked = f" (the best by {report['by']})" if "by" in report else ""
+    text = (
+        f"averaged {len(report['averaged'])} checkpoints{ranked} into {report['output']}: {names}"
+    )
+    _echo(report, as_json, text)
 
 
 @app.command()
 @_user_errors
 def plot(
-    run_dirs: Annotated[
-        list[Path], typer.Argument(help="Run directories; several are overlaid to compare.")
-    ],
+    models: Annotated[
+        list[Path] | None,
+        typer.Option("--model", "-m", help="A run directory (repeatable: overlaid to compare)."),
+    ] = None,
     output: Annotated[
         Path | None,
         typer.Option(
@@ -344,16 +445,17 @@ def plot(
             help="A .png, .svg or .pdf (default: RUN_DIR/curves.png, or ./curves.png for several).",
         ),
     ] = None,
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
+    old_models: OldModels = None,
 ) -> None:
     """Draw training loss, validation loss and BLEU, learning rate and tokens/s against updates."""
     from transformer_mt import plot as lib
-    from transformer_mt import textio
 
-    output = output or (
-        run_dirs[0] / lib.RUN_CURVES if len(run_dirs) == 1 else Path(lib.RUN_CURVES)
-    )
-    textio.check_output(output, run_dirs, overwrite=True)
-    typer.echo(json.dumps(lib.draw_curves(run_dirs, output)))
+    run_dirs = _renamed(models, old_models, "-m/--model", "a positional run directory")
+    report = lib.plot(run_dirs or [], output, overwrite)
+    panels = ", ".join(f"{title} {n}" for title, n in report["curves"].items())
+    _echo(report, as_json, f"{report['output']}: curves drawn per panel: {panels}")
 
 
 def main() -> None:

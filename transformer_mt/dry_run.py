@@ -2,13 +2,12 @@
 
 The resolved config, what each filter removed from each split, the training corpora (pairs and
 tokens kept, weight, tag, and the mixture the first epoch actually draws), the vocabulary, the
-parameter count, the batches of the first epoch and their padding efficiency; the last line is the
-same as JSON.
+parameter count, the batches of the first epoch and their padding efficiency: dry_run returns
+them, format_report writes them for people (tmt train --dry-run --json prints the figures as JSON).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ from transformer_mt.model import Transformer, count_parameters
 
 
 def dry_run(cfg: Config) -> dict[str, Any]:
-    """Prepare the data (filling the caches) and the model; print the report; return it. With
+    """Prepare the data (filling the caches) and the model; the figures of the report. With
     train.init_from, the model is checked and its tokenizer used, as training would."""
     parent = run.init_model(cfg) if cfg.train.init_from else None
     data = prepare_data(cfg, parent.tokenizer if parent else None)
@@ -38,26 +37,30 @@ def dry_run(cfg: Config) -> dict[str, Any]:
         "filters": {key.removeprefix("data."): c.as_dict() for key, c in data.counts.items()},
         "corpora": corpus_report(data, sampler),
     }
-    print("# resolved config")
-    print(to_yaml(cfg), end="")
-    print("# data")
-    for key, counts in data.counts.items():
-        print(f"{key}: " + ", ".join(f"{name} {n}" for name, n in counts.as_dict().items()))
-    print("# training corpora (epoch 0 draws these pairs from each)")
+    return summary
+
+
+def format_report(summary: dict[str, Any], cfg: Config) -> str:
+    """The dry run for people: the resolved config, then the data, corpora, model and batches."""
+    lines = ["# resolved config", to_yaml(cfg).rstrip("\n"), "# data"]
+    for key, counts in summary["filters"].items():
+        lines.append(f"data.{key}: " + ", ".join(f"{name} {n}" for name, n in counts.items()))
+    lines.append("# training corpora (epoch 0 draws these pairs from each)")
     for row in summary["corpora"]:
         tag = f", tag {row['tag']}" if row["tag"] else ""
-        print(
+        lines.append(
             f"{row['key']}: {row['pairs']} pairs, {row['src_tokens']} + {row['tgt_tokens']}"
             f" tokens, weight {row['weight']:g}{tag}; drawn {row['drawn']}"
             f" ({100 * row['share']:.1f}% of the epoch, {row['passes']:.2f} passes)"
             f" [{row['origin']}]"
         )
-    print(f"vocab_size: {summary['vocab_size']}")
-    print(f"parameters: {summary['parameters']:,}")
-    print(f"batches per epoch: {summary['batches']} (max_tokens {cfg.data.max_tokens})")
-    print(f"padding efficiency: {summary['padding_efficiency']:.4f}")
-    print(json.dumps(summary))
-    return summary
+    lines += [
+        f"vocab_size: {summary['vocab_size']}",
+        f"parameters: {summary['parameters']:,}",
+        f"batches per epoch: {summary['batches']} (max_tokens {cfg.data.max_tokens})",
+        f"padding efficiency: {summary['padding_efficiency']:.4f}",
+    ]
+    return "\n".join(lines)
 
 
 def corpus_report(data: PreparedData, sampler: TokenBucketSampler) -> list[dict[str, Any]]:

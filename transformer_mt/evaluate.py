@@ -99,6 +99,8 @@ def evaluate(
 ) -> dict[str, Any]:
     """Score `hypotheses`, or the translator's output for `sources` or a config split, against the
     references. Returns score()'s figures plus where the text came from."""
+    if split is not None and split not in ("test", "valid", "train"):
+        raise TmtError(f"{split!r}: expected test, valid or train", param="split")
     if references is None:
         config = cfg or (translator.config if translator else None)
         if config is None or split is None:

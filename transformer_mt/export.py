@@ -53,10 +53,14 @@ def export(
     quantization: str | None = None,
     check_lines: int = 0,
     overwrite: bool = False,
+    last: int = 0,
+    best: int = 0,
+    by: str | None = None,
 ) -> dict[str, Any]:
-    """Export `model` (a checkpoint, an average or a run directory) to `output` in format `fmt`
-    after checking it against tmt on `check_lines` validation lines (0: all of them); an earlier
-    export at `output` is replaced only with `overwrite`."""
+    """Export `model` (a checkpoint, an average or a run directory; with `last` or `best`, the
+    average of the run's newest or best N) to `output` in format `fmt` after checking it against
+    tmt on `check_lines` validation lines (0: all of them); an earlier export at `output` is
+    replaced only with `overwrite`."""
     if fmt not in FORMATS:
         raise TmtError(f"{fmt}: expected one of {', '.join(FORMATS)}", param="fmt")
     if quantization is not None and (fmt != "ctranslate2" or quantization not in QUANTIZATIONS):
@@ -70,7 +74,7 @@ def export(
     _check_output(output, model, overwrite)
     builder = _require(fmt)
     settings = ["decode.device=cpu", "decode.precision=fp32"]
-    translator = translate.load_translator(model, settings)
+    translator = translate.load_translator(model, settings, last=last, best=best, by=by)
     sources, _ = corpus.read_split(translator.config.data, "data.valid")
     lines = [s for s in sources if s.strip()][: check_lines or None]
     if not lines:

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformer_mt import files
+from transformer_mt import files, textio
 from transformer_mt.exits import TmtError
+from transformer_mt.metrics import METRICS_FILE
 
 RUN_CURVES = "curves.png"  # what training draws into its run directory at each validation
 FORMATS = (".png", ".svg", ".pdf")
@@ -37,9 +38,9 @@ class NoMatplotlib(TmtError):
 def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Each metric's (step, value) points from a run's metrics.jsonl, in step order. Lines that
     do not read (a torn last line after a kill) are skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        raise TmtError(f"{run_dir}: no metrics.jsonl (not a tmt run directory, or not started)")
+        raise TmtError(f"{run_dir}: no {METRICS_FILE} (not a tmt run directory, or not started)")
     points: dict[str, list[tuple[int, float]]] = {}
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -58,6 +59,21 @@ def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     if not points:
         raise TmtError(f"{path}: no records to plot ({len(lines)} lines, none readable)")
     return {name: sorted(values) for name, values in points.items()}
+
+
+def plot(
+    run_dirs: Sequence[Path], output: Path | None = None, overwrite: bool = False
+) -> dict[str, Any]:
+    """`tmt plot`: the runs' curves into `output` (default: the one run's own curves.png, which is
+    refreshed as training refreshes it, or ./curves.png for several). Another existing file is
+    replaced only with `overwrite`, and never a run's own files (textio.check_output)."""
+    if not run_dirs:
+        raise TmtError("no run directories to plot: name them with {model}", mentions=["model"])
+    own = output is None and len(run_dirs) == 1
+    if output is None:
+        output = run_dirs[0] / RUN_CURVES if own else Path(RUN_CURVES)
+    textio.check_output(output, run_dirs, overwrite=overwrite or own)
+    return draw_curves(run_dirs, output)
 
 
 def draw_curves(run_dirs: Sequence[Path], output: Path) -> dict[str, Any]:

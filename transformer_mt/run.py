@@ -415,7 +415,7 @@ def load_model(path: Path) -> Checkpoint:
         if kind == "average" and saved.step < newest_step:
             logger.warning(
                 "%s averages checkpoints up to step %d, the run has one at step %d: refresh it"
-                " with tmt average %s --last N -o %s",
+                " with tmt average -m %s --last N -o %s --overwrite",
                 candidate, saved.step, newest_step, path, candidate,
             )  # fmt: skip
         return saved
