@@ -77,12 +77,12 @@ def test_write_average_is_a_loadable_model(trained_run: Path, tmp_path: Path) ->
     (tmp_path / "occupied").mkdir()
     (tmp_path / "occupied" / "notes.txt").write_text("mine")
     with pytest.raises(TmtError, match="exists and is not a checkpoint"):
-        averaging.check_output(tmp_path / "occupied")
+        averaging.check_destination(tmp_path / "occupied")
     with pytest.raises(TmtError, match="exists; add overwrite to replace it"):
-        averaging.check_output(out)  # an averaged model is replaced only when asked
-    averaging.check_output(out, overwrite=True)
+        averaging.check_destination(out)  # an averaged model is replaced only when asked
+    averaging.check_destination(out, overwrite=True)
     with pytest.raises(TmtError, match="a training checkpoint; averaging into it would destroy"):
-        averaging.check_output(run.list_checkpoints(trained_run)[0], overwrite=True)
+        averaging.check_destination(run.list_checkpoints(trained_run)[0], overwrite=True)
 
 
 def test_newest_takes_the_newest_that_read_and_counts(trained_run: Path, tmp_path: Path) -> None:

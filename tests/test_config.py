@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from transformer_mt import cli
 from transformer_mt.config import (
     SECTIONS,
     Config,
@@ -253,8 +254,9 @@ def test_out_of_range_values_are_one_line_errors_naming_key_value_and_range(key,
             override = f"data.train=[{{split: train, {name}: '{bad}'}}]"
         with pytest.raises(TmtError) as err:
             load_config("tiny", [override])
-        message = str(err.value)
-        assert message.startswith(f"--set {override}: {named} = "), message
+        message = str(err.value)  # the library names its parameter; the CLI, its flag
+        assert message.startswith(f"overrides {override}: {named} = "), message
+        assert err.value.render(cli._flag).startswith(f"--set {override}: {named} = ")
         expected = str(rule).removeprefix("in ")
         assert expected in message and "\n" not in message
 
@@ -269,10 +271,10 @@ def test_set_errors_blame_the_set_not_the_yaml(tmp_path: Path) -> None:
     path = write(tmp_path, "model:\n  d_model: 32\n")
     with pytest.raises(TmtError) as err:
         load_config(path, ["model.d_ff=abc"])
-    assert str(err.value).startswith("--set model.d_ff=abc: model.d_ff = 'abc'")
+    assert err.value.render(cli._flag).startswith("--set model.d_ff=abc: model.d_ff = 'abc'")
     with pytest.raises(TmtError) as err:
         load_config(path, ["model.d_fff=3"])
-    assert str(err.value).startswith("--set model.d_fff=3: unknown key model.d_fff")
+    assert err.value.render(cli._flag).startswith("--set model.d_fff=3: unknown key model.d_fff")
     bad_file = write(tmp_path, "model:\n  d_ff: abc\n")
     with pytest.raises(TmtError) as err:
         load_config(bad_file, ["model.d_model=64"])

@@ -149,7 +149,9 @@ def _average(
 # --- the averaged model on disk ----------------------------------------------------------------
 
 
-def check_output(output: Path, overwrite: bool = False, inputs: Sequence[str | Path] = ()) -> None:
+def check_destination(
+    output: Path, overwrite: bool = False, inputs: Sequence[str | Path] = ()
+) -> None:
     """An average goes to a new or empty directory, or replaces an averaged model with
     `overwrite`; never a training checkpoint (its training state would be lost), nor anything
     that is not a model, nor an input or a file tmt manages (textio.check_output)."""
@@ -172,12 +174,13 @@ def check_output(output: Path, overwrite: bool = False, inputs: Sequence[str | P
 
 def write(mean: Checkpoint, output: Path) -> Checkpoint:
     """Write an average as a self-contained model directory at `output` (atomically, replacing
-    what is there: check_output first); returns it as written."""
+    what is there: check_destination first); returns it as written."""
     info = {"averaged": list(mean.sources)}
     try:
         checkpoint.write(
-            output, mean.step, mean.config, mean.state_dict, mean.tokenizer_bytes, info=info
-        )
+            output, mean.step, mean.config, state_dict=mean.state_dict,
+            tokenizer_bytes=mean.tokenizer_bytes, info=info,
+        )  # fmt: skip
     except (OSError, RuntimeError) as err:  # disk full, quota, I/O (torch: RuntimeError)
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise TmtError(
@@ -205,7 +208,7 @@ def average_into(
     if not models:
         raise TmtError("no checkpoints to average: name them, or one run directory with {last} N"
                        " or {best} N", mentions=["last", "best"])  # fmt: skip
-    check_output(output, overwrite, models)
+    check_destination(output, overwrite, models)
     if best and not by:
         by = scored_metric(Path(models[0]))
     mean = choose(models, last, best, by)

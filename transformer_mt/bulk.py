@@ -264,7 +264,9 @@ def _translate_chunks(
         for chunk in chunks:
             first = chunk * chunk_lines
             count = _chunk_size(chunk, plan.lines, chunk_lines)
-            lines = list(_read_chunk(source, input_path, plan.offsets[chunk], first, count))
+            lines = list(
+                _read_chunk(source, input_path, plan.offsets[chunk], first=first, count=count)
+            )
             text = "".join(_rows(translator, lines, first))
             try:
                 files.atomic_write(_chunk_path(plan.job_dir, chunk), text.encode("utf-8"))
@@ -292,7 +294,7 @@ def _rows(translator: Translator, lines: list[str], first: int) -> Iterator[str]
     """The output rows of these lines: one per line, or nbest tab-separated rows as translate's."""
     nbest = translator.config.decode.nbest
     for i, hyps in enumerate(translate.translate_lines(translator, lines, first_line=first)):
-        yield from translate.output_rows(translator, first + i, hyps, nbest)
+        yield from translate.output_rows(translator, hyps, index=first + i, nbest=nbest)
 
 
 # --- rank 0: the output ------------------------------------------------------------------------

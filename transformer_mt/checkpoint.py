@@ -251,7 +251,10 @@ def read(
     sources = tuple(str(s) for s in manifest.get("averaged", ()) if isinstance(s, str))
     if average_with is not None:
         _check_same_model(average_with, path, cfg, spm, weights)
-        return Checkpoint(path, step, cfg, average_with.tokenizer, weights, sources=sources)
+        return Checkpoint(
+            path=path, step=step, config=cfg, tokenizer=average_with.tokenizer,
+            state_dict=weights, sources=sources,
+        )  # fmt: skip
     tokenizer = Tokenizer(spm, origin=f"{path / MODEL_FILE} tokenizer")
     # The random initialisation of the build is overwritten by the weights; it draws from a
     # forked generator, so reading a checkpoint never moves the caller's random streams.
@@ -262,7 +265,10 @@ def read(
     if train_state:
         state = _load_verified(path, STATE_FILE, manifest)
         check_train_state(state, list(model.parameters()), path / STATE_FILE)
-    return Checkpoint(path, step, cfg, tokenizer, model.state_dict(), model, state, sources)
+    return Checkpoint(
+        path=path, step=step, config=cfg, tokenizer=tokenizer, state_dict=model.state_dict(),
+        model=model, train_state=state, sources=sources,
+    )  # fmt: skip
 
 
 def _read_model_file(

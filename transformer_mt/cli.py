@@ -55,7 +55,7 @@ def _commands() -> None:
 
 
 # The flag that sets each library parameter an error may name, where it is not "--" + the name.
-_FLAG_OF = {"fmt": "--format", "model": "-m"}
+_FLAG_OF = {"fmt": "--format", "model": "-m", "overrides": "--set"}
 
 
 def _flag(param: str) -> str:
@@ -295,15 +295,16 @@ def translate(
         precision=precision, sampling=sampling, temperature=temperature, seed=seed,
     )  # fmt: skip
     last = _renamed(last, old_last, "--last", "--average-last")
-    translator = lib.load_translator(_model(model, old_model), overrides, last, best, by)
+    model = _model(model, old_model)
+    translator = lib.load_translator(model, overrides, last=last, best=best, by=by)
     if bulk.is_bulk(input_, output):
-        report = bulk.translate_job(translator, input_, output, overwrite)
+        report = bulk.translate_job(translator, input_, output, overwrite=overwrite)
         if "output" in report:  # rank 0
             typer.echo(f"tmt: {output}: {report['lines']} lines in {report['chunks']} chunks"
                        f" ({report['resumed_chunks']} translated before)", err=True)  # fmt: skip
         return
     try:
-        lib.translate_file(translator, input_, output, overwrite)
+        lib.translate_file(translator, input_, output, overwrite=overwrite)
     except BrokenPipeError:  # the reader left (e.g. `| head -1`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
@@ -350,7 +351,9 @@ def evaluate(
     input_ = _renamed(input_, old_input, "--input", "--src")
     last = _renamed(last, old_last, "--last", "--average-last")
     # Splits come from the model's config (its data section), else from the default preset.
-    translator = translate.load_translator(model, overrides, last, best, by) if model else None
+    translator = None
+    if model:
+        translator = translate.load_translator(model, overrides, last=last, best=best, by=by)
     report = lib.evaluate(
         translator,
         split=split,
@@ -387,8 +390,8 @@ def export(
     from transformer_mt import export as lib
 
     report = lib.export(
-        _model(model, old_model), fmt, output, quantization, check_lines, overwrite,
-        last=last, best=best, by=by,
+        _model(model, old_model), fmt, output, quantization=quantization, check_lines=check_lines,
+        overwrite=overwrite, last=last, best=best, by=by,
     )  # fmt: skip
     kind = report.get("architecture") or report.get("quantization")
     text = (
@@ -421,7 +424,9 @@ def average(
     from transformer_mt import averaging
 
     models = _renamed(models, old_models, "-m/--model", "a positional model")
-    report = averaging.average_into(models or [], output, last, best, by, overwrite)
+    report = averaging.average_into(
+        models or [], output, last=last, best=best, by=by, overwrite=overwrite
+    )
     names = ", ".join(Path(p).name for p in report["averaged"])
     ranked = f" (the best by {report['by']})" if "by" in report else ""
     text = (

@@ -177,7 +177,7 @@ class Corpus:
     def __post_init__(self) -> None:
         problem = _field_problem(self, "data.train[]")
         if problem:
-            raise TmtError(problem)
+            raise _error(problem)
 
 
 Corpora = tuple[Corpus, ...]
@@ -310,7 +310,7 @@ class Config:
         for section in dataclasses.fields(self):
             problem = _field_problem(getattr(self, section.name), section.name)
             if problem:
-                raise TmtError(problem)
+                raise _error(problem)
         checks = [
             (
                 self.model.d_model % self.model.n_heads == 0,
@@ -351,7 +351,7 @@ class Config:
         ]
         for ok, message in checks:
             if not ok:
-                raise TmtError(message)
+                raise _error(message)
 
 
 _SECTION_TYPES: dict[str, type] = typing.get_type_hints(Config)  # section name -> dataclass
@@ -374,7 +374,7 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     shipped = presets()
     if path.suffix == "" and str(path) in shipped:
         return shipped[str(path)]
-    raise TmtError(
+    raise _error(
         f"config {str(path)!r}: no such file or preset (presets: {', '.join(sorted(shipped))})"
     )
 
@@ -391,20 +391,21 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     for item in overrides:
         section, key, value = _parse_override(item)
         tree.setdefault(section, {})[key] = value
-        overridden[f"{section}.{key}"] = f"--set {item}"
+        overridden[f"{section}.{key}"] = f"{{overrides}} {item}"
     return config_from_dict(tree, origin=origin, origins=overridden)
 
 
 def apply_overrides(cfg: Config, overrides: Sequence[str | tuple[str, str]]) -> Config:
     """`cfg` with `section.key=value` overrides; an override may come as (item, what the user
-    typed), e.g. ("decode.beam_size=0", "--beam 0"), so that errors quote the user's words."""
+    typed), e.g. ("decode.beam_size=0", "--beam 0"), so that errors quote the user's words; a plain
+    one is named as an item of `overrides` (the command line's --set)."""
     tree = to_dict(cfg)
     overridden = {}
     for entry in overrides:
-        item, typed = entry if isinstance(entry, tuple) else (entry, f"--set {entry}")
+        item, typed = entry if isinstance(entry, tuple) else (entry, f"{{overrides}} {entry}")
         section, key, value = _parse_override(item)
         if section not in tree:
-            raise TmtError(
+            raise _error(
                 f"{typed}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
             )
         tree[section][key] = value
@@ -418,24 +419,24 @@ def config_from_dict(
     """A Config from a nested mapping (YAML, a checkpoint's copy), checking every key, type and
     range; errors name where each value came from (`origins` by key, else `origin`)."""
     if not isinstance(tree, Mapping):
-        raise TmtError(f"{origin}: expected a mapping of sections, got {type(tree).__name__}")
+        raise _error(f"{origin}: expected a mapping of sections, got {type(tree).__name__}")
     unknown = sorted(set(tree) - set(SECTIONS))
     if unknown:
-        raise TmtError(
+        raise _error(
             f"{origin}: unknown section {unknown[0]!r}; valid sections: {', '.join(SECTIONS)}"
         )
     sections = {}
     for name, cls in _SECTION_TYPES.items():
         values = tree.get(name) or {}
         if not isinstance(values, Mapping):
-            raise TmtError(f"{origin}: section {name!r} must be a mapping of key: value")
+            raise _error(f"{origin}: section {name!r} must be a mapping of key: value")
         hints = typing.get_type_hints(cls, include_extras=True)
         valid = [f.name for f in dataclasses.fields(cls)]
         coerced = {}
         for key, value in values.items():
             where = (origins or {}).get(f"{name}.{key}", origin)
             if key not in hints:
-                raise TmtError(
+                raise _error(
                     f"{where}: unknown key {name}.{key}; valid keys in {name}: {', '.join(valid)}"
                 )
             coerced[key] = _coerce(value, hints[key], f"{name}.{key}", where)
@@ -467,14 +468,22 @@ def changed_keys(old: Config, new: Config, sections: Sequence[str] = SECTIONS) -
 
 
 class _Text(str):
-    """A `--set` value: kept as typed for str fields, parsed as YAML for every other type."""
+    """An override's value: kept as typed for str fields, parsed as YAML for every other type."""
+
+
+def _error(message: str) -> TmtError:
+    """A config error. It names an override by the loader's parameter, "{overrides} KEY=VALUE":
+    the command line writes it as its flag, --set."""
+    return TmtError(message, mentions=["overrides"])
 
 
 def _parse_override(item: str) -> tuple[str, str, _Text]:
     key, sep, value = item.partition("=")
     section, dot, name = key.strip().partition(".")
     if not sep or not dot or not name:
-        raise TmtError(f"--set {item!r}: expected section.key=value, e.g. optim.warmup_steps=8000")
+        raise _error(
+            f"{{overrides}} {item!r}: expected section.key=value, e.g. optim.warmup_steps=8000"
+        )
     return section, name, _Text(value.strip())
 
 
@@ -485,13 +494,13 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise TmtError(f"{path}{where}: invalid YAML: {problem}") from None
+        raise _error(f"{path}{where}: invalid YAML: {problem}") from None
     except (OSError, UnicodeDecodeError) as err:
-        raise TmtError(f"{path}: cannot read: {err}") from None
+        raise _error(f"{path}: cannot read: {err}") from None
     if tree is None:
         return {}
     if not isinstance(tree, dict):
-        raise TmtError(f"{path}: expected a mapping of sections at the top level")
+        raise _error(f"{path}: expected a mapping of sections at the top level")
     return tree
 
 
@@ -517,7 +526,7 @@ def _coerce_corpora(value: Any, key: str, origin: str) -> str | Corpora:
     if isinstance(value, str | Corpus):
         return value if isinstance(value, str) else (value,)
     if not isinstance(value, list | tuple):
-        raise TmtError(f"{origin}: {key} = {value!r}: expected {TrainSplits()}")
+        raise _error(f"{origin}: {key} = {value!r}: expected {TrainSplits()}")
     valid = [f.name for f in dataclasses.fields(Corpus)]
     hints = typing.get_type_hints(Corpus, include_extras=True)
     corpora = []
@@ -529,14 +538,14 @@ def _coerce_corpora(value: Any, key: str, origin: str) -> str | Corpora:
         if isinstance(item, str):
             item = {"split": item}
         if not isinstance(item, Mapping):
-            raise TmtError(f"{origin}: {where}: expected a mapping of {', '.join(valid)}")
+            raise _error(f"{origin}: {where}: expected a mapping of {', '.join(valid)}")
         for name in item:
             if name not in hints:
-                raise TmtError(
+                raise _error(
                     f"{origin}: unknown key {where}.{name}; valid keys: {', '.join(valid)}"
                 )
         if "split" not in item:
-            raise TmtError(f"{origin}: {where}: no split (the corpus to read, as data.train)")
+            raise _error(f"{origin}: {where}: no split (the corpus to read, as data.train)")
         corpora.append(
             Corpus(**{k: _coerce(v, hints[k], f"{where}.{k}", origin) for k, v in item.items()})
         )
@@ -549,21 +558,21 @@ def _coerce(value: Any, kind: Any, key: str, origin: str) -> Any:
     if typing.get_origin(kind) is Annotated and typing.get_args(kind)[0] == str | Corpora:
         coerced = _coerce_corpora(value, key, origin)
         if coerced not in TrainSplits():
-            raise TmtError(f"{origin}: {key} = {coerced!r}: expected {TrainSplits()}")
+            raise _error(f"{origin}: {key} = {coerced!r}: expected {TrainSplits()}")
         return coerced
     if typing.get_origin(kind) is Annotated:
         base = typing.get_args(kind)[0]
         coerced = _coerce(value, base, key, origin)
         problem = _out_of_range(coerced, kind)
         if problem:
-            raise TmtError(f"{origin}: {key} = {coerced!r}: expected {problem}")
+            raise _error(f"{origin}: {key} = {coerced!r}: expected {problem}")
         return coerced
     if isinstance(value, _Text):
         if kind is str:
             return str(value)
         with contextlib.suppress(yaml.YAMLError):  # unparsable text is reported as a bad value
             value = yaml.safe_load(value) if value != "" else ""
-    bad = TmtError(f"{origin}: {key} = {value!r}: expected {_type_name(kind)}")
+    bad = _error(f"{origin}: {key} = {value!r}: expected {_type_name(kind)}")
     if typing.get_origin(kind) is Literal:
         if value not in typing.get_args(kind):
             raise bad
@@ -589,7 +598,7 @@ def _coerce(value: Any, kind: Any, key: str, origin: str) -> Any:
     if kind is str:
         if isinstance(value, bool) or not isinstance(value, str | int | float):
             # YAML 1.1 reads bare yes/no/on/off as booleans: the user must quote them.
-            raise TmtError(f"{origin}: {key} = {value!r}: expected a string (quote it in YAML)")
+            raise _error(f"{origin}: {key} = {value!r}: expected a string (quote it in YAML)")
         return str(value)
     raise TypeError(f"unsupported config field type {kind!r} for {key}")  # a bug in this module
 

@@ -161,8 +161,12 @@ def _generate_parallel(src_path: str, tgt_path: str, cfg: DataConfig) -> Iterato
             raise TmtError(
                 f"line counts differ: {src_path} has {src_n} lines, {tgt_path} has {tgt_n}"
             )
-        src_text, src_bad = textio.decode_line(src, src_path, lineno, cfg.encoding_errors, _HINT)
-        tgt_text, tgt_bad = textio.decode_line(tgt, tgt_path, lineno, cfg.encoding_errors, _HINT)
+        src_text, src_bad = textio.decode_line(
+            src, src_path, lineno, errors=cfg.encoding_errors, hint=_HINT
+        )
+        tgt_text, tgt_bad = textio.decode_line(
+            tgt, tgt_path, lineno, errors=cfg.encoding_errors, hint=_HINT
+        )
         yield _record(src_text, tgt_text, src_bad or tgt_bad)
 
 
@@ -174,14 +178,14 @@ def _generate_tsv(path: str, cfg: DataConfig) -> Iterator[dict[str, Any]]:
     header: list[str] | None = None
     if not all(f.isdigit() for f in fields):
         _, first = next(lines, (1, b""))
-        header = textio.decode_line(first, path, 1, "strict", _HINT)[0].split("\t")
+        header = textio.decode_line(first, path, 1, errors="strict", hint=_HINT)[0].split("\t")
         for name in fields:
             if name not in header:
                 raise TmtError(f"{path}:1: header has no column {name!r} (columns: {header})")
     columns = [header.index(f) if header is not None else int(f) for f in fields]
     width = len(header) if header is not None else None
     for lineno, line in lines:
-        text, bad = textio.decode_line(line, path, lineno, cfg.encoding_errors, _HINT)
+        text, bad = textio.decode_line(line, path, lineno, errors=cfg.encoding_errors, hint=_HINT)
         if bad and cfg.encoding_errors == "skip":
             yield _record("", "", True)
             continue
@@ -197,7 +201,7 @@ def _generate_tsv(path: str, cfg: DataConfig) -> Iterator[dict[str, Any]]:
 
 def _generate_jsonl(path: str, cfg: DataConfig) -> Iterator[dict[str, Any]]:
     for lineno, line in enumerate(textio.read_lines(Path(path)), 1):
-        text, bad = textio.decode_line(line, path, lineno, cfg.encoding_errors, _HINT)
+        text, bad = textio.decode_line(line, path, lineno, errors=cfg.encoding_errors, hint=_HINT)
         if bad and cfg.encoding_errors == "skip":
             yield _record("", "", True)
             continue

@@ -263,7 +263,7 @@ def _filtered(
     apply("ratio", (longer > cfg.max_len_ratio * shorter) if training else np.zeros_like(removed))
     rows = np.flatnonzero(~removed)
     replaced = int((invalid & ~removed).sum()) if cfg.encoding_errors == "replace" else 0
-    split = EncodedSplit(table, rows, src_len[rows], tgt_len[rows])
+    split = EncodedSplit(table, rows, src_lengths=src_len[rows], tgt_lengths=tgt_len[rows])
     return split, FilterCounts(read=len(src_len), **counts, kept=len(rows), replaced=replaced)
 
 
@@ -365,15 +365,14 @@ class EncodedSplit:
                 "tgt_ids": pa.chunked_array([c for p in parts for c in p._tgt.chunks]),
             }
         )
+        rows = [part.rows + offset for part, offset in zip(parts, offsets[:-1], strict=True)]
         return cls(
             table,
-            np.concatenate(
-                [part.rows + offset for part, offset in zip(parts, offsets[:-1], strict=True)]
-            ),
-            np.concatenate([part.src_lengths for part in parts]),
-            np.concatenate([part.tgt_lengths for part in parts]),
-            np.concatenate([np.full(len(part), i) for i, part in enumerate(parts)]),
-            weights,
+            np.concatenate(rows),
+            src_lengths=np.concatenate([part.src_lengths for part in parts]),
+            tgt_lengths=np.concatenate([part.tgt_lengths for part in parts]),
+            groups=np.concatenate([np.full(len(part), i) for i, part in enumerate(parts)]),
+            weights=weights,
         )
 
     def __len__(self) -> int:
@@ -389,14 +388,17 @@ class EncodedSplit:
 
     def batch(self, positions: Sequence[int] | np.ndarray, tokenizer: Tokenizer) -> Batch:
         src, tgt = self.ids(positions)
-        return collate(src, tgt, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
+        return collate(
+            src, tgt, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id
+        )
 
     def sampler(
         self, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1, shuffle: bool = True
     ) -> TokenBucketSampler:
         """Batches over this split; +1 per side for eos (source, target) and bos (decoder input)."""
         return TokenBucketSampler(
-            self.src_lengths + 1, self.tgt_lengths + 1, max_tokens, seed, rank, world_size, shuffle,
+            src_lengths=self.src_lengths + 1, tgt_lengths=self.tgt_lengths + 1,
+            max_tokens=max_tokens, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle,
             groups=self.groups if shuffle else None, weights=self.weights,
         )  # fmt: skip
 

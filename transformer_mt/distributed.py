@@ -49,7 +49,7 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=target if use_cuda else None,
         )
-    return DistInfo(rank, world_size, local_rank, target)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=target)
 
 
 def _local_rank() -> int:

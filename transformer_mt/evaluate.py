@@ -69,8 +69,9 @@ def validation_bleu(
     rank gets rank 0's figures (the same best-checkpoint and early-stopping decisions)."""
     decode = dataclasses.replace(cfg.decode, beam_size=cfg.train.bleu_beam_size, nbest=1)
     translator = Translator(
-        model, tokenizer, dataclasses.replace(cfg, decode=decode), info.device, "training"
-    )
+        model=model, tokenizer=tokenizer, config=dataclasses.replace(cfg, decode=decode),
+        device=info.device, origin="training",
+    )  # fmt: skip
     was_training = model.training
     model.eval()
     mine = translate_text(translator, sources[info.rank :: info.world_size])

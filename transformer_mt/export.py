@@ -71,7 +71,7 @@ def export(
         )  # fmt: skip
     if check_lines < 0:
         raise TmtError(f"{check_lines}: expected 0 (all) or more", param="check_lines")
-    _check_output(output, model, overwrite)
+    _check_destination(output, model, overwrite)
     builder = _require(fmt)
     settings = ["decode.device=cpu", "decode.precision=fp32"]
     translator = translate.load_translator(model, settings, last=last, best=best, by=by)
@@ -101,7 +101,7 @@ def export(
     return {"output": str(output), **report}
 
 
-def _check_output(output: Path, model: str | Path, overwrite: bool) -> None:
+def _check_destination(output: Path, model: str | Path, overwrite: bool) -> None:
     """An export goes into a new or empty directory, or replaces an earlier export with
     `overwrite`; never anything else (textio.check_output: nor the model, nor tmt's files)."""
     if output.exists() and not (output.is_dir() and not output.is_symlink()):
@@ -424,50 +424,15 @@ def hf_tokenizer(translator: Translator) -> Any:
     ranked by the score of the piece they make (sentencepiece's order), its normalization table,
     its whitespace rules and byte fallback, and </s> appended to every source."""
     from sentencepiece import sentencepiece_model_pb2
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-    )
+    from tokenizers import AddedToken, decoders, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(translator.tokenizer.model_bytes)
     if proto.trainer_spec.model_type != 2:
         raise TmtError("huggingface: the tokenizer is not a BPE model", param="fmt")
-    pieces = [(p.piece, p.score) for p in proto.pieces]
-    vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
-    merges = sorted(
-        (-score, vocab[piece], piece[:cut], piece[cut:])
-        for piece, score in pieces
-        for cut in range(1, len(piece))
-        if piece[:cut] in vocab and piece[cut:] in vocab
-    )
-    spec = proto.trainer_spec
-    tokenizer = Tokenizer(
-        models.BPE(
-            vocab=vocab, merges=[(left, right) for _, _, left, right in merges],
-            unk_token=proto.pieces[spec.unk_id].piece, fuse_unk=True,
-            byte_fallback=spec.byte_fallback,
-        )
-    )  # fmt: skip
-    norm, steps = proto.normalizer_spec, []
-    if norm.precompiled_charsmap:
-        steps.append(normalizers.Precompiled(norm.precompiled_charsmap))
-    if norm.remove_extra_whitespaces:
-        steps += [
-            normalizers.Replace(Regex("^ +| +$"), ""),
-            normalizers.Replace(Regex(" {2,}"), " "),
-        ]
-    steps.append(normalizers.Replace(" ", "▁"))
-    if norm.add_dummy_prefix:
-        steps.append(normalizers.Prepend("▁"))
-    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer = _hf_bpe(proto)
+    tokenizer.normalizer = _hf_normalizer(proto.normalizer_spec)
     tokenizer.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
     tok = translator.tokenizer
     eos = proto.pieces[tok.eos_id].piece
@@ -492,3 +457,45 @@ def hf_tokenizer(translator: Translator) -> Any:
         eos_token=piece(tok.eos_id), pad_token=piece(tok.pad_id), unk_token=piece(tok.unk_id),
         bos_token=piece(tok.bos_id),
     )  # fmt: skip
+
+
+def _hf_bpe(proto: Any) -> Any:
+    """A `tokenizers` BPE model with sentencepiece's pieces as its vocabulary (same ids) and a
+    merge for every split of a piece into two pieces, ranked by the merged piece's score."""
+    from tokenizers import Tokenizer, models
+
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+    merges = sorted(
+        (-score, vocab[piece], piece[:cut], piece[cut:])
+        for piece, score in pieces
+        for cut in range(1, len(piece))
+        if piece[:cut] in vocab and piece[cut:] in vocab
+    )
+    spec = proto.trainer_spec
+    return Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=[(left, right) for _, _, left, right in merges],
+            unk_token=proto.pieces[spec.unk_id].piece, fuse_unk=True,
+            byte_fallback=spec.byte_fallback,
+        )
+    )  # fmt: skip
+
+
+def _hf_normalizer(norm: Any) -> Any:
+    """sentencepiece's normalization (its compiled table, whitespace rules, word-start mark) as a
+    `tokenizers` normalizer."""
+    from tokenizers import Regex, normalizers
+
+    steps = []
+    if norm.precompiled_charsmap:
+        steps.append(normalizers.Precompiled(norm.precompiled_charsmap))
+    if norm.remove_extra_whitespaces:
+        steps += [
+            normalizers.Replace(Regex("^ +| +$"), ""),
+            normalizers.Replace(Regex(" {2,}"), " "),
+        ]
+    steps.append(normalizers.Replace(" ", "▁"))
+    if norm.add_dummy_prefix:
+        steps.append(normalizers.Prepend("▁"))
+    return normalizers.Sequence(steps)

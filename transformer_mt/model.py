@@ -316,7 +316,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int) -> None:
         super().__init__()
         self.cfg, self.vocab_size, self.pad_id = cfg, vocab_size, pad_id
-        self.embedding = Embedding(vocab_size, cfg.d_model, cfg.max_positions, cfg.dropout)
+        self.embedding = Embedding(
+            vocab_size, d_model=cfg.d_model, max_positions=cfg.max_positions, dropout=cfg.dropout
+        )
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
         # Pre-norm leaves each stack's output unnormalised: a final LayerNorm closes it.

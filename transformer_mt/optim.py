@@ -16,7 +16,10 @@ def noam_lr(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> f
 
 
 def peak_lr(model_cfg: ModelConfig, cfg: OptimConfig) -> float:
-    return noam_lr(cfg.warmup_steps, model_cfg.d_model, cfg.warmup_steps, cfg.lr_scale)
+    return noam_lr(
+        cfg.warmup_steps, d_model=model_cfg.d_model, warmup_steps=cfg.warmup_steps,
+        scale=cfg.lr_scale,
+    )  # fmt: skip
 
 
 def build_optimizer(
@@ -37,4 +40,4 @@ def build_optimizer(
 
 
 def _noam_factor(epoch: int, d_model: int, warmup: int, scale: float) -> float:
-    return noam_lr(epoch + 1, d_model, warmup, scale)
+    return noam_lr(epoch + 1, d_model=d_model, warmup_steps=warmup, scale=scale)

@@ -284,7 +284,10 @@ def save(
     final = checkpoint_dir(run_dir, step)
     info: dict[str, Any] = {"epoch": epoch, **({"valid": scores} if scores else {})}
     try:
-        path = checkpoint.write(final, step, cfg, model, tokenizer_bytes, train_state, info)
+        path = checkpoint.write(
+            final, step, cfg, state_dict=model, tokenizer_bytes=tokenizer_bytes,
+            train_state=train_state, info=info,
+        )  # fmt: skip
         if is_best:
             set_best(run_dir, path)
     except (OSError, RuntimeError) as err:  # disk full, quota, I/O (torch: RuntimeError)

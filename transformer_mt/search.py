@@ -63,8 +63,10 @@ def greedy(
     def argmax(log_probs: torch.Tensor, live: torch.Tensor, t: int) -> tuple[torch.Tensor, ...]:
         return log_probs.max(dim=-1)
 
-    return _one_path(step_fn, state, max_lengths, bos_id, eos_id, banned, alpha, form, device,
-                     argmax)  # fmt: skip
+    return _one_path(
+        step_fn, state, max_lengths, bos_id=bos_id, eos_id=eos_id, banned=banned, alpha=alpha,
+        form=form, device=device, choose=argmax,
+    )  # fmt: skip
 
 
 def sample(
@@ -106,8 +108,10 @@ def sample(
         choice = ids.gather(1, at).squeeze(1)  # (N,)
         return log_probs.gather(1, choice[:, None]).squeeze(1), choice
 
-    return _one_path(step_fn, state, max_lengths, bos_id, eos_id, banned, alpha, form, device,
-                     draw)  # fmt: skip
+    return _one_path(
+        step_fn, state, max_lengths, bos_id=bos_id, eos_id=eos_id, banned=banned, alpha=alpha,
+        form=form, device=device, choose=draw,
+    )  # fmt: skip
 
 
 def _one_path(
@@ -210,7 +214,7 @@ def beam_search(
         ends = is_eos[:, :k] & (top_scores[:, :k] > -math.inf)  # (m, k)
         rows = torch.arange(m, device=device)[:, None] * k + top_beam[:, :k]  # (m, k)
         penalty = float(length_penalty(t, alpha, form))
-        finished.add(live, ends, top_scores[:, :k].double(), penalty, history[rows], t - 1)
+        finished.add(live, ends, top_scores[:, :k].double(), penalty, history[rows], length=t - 1)
         # The best k non-EOS continuations live on (EOS ones are moved to the end, -inf).
         alive_scores = top_scores.masked_fill(is_eos, -math.inf)
         alive_scores, order = alive_scores.topk(k, dim=-1)  # (m, k)
@@ -222,7 +226,7 @@ def beam_search(
         history[:, t - 1] = tokens
         # Sentences that are done leave the batch; the rest of the state follows its beams.
         horizon_lp = bound_lp[live] if early_stopping == "bound" else penalty
-        done = _done(finished, live, beam_scores, limits[live], t, k, horizon_lp)
+        done = _done(finished, live, beam_scores, limits[live], t=t, k=k, horizon_lp=horizon_lp)
         keep = (~done).nonzero().squeeze(1)  # the one host sync of a step
         if len(keep) == 0:
             break

@@ -80,17 +80,22 @@ def train_step(
     global_tokens, stop, save = _agree(tokens, requests, info)
     lr = opt.optimizer.param_groups[0]["lr"]
     if stop is not None:  # agreed by every rank: stop before this update, its batches unused
-        return StepStats(0.0, 0.0, 0, global_tokens, 0, 0, lr, 0.0, "stopped", stop, False)
+        return StepStats(
+            loss_sum=0.0, nll_sum=0.0, tokens=0, global_tokens=global_tokens, real_tokens=0,
+            padded_tokens=0, lr=lr, grad_norm=0.0, skipped="stopped", stop=stop, save=False,
+        )  # fmt: skip
     loss_sum, nll_sum, oom = _accumulate(
-        model, micro, opt.scaler, cfg, info, global_tokens, attempt
+        model, micro, opt.scaler, cfg, info, global_tokens=global_tokens, attempt=attempt
     )
-    skipped, norm = _apply(model, opt, cfg, info, loss_sum, oom)
+    skipped, norm = _apply(model, opt, cfg, info, loss_sum=loss_sum, oom=oom)
     pad_id = micro[0].pad_id
     real = sum(int((b.src != pad_id).sum()) + b.n_tokens for b in micro)
     padded = sum(b.src.numel() + b.tgt_out.numel() for b in micro)
     return StepStats(
-        loss_sum, nll_sum, tokens, global_tokens, real, padded, lr, norm, skipped, None, save
-    )
+        loss_sum=loss_sum, nll_sum=nll_sum, tokens=tokens, global_tokens=global_tokens,
+        real_tokens=real, padded_tokens=padded, lr=lr, grad_norm=norm, skipped=skipped, stop=None,
+        save=save,
+    )  # fmt: skip
 
 
 def _agree(tokens: int, requests: Requests, info: DistInfo) -> tuple[int, str | None, bool]:

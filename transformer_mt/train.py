@@ -119,8 +119,8 @@ def _build(
             logger.info("fine-tuning %s (step %d) from step 0", parent.path, parent.step)
         return model, opt, Progress(), None
     state, window = train_state.restore(
-        saved.train_state or {}, optimizer, scheduler, scaler, info.rank, info.world_size,
-        where=saved.path / checkpoint.STATE_FILE,
+        saved.train_state or {}, optimizer, scheduler, scaler, rank=info.rank,
+        world_size=info.world_size, where=saved.path / checkpoint.STATE_FILE,
     )  # fmt: skip
     try:
         progress = Progress(**state)
@@ -156,7 +156,7 @@ class _Session:
         )
         if info.is_main:
             size = _checkpoint_bytes(self.model, self.data)
-            run.start(self.run_dir, cfg, self.data.tokenizer, self.step, size)
+            run.start(self.run_dir, cfg, self.data.tokenizer, step=self.step, checkpoint_bytes=size)
             logger.info(
                 "model: %s parameters; peak lr %.3g at step %d; %d/%d train/valid pairs; %s × %d",
                 f"{count_parameters(self.model):,}", peak_lr(cfg.model, cfg.optim),
@@ -179,8 +179,9 @@ class _Session:
         bleu = cfg.train.bleu_every
         self.valid_text = corpus.read_split(cfg.data, "data.valid") if bleu else None
         self.metrics = metrics.MetricsLog(
-            self.run_dir, info, cfg.train.max_steps, self.step, cfg.train.tensorboard
-        )
+            self.run_dir, info, max_steps=cfg.train.max_steps, step=self.step,
+            tensorboard=cfg.train.tensorboard,
+        )  # fmt: skip
         if window is not None:
             self.metrics.restore(window)
         if parent is not None:
@@ -244,7 +245,9 @@ class _Session:
             save=info.is_main and save_due,
         )
         attempt = progress.step + progress.skipped + 1  # skipped updates count
-        stats = train_step(self.trained, micro, self.opt, cfg, info, attempt, requests)
+        stats = train_step(
+            self.trained, micro, self.opt, cfg, info, attempt=attempt, requests=requests
+        )
         if stats.skipped == "stopped":  # a stopped step used none of its batches
             return stats, False
         progress.batch_index += len(group)
@@ -254,8 +257,10 @@ class _Session:
         progress.step += 1
         progress.nonfinite_run = 0
         self.heartbeat.beat(progress.step)
-        self.metrics.update(stats.loss_sum, stats.nll_sum, stats.tokens, stats.real_tokens,
-                            stats.padded_tokens, stats.lr)  # fmt: skip
+        self.metrics.update(
+            loss=stats.loss_sum, nll=stats.nll_sum, tokens=stats.tokens, real=stats.real_tokens,
+            padded=stats.padded_tokens, lr=stats.lr,
+        )  # fmt: skip
         fault_point("step", progress.step)
         if progress.step % cfg.train.log_every == 0:
             self.metrics.flush(progress.step, progress.epoch)
@@ -267,9 +272,11 @@ class _Session:
         if self.valid_batches and cfg.train.valid_every and step % cfg.train.valid_every == 0:
             scores |= validate(self.model, self.valid_batches, cfg, self.info)
         if self.valid_text and step % cfg.train.bleu_every == 0:
+            sources, references = self.valid_text
             scores |= evaluate.validation_bleu(
-                self.model, self.data.tokenizer, cfg, self.info, *self.valid_text
-            )
+                self.model, self.data.tokenizer, cfg, self.info, sources=sources,
+                references=references,
+            )  # fmt: skip
         if scores:
             self.metrics.write({"step": step, **scores})
             shown = ("val_loss", "val_ppl", "val_bleu", "val_chrf")
@@ -348,15 +355,16 @@ class _Session:
         its validation BLEU (rank 0 works, the others wait)."""
         n, result = self.cfg.train.average_last, None
         if n and self.info.is_main:
+            averaging.check_destination(self.run_dir / run.AVERAGE, overwrite=True)
             mean = averaging.newest(self.run_dir, n, allow_fewer=True)
-            averaging.check_output(self.run_dir / run.AVERAGE, overwrite=True)
             mean = averaging.write(mean, self.run_dir / run.AVERAGE)
             result = {"path": str(mean.path), "checkpoints": len(mean.sources)}
             if self.valid_text and mean.model is not None:
-                solo = DistInfo(0, 1, 0, self.info.device)
+                solo = DistInfo(rank=0, world_size=1, local_rank=0, device=self.info.device)
+                sources, references = self.valid_text
                 result |= evaluate.validation_bleu(
                     mean.model.to(self.info.device), mean.tokenizer, self.cfg, solo,
-                    *self.valid_text,
+                    sources=sources, references=references,
                 )  # fmt: skip
             logger.info("averaged %d checkpoints into %s %s", len(mean.sources), mean.path, result)
         if n:

@@ -104,7 +104,9 @@ def load_translator(
         raise TmtError(f"{', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
     target = distributed.resolve_device(cfg.decode.device, key="decode.device")
     model = _in_precision(saved.model, cfg.decode.precision, target)
-    return Translator(model.eval(), saved.tokenizer, cfg, target, origin)
+    return Translator(
+        model=model.eval(), tokenizer=saved.tokenizer, config=cfg, device=target, origin=origin
+    )
 
 
 def _in_precision(model: Transformer, precision: str, device: torch.device) -> Transformer:
@@ -165,7 +167,9 @@ def translate_lines(
         return results
     lengths = np.array([len(ids[i]) + 1 for i in todo])
     budget = max(translator.config.decode.max_tokens, int(lengths.max()))
-    sampler = TokenBucketSampler(lengths, lengths, budget, seed=0, shuffle=False)
+    sampler = TokenBucketSampler(
+        src_lengths=lengths, tgt_lengths=lengths, max_tokens=budget, seed=0, shuffle=False
+    )
     for batch in sampler.epoch_batches(0):
         chosen = [todo[j] for j in batch]
         hypotheses = _translate_batch(
@@ -250,7 +254,7 @@ def detokenize(translator: Translator, outputs: Sequence[Sequence[int]]) -> list
 
 
 def output_rows(
-    translator: Translator, index: int, hyps: Sequence[Hypothesis], nbest: int
+    translator: Translator, hyps: Sequence[Hypothesis], index: int, nbest: int
 ) -> list[str]:
     """What translate writes for input line `index` (from 0): its best translation, or with
     nbest > 1 that many rows "index<TAB>score<TAB>text" (rows of zeros for an empty line)."""
@@ -275,7 +279,8 @@ def translate_stream(
     count = 0
     for chunk in textio.waiting_chunks(textio.stream_lines(source, where), decode.buffer_lines):
         for i, hyps in enumerate(translate_lines(translator, chunk, first_line=count)):
-            sink.write("".join(output_rows(translator, count + i, hyps, decode.nbest)))
+            rows = output_rows(translator, hyps, index=count + i, nbest=decode.nbest)
+            sink.write("".join(rows))
         sink.flush()
         count += len(chunk)
     return count
@@ -293,4 +298,4 @@ def translate_file(
         textio.open_input(input_path) as source,
         textio.open_output(output_path) as sink,
     ):
-        return translate_stream(translator, source, sink, where)
+        return translate_stream(translator, source, sink, where=where)
