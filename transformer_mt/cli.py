@@ -347,6 +347,7 @@ def evaluate(
     overrides = _decode_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision
     )
+    lib.check_split(split)  # before a model is loaded
     model = _renamed(model, old_model, "--model", "--checkpoint")
     input_ = _renamed(input_, old_input, "--input", "--src")
     last = _renamed(last, old_last, "--last", "--average-last")

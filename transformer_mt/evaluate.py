@@ -90,6 +90,12 @@ def validation_bleu(
     return {"val_bleu": figures[0].item(), "val_chrf": figures[1].item()}
 
 
+def check_split(split: str) -> None:
+    """A split of a config to score: test, valid or train."""
+    if split not in ("test", "valid", "train"):
+        raise TmtError(f"{split!r}: expected test, valid or train", param="split")
+
+
 def evaluate(
     translator: Translator | None,
     split: str | None = None,
@@ -100,8 +106,8 @@ def evaluate(
 ) -> dict[str, Any]:
     """Score `hypotheses`, or the translator's output for `sources` or a config split, against the
     references. Returns score()'s figures plus where the text came from."""
-    if split is not None and split not in ("test", "valid", "train"):
-        raise TmtError(f"{split!r}: expected test, valid or train", param="split")
+    if split is not None:
+        check_split(split)
     if references is None:
         config = cfg or (translator.config if translator else None)
         if config is None or split is None:
