@@ -118,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from transformer_mt import corpus, evaluate, export, translate
+    from transformer_mt import corpus, evaluate, export, huggingface, translate
 
     # Same normalisation for everyone: score / |Y|^α (HF and CTranslate2 cannot do GNMT's).
     overrides = ["decode.length_penalty_form=power", "decode.device=cpu"]
@@ -133,7 +133,7 @@ def main() -> None:
     )
     sources, references = corpus.read_split(translator.config.data, "data.test")
     sources, references = sources[: args.lines], references[: args.lines]
-    hf_model, architecture = export._hf_model(translator)
+    hf_model, architecture = huggingface.model(translator)
     results: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     with tempfile.TemporaryDirectory(prefix="tmt-ct2-") as work:

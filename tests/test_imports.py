@@ -35,7 +35,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     # what tmt keeps on disk: one checkpoint, a run directory, averages of checkpoints
     ("stores", {"checkpoint", "run", "averaging"}),
     # what the commands do: translate, score, one update, the file job, export, plots, dry run
-    ("engines", {"translate", "evaluate", "step", "bulk", "export", "plot", "dry_run"}),
+    (
+        "engines",
+        {"translate", "evaluate", "step", "bulk", "export", "huggingface", "plot", "dry_run"},
+    ),
     # the training loop: the only module that knows a whole run
     ("training", {"train"}),
     # the faces: the command line, `python -m transformer_mt`, the Python API
@@ -55,6 +58,8 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("evaluate", "translate"): "scores what translate decodes (validation BLEU too)",
     ("bulk", "translate"): "the file job translates chunks",
     ("export", "translate"): "an export is checked against tmt's own decoding",
+    ("export", "huggingface"): "the Hugging Face export is huggingface.py's conversion",
+    ("huggingface", "translate"): "converts a loaded Translator's model and tokenizer",
     ("__main__", "cli"): "python -m transformer_mt is the command line",
     ("__init__", "translate"): "the Python API is the Translator (imported lazily)",
 }

@@ -611,7 +611,8 @@ def _out_of_range(value: Any, kind: Any) -> str | None:
     if value in rule:
         return None
     if isinstance(rule, Interval) and not math.isfinite(value):
-        return f"a finite number {str(rule).removeprefix('in ')}"
+        bounds = str(rule)  # "a finite number" when the interval has no bounds
+        return bounds if bounds == str(Interval()) else f"a finite number {bounds}"
     return str(rule)
 
 
