@@ -4,10 +4,14 @@
     torchrun --nproc_per_node=N -m transformer_mt translate -m MODEL -i BIG.txt -o OUT.txt
 
 The input is cut into chunks of decode.chunk_lines lines. Beside the output, OUT.txt.tmt-job/
-holds job.json (the input's SHA-256, the model's fingerprint, the decoding options) and one file
-per finished chunk, each written atomically: a chunk file that exists is committed. Rank r takes
-every world_size-th chunk still missing; when all are there, rank 0 writes OUT.txt (atomically,
-in input order, one line per input line, or nbest rows) and removes the job directory. The same
+holds job.json (the input's SHA-256, the model's fingerprint, the decoding options) and, per
+finished chunk, its text (NNNNNNNN.txt) and then its commit record (NNNNNNNN.json: its rows and
+SHA-256), each written atomically: a chunk is committed when its record exists and its text
+matches it. Committed chunks are verified, not trusted: the plan of a resume re-translates one
+whose text no longer matches its record (and says so), and assembly hashes every chunk as it copies
+it. Rank r takes every world_size-th chunk still missing; when all are there, rank 0 writes OUT.txt
+(atomically, in input order, one line per input line, or nbest rows) and removes the job
+directory. The same
 command after a kill, a lost rank or a full disk translates only the missing chunks; a different
 model, input or decoding option is refused, naming it. Sampling draws from each line's own random
 stream (translate.line_uniforms), so 1 process, N processes and a resumed job write the same bytes.
@@ -36,7 +40,7 @@ from transformer_mt.translate import Translator
 
 logger = logging.getLogger("tmt")
 
-JOB_SUFFIX = ".tmt-job"
+JOB_SUFFIX = files.JOB_SUFFIX
 JOB_FILE = "job.json"
 JOB_FORMAT = 1
 # Decoding options that do not change what is written: where and in what batches it runs.
@@ -78,7 +82,7 @@ def translate_job(
                   "resumed_chunks": len(plan.offsets) - len(plan.missing),
                   "translated_chunks": _gather_count(done, info)}  # fmt: skip
         if info.is_main:
-            _assemble(plan, translator, output_path)
+            _assemble(plan, translator, input_path, output_path)
             report["output"] = output_path
     finally:
         lock.release()
@@ -169,7 +173,8 @@ def _plan(
             exit_code=_exit_code(err),
             param="output",
         ) from None
-    missing = _uncommitted(job_dir, len(offsets), lines, translator)
+    missing, altered = _uncommitted(job_dir, len(offsets), lines, translator)
+    missing = sorted(missing + altered)
     if previous is not None and len(missing) < len(offsets):
         logger.info("%s: resuming: %d of %d chunks already translated", output_path,
                     len(offsets) - len(missing), len(offsets))  # fmt: skip
@@ -203,9 +208,10 @@ def _read_job(job_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return {"job.json": "unreadable"}
+        found = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        found = None
+    return found if isinstance(found, dict) else {"job.json": "unreadable"}
 
 
 def _difference(previous: dict[str, Any], identity: dict[str, Any]) -> str:
@@ -221,14 +227,32 @@ def _difference(previous: dict[str, Any], identity: dict[str, Any]) -> str:
     return f"other decoding options ({', '.join(changed)})" if changed else "another format"
 
 
-def _uncommitted(job_dir: Path, chunks: int, lines: int, translator: Translator) -> list[int]:
-    """Chunks without a committed file holding all their rows (nbest rows per line)."""
+def _uncommitted(
+    job_dir: Path, chunks: int, lines: int, translator: Translator
+) -> tuple[list[int], list[int]]:
+    """(missing, altered): the chunks with no commit record, and the committed ones whose text
+    no longer matches their record (each altered one is reported)."""
+    missing, altered = [], []
+    for chunk in range(chunks):
+        _, problem = _verified(job_dir, chunk, _rows_of(chunk, lines, translator))
+        if problem == _NOT_COMMITTED:
+            missing.append(chunk)
+        elif problem is not None:
+            altered.append(chunk)
+            _report_altered(job_dir, chunk, problem, translator)
+    return missing, altered
+
+
+def _rows_of(chunk: int, lines: int, translator: Translator) -> int:
+    """The rows chunk `chunk` holds when complete: nbest per line."""
     decode = translator.config.decode
-    return [
-        c
-        for c in range(chunks)
-        if _committed_rows(job_dir, c) != _chunk_size(c, lines, decode.chunk_lines) * decode.nbest
-    ]
+    return _chunk_size(chunk, lines, decode.chunk_lines) * decode.nbest
+
+
+def _report_altered(job_dir: Path, chunk: int, problem: str, translator: Translator) -> None:
+    first = chunk * translator.config.decode.chunk_lines + 1
+    logger.warning("%s: chunk %d (from line %d): %s; translating it again", job_dir, chunk,
+                   first, problem)  # fmt: skip
 
 
 def _chunk_size(chunk: int, lines: int, chunk_lines: int) -> int:
@@ -239,13 +263,39 @@ def _chunk_path(job_dir: str | Path, chunk: int) -> Path:
     return Path(job_dir) / f"{chunk:08d}.txt"
 
 
-def _committed_rows(job_dir: Path, chunk: int) -> int:
-    """Rows in a committed chunk file; -1 when there is none (or it cannot be read)."""
+def _record_path(job_dir: str | Path, chunk: int) -> Path:
+    return Path(job_dir) / f"{chunk:08d}.json"
+
+
+_NOT_COMMITTED = "not committed"
+
+
+def _verified(job_dir: Path, chunk: int, rows: int) -> tuple[bytes, str | None]:
+    """(text, None) when the chunk is committed and whole: its record names `rows` rows and its
+    text has them and the record's SHA-256; else (b"", what is wrong), _NOT_COMMITTED when it
+    has no record."""
     try:
-        with open(_chunk_path(job_dir, chunk), "rb") as handle:
-            return sum(1 for _ in handle)
-    except OSError:
-        return -1
+        record = json.loads(_record_path(job_dir, chunk).read_bytes())
+    except FileNotFoundError:
+        return b"", _NOT_COMMITTED  # never committed, or killed between its text and its record
+    except (OSError, ValueError, RecursionError):
+        return b"", "its commit record is unreadable"
+    if not isinstance(record, dict) or record.get("rows") != rows:
+        return b"", f"its commit record does not describe {rows} rows"
+    try:
+        text = _chunk_path(job_dir, chunk).read_bytes()
+    except OSError as err:
+        return b"", f"its text cannot be read ({err.strerror or err})"
+    if text.count(b"\n") != rows or hashlib.sha256(text).hexdigest() != record.get("sha256"):
+        return b"", "its text does not match its commit record (changed since it was written)"
+    return text, None
+
+
+def _commit(job_dir: str, chunk: int, text: bytes, rows: int) -> None:
+    """The chunk's text, then its commit record (rows, SHA-256): the record is the commit."""
+    files.atomic_write(_chunk_path(job_dir, chunk), text)
+    record = {"rows": rows, "sha256": hashlib.sha256(text).hexdigest()}
+    files.atomic_write(_record_path(job_dir, chunk), json.dumps(record).encode())
 
 
 # --- every rank: translate its chunks, commit each ---------------------------------------------
@@ -267,9 +317,9 @@ def _translate_chunks(
             lines = list(
                 _read_chunk(source, input_path, plan.offsets[chunk], first=first, count=count)
             )
-            text = "".join(_rows(translator, lines, first))
+            rows = list(_rows(translator, lines, first))
             try:
-                files.atomic_write(_chunk_path(plan.job_dir, chunk), text.encode("utf-8"))
+                _commit(plan.job_dir, chunk, "".join(rows).encode("utf-8"), len(rows))
             except OSError as err:
                 raise TmtError(
                     f"{plan.job_dir}: cannot commit chunk {chunk} ({err.strerror or err});"
@@ -300,20 +350,30 @@ def _rows(translator: Translator, lines: list[str], first: int) -> Iterator[str]
 # --- rank 0: the output ------------------------------------------------------------------------
 
 
-def _assemble(plan: Plan, translator: Translator, output_path: str) -> None:
-    job_dir = Path(plan.job_dir)
-    missing = _uncommitted(job_dir, len(plan.offsets), plan.lines, translator)
-    if missing:
-        raise TmtError(
-            f"{job_dir}: chunks {missing[:5]} are missing (a rank failed?); run the same command"
-            " again to translate only those", exit_code=exits.LOST_RANK,
-        )  # fmt: skip
-    start = time.perf_counter()
+def _assemble(plan: Plan, translator: Translator, input_path: str, output_path: str) -> None:
+    """The chunks in input order into the output (atomically), each verified as it is copied: a
+    chunk altered since it was committed is translated again first (and said so), a missing one
+    (a rank failed) ends the job with what to do."""
+    job_dir, start = Path(plan.job_dir), time.perf_counter()
+    solo = DistInfo(rank=0, world_size=1, local_rank=0, device=translator.device)
     try:
         with files.atomic_file(Path(output_path)) as sink:
             for chunk in range(len(plan.offsets)):
-                with open(_chunk_path(job_dir, chunk), "rb") as part:
-                    shutil.copyfileobj(part, sink)
+                rows = _rows_of(chunk, plan.lines, translator)
+                text, problem = _verified(job_dir, chunk, rows)
+                if problem == _NOT_COMMITTED:
+                    raise TmtError(
+                        f"{job_dir}: chunk {chunk} is missing (a rank failed?); run the same"
+                        " command again to translate only what is missing",
+                        exit_code=exits.LOST_RANK,
+                    )
+                if problem is not None:
+                    _report_altered(job_dir, chunk, problem, translator)
+                    _translate_chunks(translator, input_path, plan, [chunk], solo)
+                    text, problem = _verified(job_dir, chunk, rows)
+                    if problem is not None:
+                        raise TmtError(f"{job_dir}: chunk {chunk}: {problem}")
+                sink.write(text)
     except OSError as err:
         raise TmtError(
             f"{output_path}: cannot write ({err.strerror or err}); the translated chunks are kept"

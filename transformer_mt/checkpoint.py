@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from transformer_mt import faults, files
+from transformer_mt import distributed, faults, files
 from transformer_mt.config import (
     MODEL_SECTIONS,
     Config,
@@ -49,7 +49,7 @@ from transformer_mt.config import (
     to_dict,
 )
 from transformer_mt.exits import TmtError
-from transformer_mt.model import Transformer
+from transformer_mt.model import Transformer, parameter_count
 from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.train_state import check as check_train_state
 
@@ -74,8 +74,8 @@ class Checkpoint:
     config: Config
     tokenizer: Tokenizer  # parsed once, when read
     state_dict: dict[str, torch.Tensor]  # the weights (the model's own tensors when it is built)
-    # The model the config describes, holding the weights (on the CPU, in training mode); None
-    # for a checkpoint read to be averaged with another (read(..., average_with=...)).
+    # The model the config describes, holding the weights (CPU, training mode); None when read to
+    # be averaged with another checkpoint (read(..., average_with=...)).
     model: Transformer | None = None
     train_state: dict[str, Any] | None = None
     sources: tuple[str, ...] = ()  # an averaged model: the checkpoints it averages, oldest first
@@ -104,7 +104,7 @@ def write(
         raise TmtError(f"refusing to save {final}: non-finite values in {', '.join(bad[:5])}")
     root, name = final.parent, final.name
     root.mkdir(parents=True, exist_ok=True)
-    recover(root, live_writers=True)
+    files.recover(root, live_writers=True)
     staging = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -151,34 +151,6 @@ def _write_files(
     if train_state is not None:
         digests[STATE_FILE] = _write_torch(staging / STATE_FILE, train_state, written, step)
     return digests
-
-
-def recover(root: Path, live_writers: bool) -> None:
-    """Clean up after saves into `root` that were interrupted: a staging directory is removed; a
-    checkpoint renamed aside by a save at the same step (".old-NAME-PID") is put back when NAME is
-    missing (the kill came between the two renames), else removed. With live_writers, leftovers
-    of processes still running on this host are left alone."""
-    for path in [*root.glob(".tmp-*"), *root.glob(".old-*")]:
-        name, _, pid = path.name[len(".tmp-") :].rpartition("-")
-        if not name or not pid.isdigit() or (live_writers and _running(int(pid))):
-            continue
-        if path.name.startswith(".old-") and not (root / name).exists():
-            os.rename(path, root / name)
-        elif path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    files.fsync_dir(root)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class _HashingWriter:
@@ -256,9 +228,10 @@ def read(
             state_dict=weights, sources=sources,
         )  # fmt: skip
     tokenizer = Tokenizer(spm, origin=f"{path / MODEL_FILE} tokenizer")
+    what, nbytes = _check_size(cfg, tokenizer, weights, path / MODEL_FILE)
     # The random initialisation of the build is overwritten by the weights; it draws from a
     # forked generator, so reading a checkpoint never moves the caller's random streams.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), distributed.allocating(what, nbytes, _CPU):
         model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
     load_weights(model, weights, path / MODEL_FILE)
     state = None
@@ -269,6 +242,29 @@ def read(
         path=path, step=step, config=cfg, tokenizer=tokenizer, state_dict=model.state_dict(),
         model=model, train_state=state, sources=sources,
     )  # fmt: skip
+
+
+_CPU = torch.device("cpu")
+
+
+def _check_size(
+    cfg: Config, tokenizer: Tokenizer, weights: dict[str, torch.Tensor], where: Path
+) -> tuple[str, int]:
+    """Before the model is built: refuse weights that hold fewer values than the model their
+    config describes (a small file must not make tmt allocate a large model), and a model this
+    machine has no room for. What is built, and the bytes it takes."""
+    expected = parameter_count(cfg.model, tokenizer.vocab_size)
+    storages = {t.untyped_storage().data_ptr(): t for t in weights.values()}  # tied: one storage
+    held = sum(t.untyped_storage().nbytes() // t.element_size() for t in storages.values())
+    if held < expected:
+        raise TmtError(
+            f"{where}: weights do not fit its config's model: the config describes"
+            f" {expected:,} parameters, the file holds {held:,} values"
+        )
+    what = f"loading a model of {expected:,} parameters"
+    nbytes = 4 * (expected + cfg.model.max_positions * cfg.model.d_model)
+    distributed.check_room(nbytes, _CPU, what)
+    return what, nbytes
 
 
 def _read_model_file(

@@ -251,6 +251,7 @@ class TrainConfig:
     patience: Number = 0  # stop after this many validations without a better best_metric; 0 = never
     average_last: Number = 0  # at the end, average the newest N checkpoints into OUT_DIR/average
     nonfinite_patience: Count = 5  # consecutive non-finite updates (each skipped) before stopping
+    oom_patience: Count = 10  # consecutive updates out of memory (each skipped) before stopping
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when available
     distributed_timeout_s: Positive = 600.0  # a collective waiting longer fails, not hangs
     # A run directory whose checkpoint was trained with other settings (anything but budgets,

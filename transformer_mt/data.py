@@ -25,14 +25,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from transformer_mt import corpus, exits, files
+from transformer_mt import corpus, exits, files, textio
 from transformer_mt.config import Config, DataConfig
 from transformer_mt.exits import TmtError
 from transformer_mt.tokenizer import Tokenizer, load_or_train_tokenizer
 
 logger = logging.getLogger(__name__)
 
-ENCODING_VERSION = 1  # bump when the encoded layout changes: old caches are then ignored
+ENCODING_VERSION = 2  # bump when the encoded layout changes: old caches are then ignored
 
 
 # --- the pipeline ------------------------------------------------------------------------------
@@ -67,6 +67,7 @@ class PreparedData:
 def prepare_data(cfg: Config, tokenizer: Tokenizer | None = None) -> PreparedData:
     """Read, tokenize (training the joint model unless one is given), encode, filter the splits."""
     cache = cache_root(cfg.data)
+    textio.check_directory(cache, "data.cache_dir" if cfg.data.cache_dir else "the data cache")
     try:
         return _prepare(cfg, tokenizer, cache)
     except OSError as err:  # reading errors are TmtErrors already: this is the cache's disk
@@ -187,6 +188,7 @@ def _encoded_table(
             "origin": split.origin,
             "pairs": len(dataset),
             "files": arrow_files,
+            "sha256": {name: files.sha256_file(staging / name) for name in arrow_files},
             "tokenizer": tokenizer.sha256,
         }
         files.atomic_write(staging / "meta.json", json.dumps(meta).encode())
@@ -198,11 +200,16 @@ def _encoded_table(
 
 
 def _read_entry(final: Path) -> pa.Table:
-    """A warm cache needs pyarrow only: the Arrow streams that datasets.map wrote, mapped."""
+    """A warm cache needs pyarrow only: the Arrow streams that datasets.map wrote, mapped, each
+    first checked against the SHA-256 that meta.json recorded (what tmt wrote is verified)."""
     meta = json.loads((final / "meta.json").read_text())
-    parts = [
-        pa.ipc.open_stream(pa.memory_map(str(final / name))).read_all() for name in meta["files"]
-    ]
+    names, digests = meta["files"], meta["sha256"]
+    if not all(isinstance(n, str) and n == Path(n).name and n not in ("", "..") for n in names):
+        raise ValueError("meta.json names files outside its entry")
+    for name in names:
+        if files.sha256_file(final / name) != digests[name]:
+            raise ValueError(f"{name} does not match the SHA-256 recorded when it was written")
+    parts = [pa.ipc.open_stream(pa.memory_map(str(final / name))).read_all() for name in names]
     table = pa.concat_tables(parts)
     if table.num_rows != meta["pairs"]:
         raise ValueError(f"{table.num_rows} pairs, meta.json says {meta['pairs']}")
@@ -210,8 +217,15 @@ def _read_entry(final: Path) -> pa.Table:
 
 
 def _encode(dataset: Any, encoder: _Encoder, staging: Path, key: str, num_proc: int) -> list[str]:
-    """Encode the raw split into Arrow files in `staging` (datasets.map); their names."""
+    """Encode the raw split into Arrow files in `staging` (datasets.map); their names. Never
+    more processes than this machine has CPUs: data.num_proc is a wish, not a fork count."""
     import datasets
+
+    cpus = os.cpu_count() or 1
+    if num_proc > cpus:
+        logger.info("data.num_proc=%d: this machine has %d CPUs; encoding with %d processes",
+                    num_proc, cpus, cpus)  # fmt: skip
+        num_proc = cpus
 
     features = datasets.Features(
         {

@@ -6,10 +6,13 @@ the others fail instead of hanging forever.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,6 +78,55 @@ def resolve_device(spec: str, key: str = "device") -> torch.device:
     if spec == "auto" and torch.cuda.is_available():
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether an exception is an allocation that failed (on the CPU or a GPU)."""
+    if isinstance(err, torch.OutOfMemoryError | MemoryError):
+        return True
+    text = str(err)
+    return "DefaultCPUAllocator: not enough memory" in text or "can't allocate memory" in text
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes this process can still allocate on `device`: what CUDA reports free on a GPU; on the
+    CPU, MemAvailable plus SwapFree (/proc/meminfo), else the free physical pages."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB"
+
+
+def check_room(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse in one line, before allocating, `what` needing `nbytes` on `device` when less is
+    free there (a kernel that overcommits would otherwise let it start and kill it later)."""
+    free = free_memory(device)
+    if nbytes > free:
+        raise TmtError(f"{what} needs {_gib(nbytes)}; {device} has {_gib(free)} free")
+
+
+@contextlib.contextmanager
+def allocating(what: str, nbytes: int, device: torch.device) -> Iterator[None]:
+    """An allocation failure inside the block is the same one line as check_room's."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as err:
+        if not is_out_of_memory(err):
+            raise
+        raise TmtError(
+            f"{what} needs {_gib(nbytes)}; allocating it failed on {device}"
+            f" ({_gib(free_memory(device))} free)"
+        ) from None
 
 
 def cleanup() -> None:

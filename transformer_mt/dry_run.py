@@ -1,37 +1,63 @@
 """`tmt train --dry-run`: everything before the first step, reported, and nothing written.
 
-The resolved config, what each filter removed from each split, the training corpora (pairs and
-tokens kept, weight, tag, and the mixture the first epoch actually draws), the vocabulary, the
-parameter count, the batches of the first epoch and their padding efficiency: dry_run returns
-them, format_report writes them for people (tmt train --dry-run --json prints the figures as JSON).
+The checks training makes before it writes anything (check_before_training: where the run goes,
+whether the model fits in memory), the resolved config, what each filter removed from each split,
+the training corpora (pairs and tokens kept, weight, tag, and the mixture the first epoch actually
+draws), the vocabulary, the parameter count and the memory they take, the batches of the first
+epoch and their padding efficiency: dry_run returns them, format_report writes them for people
+(tmt train --dry-run --json prints the figures as JSON).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from transformer_mt import run
+from transformer_mt import distributed, run, textio
 from transformer_mt.config import Config, to_yaml
 from transformer_mt.data import PreparedData, TokenBucketSampler, padding_efficiency, prepare_data
-from transformer_mt.model import Transformer, count_parameters
+from transformer_mt.model import parameter_count
+
+
+def training_bytes(cfg: Config, vocab_size: int) -> int:
+    """What training keeps in memory besides its batches: the weights, their gradients and Adam's
+    two moments (four fp32 copies, whatever train.precision), and the sinusoid table."""
+    positions = cfg.model.max_positions * cfg.model.d_model
+    return 4 * (4 * parameter_count(cfg.model, vocab_size) + positions)
+
+
+def check_before_training(cfg: Config, device: torch.device, vocab_size: int = 0) -> None:
+    """What training checks before it writes anything: that it may write into train.out_dir, and
+    that the model fits in the device's free memory (vocab_size: the tokenizer's when known, else
+    tokenizer.vocab_size), refused in one line naming the size and the memory there is."""
+    textio.check_directory(Path(cfg.train.out_dir), "train.out_dir")
+    vocab = vocab_size or cfg.tokenizer.vocab_size
+    what = f"training a model of {parameter_count(cfg.model, vocab):,} parameters (model.*)"
+    distributed.check_room(training_bytes(cfg, vocab), device, what)
 
 
 def dry_run(cfg: Config) -> dict[str, Any]:
-    """Prepare the data (filling the caches) and the model; the figures of the report. With
+    """Prepare the data (filling the caches) and size the model; the figures of the report. With
     train.init_from, the model is checked and its tokenizer used, as training would."""
+    device = distributed.resolve_device(cfg.train.device, key="train.device")
+    check_before_training(cfg, device)  # before the data cache is written
     parent = run.init_model(cfg) if cfg.train.init_from else None
     data = prepare_data(cfg, parent.tokenizer if parent else None)
     sampler = data.train.sampler(cfg.data.max_tokens, cfg.train.seed)
     batches = sampler.epoch_batches(0)
-    model = Transformer(cfg.model, data.tokenizer.vocab_size, data.tokenizer.pad_id)
     efficiency = padding_efficiency(batches, sampler.src_lengths, sampler.tgt_lengths)
+    vocab = data.tokenizer.vocab_size
     summary = {
         "pairs": len(data.train),
         "valid_pairs": len(data.valid),
-        "vocab_size": data.tokenizer.vocab_size,
-        "parameters": count_parameters(model),
+        "vocab_size": vocab,
+        "parameters": parameter_count(cfg.model, vocab),
+        "training_bytes": training_bytes(cfg, vocab),
+        "device": str(device),
+        "free_bytes": distributed.free_memory(device),
         "batches": len(batches),
         "padding_efficiency": round(efficiency, 4),
         "filters": {key.removeprefix("data."): c.as_dict() for key, c in data.counts.items()},
@@ -57,6 +83,8 @@ def format_report(summary: dict[str, Any], cfg: Config) -> str:
     lines += [
         f"vocab_size: {summary['vocab_size']}",
         f"parameters: {summary['parameters']:,}",
+        f"memory: {summary['training_bytes'] / 2**30:,.2f} GiB to train (weights, gradients,"
+        f" Adam's moments), {summary['free_bytes'] / 2**30:,.1f} GiB free on {summary['device']}",
         f"batches per epoch: {summary['batches']} (max_tokens {cfg.data.max_tokens})",
         f"padding efficiency: {summary['padding_efficiency']:.4f}",
     ]

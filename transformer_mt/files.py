@@ -3,8 +3,8 @@
 - `atomic_file` / `atomic_write`: a file appears complete under its name or not at all (temporary
   file beside it, fsync, rename, directory fsync). Every file tmt writes goes through it.
 - `fsync_dir`: make a rename or a new directory entry durable.
-- `swap_into_place`: a complete staging directory renamed to its final name, replacing what is
-  there.
+- `swap_into_place` / `recover`: a complete staging directory renamed to its final name, replacing
+  what is there; and the clean-up after a swap a kill interrupted.
 - `sha256_file`: a streaming SHA-256 of a file of any size.
 - `remove_leftovers`: sweep what killed writers left behind (hidden staging names).
 - `split_lines`: bytes split on b"\\n" only, one trailing b"\\r" dropped: Python's text mode would
@@ -36,6 +36,7 @@ TOKENIZER_FILE = "tokenizer.model"  # a run's sentencepiece model (run.py)
 METRICS_FILE = "metrics.jsonl"  # a run's metrics log (metrics.py)
 LOCK_FILE = ".lock"  # the holder of a run directory or a file job (run.RunLock)
 RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, LOCK_FILE)  # a run directory's own files
+JOB_SUFFIX = ".tmt-job"  # OUT.tmt-job/: the committed chunks of a file job into OUT (bulk.py)
 
 
 @contextlib.contextmanager
@@ -82,8 +83,8 @@ def sha256_file(path: Path) -> str:
 
 def swap_into_place(staging: Path, final: Path) -> None:
     """Rename a complete staging directory to its final name, replacing what is there (renamed
-    aside to ".old-NAME-PID" first, removed last: checkpoint.recover puts it back if a kill comes
-    between the two renames), and make the renames durable."""
+    aside to ".old-NAME-PID" first, removed last: `recover` puts it back if a kill comes between
+    the two renames), and make the renames durable."""
     root, name = final.parent, final.name
     previous = None
     if final.exists():
@@ -93,6 +94,34 @@ def swap_into_place(staging: Path, final: Path) -> None:
     fsync_dir(root)
     if previous is not None:
         shutil.rmtree(previous, ignore_errors=True)
+
+
+def recover(root: Path, live_writers: bool) -> None:
+    """Clean up after swaps into `root` that were interrupted: a staging directory (".tmp-NAME-PID")
+    is removed; a directory renamed aside by swap_into_place (".old-NAME-PID") is put back when
+    NAME is missing (the kill came between the two renames), else removed. With live_writers,
+    leftovers of processes still running on this host are left alone."""
+    for path in [*root.glob(".tmp-*"), *root.glob(".old-*")]:
+        name, _, pid = path.name[len(".tmp-") :].rpartition("-")
+        if not name or not pid.isdigit() or (live_writers and _running(int(pid))):
+            continue
+        if path.name.startswith(".old-") and not (root / name).exists():
+            os.rename(path, root / name)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    fsync_dir(root)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def remove_leftovers(root: Path, patterns: Iterable[str], older_than_s: float = 0.0) -> None:

@@ -22,18 +22,20 @@ METRICS_FILE = files.METRICS_FILE  # OUT_DIR/metrics.jsonl
 
 
 def trim(run_dir: Path, step: int) -> None:
-    """Drop the records past `step` from a run's metrics log: a resume trains those steps again."""
+    """Drop the records past `step` from a run's metrics log: a resume trains those steps again.
+    A line that does not read as a record of a step (torn by a kill, or damaged) is dropped."""
     path = run_dir / METRICS_FILE
     if path.exists():
-        kept = [line for line in path.read_text().splitlines() if _record_step(line) <= step]
+        lines = path.read_bytes().decode("utf-8", "replace").split("\n")
+        kept = [line for line in lines if _record_step(line) <= step]
         files.atomic_write(path, "".join(line + "\n" for line in kept).encode())
 
 
 def _record_step(line: str) -> int:
     try:
         return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return sys.maxsize  # a torn last line from a kill: dropped
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        return sys.maxsize  # a torn last line from a kill, a damaged one: dropped
 
 
 class MetricsLog:

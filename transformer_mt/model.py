@@ -395,3 +395,22 @@ class Transformer(nn.Module):
 def count_parameters(model: nn.Module) -> int:
     """Trainable parameters, each shared tensor counted once."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def parameter_count(cfg: ModelConfig, vocab_size: int) -> int:
+    """count_parameters of Transformer(cfg, vocab_size, ...) without building it: the size a
+    config asks for, known before any memory is allocated (a shared tensor counted once)."""
+    d, d_ff = cfg.d_model, cfg.d_ff
+    attention = 4 * d * d + 4 * d  # W^Q, W^K, W^V (in_proj) and W^O, with biases
+    ffn = 2 * d * d_ff + d_ff + d
+    norm = 2 * d
+    encoder_layer = attention + ffn + 2 * norm
+    decoder_layer = 2 * attention + ffn + 3 * norm
+    final_norms = 2 * norm if cfg.pre_norm else 0
+    embedding = vocab_size * d  # §3.4: also the decoder's embedding and the output projection
+    return (
+        embedding
+        + cfg.n_encoder_layers * encoder_layer
+        + cfg.n_decoder_layers * decoder_layer
+        + final_norms
+    )

@@ -50,7 +50,7 @@ def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
         try:
             record = json.loads(line)
             step = int(record["step"])
-        except (ValueError, KeyError, TypeError, RecursionError):
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
             continue
         for name, value in record.items():
             number = isinstance(value, int | float) and not isinstance(value, bool)

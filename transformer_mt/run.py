@@ -61,7 +61,7 @@ MAY_CHANGE_ON_RESUME = (
     "train.save_every", "train.save_every_minutes", "train.keep_last", "train.average_last",
     "train.patience", "train.nonfinite_patience", "train.device", "train.compile",
     "train.distributed_timeout_s", "train.resume", "data.num_proc", "data.cache_dir", "data.test",
-    "train.keep_best", "train.curves", "train.tensorboard",
+    "train.keep_best", "train.curves", "train.tensorboard", "train.oom_patience",
 )  # fmt: skip
 
 
@@ -111,10 +111,10 @@ def sweep(run_dir: Path) -> None:
     directories and temporary files go, a checkpoint caught between the two renames of a
     same-step save is put back."""
     files.remove_leftovers(run_dir, [f".*{files.TEMP_SUFFIX}"])
-    checkpoint.recover(run_dir, live_writers=False)  # staging of OUT_DIR/average
+    files.recover(run_dir, live_writers=False)  # staging of OUT_DIR/average
     if (run_dir / CHECKPOINTS).is_dir():
         files.remove_leftovers(run_dir / CHECKPOINTS, [".best-*", f".*{files.TEMP_SUFFIX}"])
-        checkpoint.recover(run_dir / CHECKPOINTS, live_writers=False)
+        files.recover(run_dir / CHECKPOINTS, live_writers=False)
 
 
 class RunLock:

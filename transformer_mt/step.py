@@ -141,7 +141,7 @@ def _accumulate(
                         loss = loss * float("nan")
                 scaler.scale(loss).backward()
         except (torch.OutOfMemoryError, RuntimeError) as err:
-            if not _is_out_of_memory(err):
+            if not distributed.is_out_of_memory(err):
                 raise
             oom = True
             logits = sums = loss = None
@@ -191,13 +191,6 @@ def _apply(
     opt.scaler.update()  # lowers the fp16 loss scale after an overflow
     opt.optimizer.zero_grad(set_to_none=True)
     return skipped, float(norm)
-
-
-def _is_out_of_memory(err: BaseException) -> bool:
-    if isinstance(err, torch.OutOfMemoryError):
-        return True
-    text = str(err)
-    return "DefaultCPUAllocator: not enough memory" in text or "can't allocate memory" in text
 
 
 # --- validation loss -------------------------------------------------------------------------

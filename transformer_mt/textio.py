@@ -179,14 +179,27 @@ def _same_path(a: Path, b: Path) -> bool:
 
 
 def managed_by_tmt(path: Path) -> str | None:
-    """What `path` is when tmt manages it (a file of a checkpoint, a run's own file), else None:
-    no command writes its output over one."""
+    """What `path` is when tmt manages it (in a checkpoint or a run's checkpoints/, a run's own
+    file, in a file job's directory), else None: no command writes its output over one, and
+    retention or a finished job would delete what was written there."""
     path = Path(path).absolute()
     if (path.parent / files.MANIFEST_FILE).exists() or path.parent.name == files.CHECKPOINTS:
         return f"inside the checkpoint directory {path.parent}"
     if path.name in files.RUN_FILES and (path.parent / files.CHECKPOINTS).is_dir():
         return f"a file of the run directory {path.parent}"
+    if path.parent.name.endswith(files.JOB_SUFFIX):
+        return f"inside the translation job directory {path.parent}"
     return None
+
+
+def check_directory(path: Path, key: str) -> None:
+    """Refuse a directory that config key `key` names for tmt to write into (a run, a cache)
+    when it is a checkpoint or lies where tmt manages files."""
+    managed = managed_by_tmt(path)
+    if (Path(path) / files.MANIFEST_FILE).exists():
+        managed = "a checkpoint directory"
+    if managed:
+        raise TmtError(f"{key}={path}: {managed}; choose another directory")
 
 
 @contextlib.contextmanager

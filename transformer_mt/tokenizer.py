@@ -131,12 +131,15 @@ def load_or_train_tokenizer(
         content += "|tags:" + json.dumps(tags)
     key = hashlib.sha256(f"{content}|{settings}".encode()).hexdigest()[:32]
     path = cache / "tokenizers" / f"{key}.model"
-    if path.is_file():
+    record = path.with_suffix(".sha256")  # written after the model: the model's SHA-256
+    if path.is_file() and record.is_file():
         try:
             cached = Tokenizer.from_file(path)
+            if record.read_text().strip() != cached.sha256:
+                raise TmtError(f"{path}: does not match the SHA-256 recorded when it was written")
             logger.info("tokenizer: cached %s", path)
             return cached
-        except TmtError as err:
+        except (TmtError, OSError, UnicodeDecodeError) as err:
             logger.warning("cached tokenizer damaged (%s): rebuilding it", err)
     if len(corpora) == 1:
         dataset = load(corpora[0].key)
@@ -147,6 +150,7 @@ def load_or_train_tokenizer(
     logger.info("tokenizer: training %s, %d pieces", cfg.model_type, cfg.vocab_size)
     tokenizer = train_tokenizer(_sample_sentences(dataset, cfg.max_sentences), cfg, tags)
     files.atomic_write(path, tokenizer.model_bytes)
+    files.atomic_write(record, tokenizer.sha256.encode())
     return tokenizer
 
 

@@ -26,6 +26,7 @@ from transformer_mt import (
     checkpoint,
     corpus,
     distributed,
+    dry_run,
     evaluate,
     exits,
     metrics,
@@ -39,7 +40,7 @@ from transformer_mt.data import Batch, PreparedData, prepare_data
 from transformer_mt.distributed import DistInfo
 from transformer_mt.exits import StopSignals, TmtError
 from transformer_mt.faults import fault_point
-from transformer_mt.model import Transformer, count_parameters
+from transformer_mt.model import Transformer, count_parameters, parameter_count
 from transformer_mt.optim import build_optimizer, peak_lr
 from transformer_mt.step import Optimization, Requests, StepStats, train_step, validate
 from transformer_mt.tokenizer import Tokenizer
@@ -60,6 +61,7 @@ class Progress:
     stale_validations: int = 0  # validations since best_value last improved (train.patience)
     skipped: int = 0  # updates skipped (non-finite, fp16 overflow, out of memory)
     nonfinite_run: int = 0  # consecutive non-finite updates (train.nonfinite_patience)
+    oom_run: int = 0  # consecutive updates out of memory (train.oom_patience)
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -67,6 +69,7 @@ def train(cfg: Config) -> dict[str, Any]:
     if cfg.train.tensorboard:
         metrics.require_tensorboard()  # before any work: a missing extra is a config error
     info = distributed.setup(cfg.train.device, cfg.train.distributed_timeout_s)
+    dry_run.check_before_training(cfg, info.device)  # before anything is written
     heartbeat = distributed.Heartbeat(info)
     lock = run.RunLock(Path(cfg.train.out_dir))
     # The handlers stay installed while a failure is reported and the group torn down: torchrun
@@ -100,10 +103,14 @@ def _build(
     checkpoint's model (built when it was read) with the saved optimizer, schedule, scaler, RNG
     states and data position."""
     torch.manual_seed(cfg.train.seed)
-    if saved is not None:  # the same model settings: run.resume refuses others
-        model = saved.model.to(info.device)
-    else:
-        model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id).to(info.device)
+    size = dry_run.training_bytes(cfg, tokenizer.vocab_size)
+    what = f"training a model of {parameter_count(cfg.model, tokenizer.vocab_size):,} parameters"
+    with distributed.allocating(what, size, info.device):
+        if saved is not None:  # the same model settings: run.resume refuses others
+            model = saved.model.to(info.device)
+        else:
+            model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
+            model = model.to(info.device)
     optimizer, scheduler = build_optimizer(
         model, cfg.model, cfg.optim, fused=info.device.type == "cuda"
     )
@@ -214,7 +221,7 @@ class _Session:
                 continue
             stats, is_best = self._update(group)
             stop = _stop_reason(progress, stats, self.cfg)
-            if stop == "non_finite":
+            if stop in ("non_finite", "out_of_memory"):
                 break  # nothing to save: the newest checkpoint is the last good state
             applied = stats.skipped is None
             periodic = applied and bool(cfg.save_every) and self.step % cfg.save_every == 0
@@ -255,7 +262,7 @@ class _Session:
             _record_skip(progress, stats, self.metrics, micro)
             return stats, False
         progress.step += 1
-        progress.nonfinite_run = 0
+        progress.nonfinite_run = progress.oom_run = 0
         self.heartbeat.beat(progress.step)
         self.metrics.update(
             loss=stats.loss_sum, nll=stats.nll_sum, tokens=stats.tokens, real=stats.real_tokens,
@@ -320,14 +327,22 @@ class _Session:
 
     def finish(self, stop: str) -> dict[str, Any]:
         """The final save (a stop at an epoch's end), the final average, and the summary."""
+        saved = self.last_saved_step >= 0
+        newest = run.checkpoint_dir(self.run_dir, self.last_saved_step) if saved else "none"
         if stop == "non_finite":
-            saved = self.last_saved_step >= 0
-            newest = run.checkpoint_dir(self.run_dir, self.last_saved_step) if saved else "none"
             raise TmtError(
                 f"training diverged: {self.progress.nonfinite_run} consecutive non-finite updates"
                 f" after step {self.step} (each skipped, train.nonfinite_patience); newest"
                 f" checkpoint: {newest}",
                 exit_code=exits.DIVERGED,
+            )
+        if stop == "out_of_memory":
+            data, train_cfg = self.cfg.data, self.cfg.train
+            raise TmtError(
+                f"out of memory on {self.progress.oom_run} consecutive updates after step"
+                f" {self.step} (each skipped, train.oom_patience): batches of data.max_tokens="
+                f"{data.max_tokens} × train.update_freq={train_cfg.update_freq} do not fit on"
+                f" {self.info.device}; lower data.max_tokens; newest checkpoint: {newest}"
             )
         if self.last_saved_step != self.step:
             self._save(is_best=False)
@@ -409,6 +424,8 @@ def _budget_spent(progress: Progress, cfg: Config) -> str | None:
 def _stop_reason(progress: Progress, stats: StepStats, cfg: Config) -> str | None:
     if progress.nonfinite_run >= cfg.train.nonfinite_patience:
         return "non_finite"
+    if progress.oom_run >= cfg.train.oom_patience:
+        return "out_of_memory"
     if stats.stop in ("sigterm", "sigint"):
         return stats.stop
     if cfg.train.max_steps and progress.step >= cfg.train.max_steps:
@@ -426,6 +443,8 @@ def _record_skip(
     progress.skipped += 1
     if stats.skipped == "non_finite":
         progress.nonfinite_run += 1
+    if stats.skipped == "oom":
+        progress.oom_run += 1
     logger.warning(
         "update after step %d skipped on every rank (%s); batches %s",
         progress.step, stats.skipped, [tuple(b.src.shape) for b in micro],

@@ -103,7 +103,9 @@ def load_translator(
     if fixed:
         raise TmtError(f"{', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
     target = distributed.resolve_device(cfg.decode.device, key="decode.device")
-    model = _in_precision(saved.model, cfg.decode.precision, target)
+    nbytes = sum(t.numel() * 4 for t in saved.state_dict.values())
+    with distributed.allocating(f"the model in {cfg.decode.precision}", nbytes, target):
+        model = _in_precision(saved.model, cfg.decode.precision, target)
     return Translator(
         model=model.eval(), tokenizer=saved.tokenizer, config=cfg, device=target, origin=origin
     )
@@ -172,12 +174,26 @@ def translate_lines(
     )
     for batch in sampler.epoch_batches(0):
         chosen = [todo[j] for j in batch]
-        hypotheses = _translate_batch(
-            translator, [ids[i] for i in chosen], [first_line + i for i in chosen]
-        )
+        sources = [ids[i] for i in chosen]
+        try:
+            hypotheses = _translate_batch(translator, sources, [first_line + i for i in chosen])
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as err:
+            if not distributed.is_out_of_memory(err):
+                raise
+            raise _out_of_memory(translator, sources) from None
         for index, hyps in zip(chosen, hypotheses, strict=True):
             results[index] = hyps
     return results
+
+
+def _out_of_memory(translator: Translator, sources: list[list[int]]) -> TmtError:
+    decode = translator.config.decode
+    k = decode.nbest if decode.sampling != "none" else decode.beam_size
+    return TmtError(
+        f"decoding {len(sources)} sentences of up to {max(map(len, sources))} tokens, {k} rows"
+        f" each, ran out of memory on {translator.device}: lower decode.max_tokens"
+        f" ({decode.max_tokens}) or decode.beam_size ({decode.beam_size})"
+    )
 
 
 def _translate_batch(
