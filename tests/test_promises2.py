@@ -258,3 +258,20 @@ def test_updates_that_never_fit_stop_the_run_in_one_line(tiny_cfg: Config, tmp_p
     line = one_line_error(result.stderr)
     assert "out of memory on 3 consecutive updates after step 3" in line
     assert "lower data.max_tokens" in line and "step_00000002" in line
+
+
+def test_cleaning_up_after_a_killed_write_touches_only_tmt_s_own_leftovers(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    from transformer_mt import averaging, export
+
+    dead = 2**22 + 12345  # above any pid this machine hands out (pid_max)
+    mine = tmp_path / f".tmp-notes-{dead}"
+    killed_export = tmp_path / f".tmp-export-ct2-{dead}"
+    killed_average = tmp_path / f".tmp-avg-{dead}"
+    for path in (mine, killed_export, killed_average):
+        path.mkdir()
+    averaging.write(averaging.newest(trained_run, 1), tmp_path / "avg")
+    assert not killed_average.exists() and mine.exists()
+    export.export(trained_run, "ctranslate2", tmp_path / "ct2", check_lines=2)
+    assert not killed_export.exists() and mine.exists()

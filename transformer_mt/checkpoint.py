@@ -104,7 +104,7 @@ def write(
         raise TmtError(f"refusing to save {final}: non-finite values in {', '.join(bad[:5])}")
     root, name = final.parent, final.name
     root.mkdir(parents=True, exist_ok=True)
-    files.recover(root, live_writers=True)
+    files.recover(root, live_writers=True, names=[name])
     staging = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()

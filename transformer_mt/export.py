@@ -83,6 +83,10 @@ def export(
     )
     expected = [h[0].tokens if h else [] for h in translate.translate_lines(greedy, lines)]
     staging = output.parent / f".tmp-export-{output.name}-{os.getpid()}"
+    if output.parent.is_dir():  # what killed exports to this output left behind
+        files.recover(
+            output.parent, live_writers=True, names=[f"export-{output.name}", output.name]
+        )
     shutil.rmtree(staging, ignore_errors=True)
     try:
         report = builder(translator, staging, lines, expected, quantization)

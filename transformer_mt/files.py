@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -96,14 +96,17 @@ def swap_into_place(staging: Path, final: Path) -> None:
         shutil.rmtree(previous, ignore_errors=True)
 
 
-def recover(root: Path, live_writers: bool) -> None:
+def recover(root: Path, live_writers: bool, names: Collection[str] = ()) -> None:
     """Clean up after swaps into `root` that were interrupted: a staging directory (".tmp-NAME-PID")
     is removed; a directory renamed aside by swap_into_place (".old-NAME-PID") is put back when
     NAME is missing (the kill came between the two renames), else removed. With live_writers,
-    leftovers of processes still running on this host are left alone."""
+    leftovers of processes still running on this host are left alone; with `names`, only the
+    leftovers of those names (a directory tmt does not own may hold others' files)."""
     for path in [*root.glob(".tmp-*"), *root.glob(".old-*")]:
         name, _, pid = path.name[len(".tmp-") :].rpartition("-")
         if not name or not pid.isdigit() or (live_writers and _running(int(pid))):
+            continue
+        if names and name not in names:
             continue
         if path.name.startswith(".old-") and not (root / name).exists():
             os.rename(path, root / name)
