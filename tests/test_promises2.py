@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import reverse_pairs
-from test_promises import REPO, copy_run, one_line_error
+from test_promises import REPO, copy_run, deadline, one_line_error
 from test_train import run_tmt
 from typer.testing import CliRunner
 
@@ -275,3 +276,33 @@ def test_cleaning_up_after_a_killed_write_touches_only_tmt_s_own_leftovers(
     assert not killed_average.exists() and mine.exists()
     export.export(trained_run, "ctranslate2", tmp_path / "ct2", check_lines=2)
     assert not killed_export.exists() and mine.exists()
+
+
+def test_what_tmt_reads_back_must_be_a_plain_file_and_no_read_hangs(
+    trained_run: Path, lines_in: Path, tiny_cfg: Config, tmp_path: Path
+) -> None:
+    # A FIFO where tmt expects its own file would hang a naive read; a link could point anywhere.
+    run_dir = copy_run(trained_run, tmp_path)
+    log = run_dir / "metrics.jsonl"
+    log.unlink()
+    os.mkfifo(log)
+    result = runner.invoke(app, ["plot", "-m", str(run_dir), "-o", str(tmp_path / "c.png")])
+    assert result.exit_code == 2 and "metrics.jsonl" in one_line_error(result.stderr)
+    out = tmp_path / "out.txt"
+    killed = run_tmt(job_args(trained_run, lines_in, out), fault="chunk@2:kill")
+    assert killed.returncode == -9
+    job = tmp_path / f"out.txt{bulk.JOB_SUFFIX}"
+    (job / "00000000.txt").unlink()
+    os.mkfifo(job / "00000000.txt")
+    (job / "00000001.json").unlink()
+    (job / "00000001.json").symlink_to("/dev/zero")
+    with deadline(60):
+        result = runner.invoke(app, job_args(trained_run, lines_in, out))
+    assert result.exit_code == 0, result.output  # both chunks translated again
+    cfg = with_cache(tiny_cfg, tmp_path / "cache")
+    prepare_data(cfg)
+    (meta,) = list((tmp_path / "cache" / "encoded").glob("*/meta.json"))[:1]
+    meta.unlink()
+    os.mkfifo(meta)
+    with deadline(60):
+        assert len(prepare_data(cfg).train) == 300  # the entry is rebuilt

@@ -208,7 +208,7 @@ def _read_job(job_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        found = json.loads(path.read_bytes())
+        found = json.loads(files.read_plain(path, limit=1 << 20))
     except (OSError, ValueError, RecursionError):
         found = None
     return found if isinstance(found, dict) else {"job.json": "unreadable"}
@@ -275,7 +275,7 @@ def _verified(job_dir: Path, chunk: int, rows: int) -> tuple[bytes, str | None]:
     text has them and the record's SHA-256; else (b"", what is wrong), _NOT_COMMITTED when it
     has no record."""
     try:
-        record = json.loads(_record_path(job_dir, chunk).read_bytes())
+        record = json.loads(files.read_plain(_record_path(job_dir, chunk), limit=1 << 16))
     except FileNotFoundError:
         return b"", _NOT_COMMITTED  # never committed, or killed between its text and its record
     except (OSError, ValueError, RecursionError):
@@ -283,7 +283,7 @@ def _verified(job_dir: Path, chunk: int, rows: int) -> tuple[bytes, str | None]:
     if not isinstance(record, dict) or record.get("rows") != rows:
         return b"", f"its commit record does not describe {rows} rows"
     try:
-        text = _chunk_path(job_dir, chunk).read_bytes()
+        text = files.read_plain(_chunk_path(job_dir, chunk))
     except OSError as err:
         return b"", f"its text cannot be read ({err.strerror or err})"
     if text.count(b"\n") != rows or hashlib.sha256(text).hexdigest() != record.get("sha256"):

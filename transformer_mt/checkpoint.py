@@ -31,7 +31,6 @@ import math
 import os
 import pickle
 import shutil
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,25 +337,18 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def _read_plain(path: Path, limit: int | None = None) -> bytes:
-    """The bytes of the plain file at `path`, refusing anything else without waiting: a symbolic
-    link, a FIFO or a device (a naive read of one hangs, or never ends)."""
+    """The bytes of the plain file at `path` (files.read_plain), its refusals as one line."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return files.read_plain(path, limit)
     except FileNotFoundError:
         raise
+    except files.NotPlainFile as err:
+        if err.errno == errno.EFBIG:
+            raise TmtError(f"{path}: {err.strerror}") from None
+        what = f"cannot read: {err.strerror}" if err.errno == errno.ELOOP else err.strerror
+        raise TmtError(f"{path}: {what}; checkpoint files are plain files") from None
     except OSError as err:
-        what = "a symbolic link" if err.errno == errno.ELOOP else (err.strerror or str(err))
-        raise TmtError(f"{path}: cannot read: {what}; checkpoint files are plain files") from None
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise TmtError(f"{path}: not a plain file; checkpoint files are plain files")
-        if limit is not None and info.st_size > limit:
-            raise TmtError(f"{path}: {info.st_size} bytes, larger than it can be ({limit})")
-        try:
-            return handle.read()
-        except OSError as err:
-            raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
+        raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
 
 
 def _load_verified(path: Path, name: str, manifest: dict[str, Any]) -> Any:

@@ -173,12 +173,15 @@ def _encoded_table(
     ).hexdigest()[:32]
     final = cache / "encoded" / key
     meta_path = final / "meta.json"  # written last: its presence marks a complete entry
-    if meta_path.is_file():
+    if final.exists() or final.is_symlink():  # renamed into place whole: complete, unless altered
         try:
             return _read_entry(final)
         except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as err:
             logger.warning("data cache entry %s damaged (%s): rebuilding it", final, err)
-            shutil.rmtree(final, ignore_errors=True)
+            if final.is_dir() and not final.is_symlink():
+                shutil.rmtree(final, ignore_errors=True)
+            else:
+                final.unlink(missing_ok=True)
     if not meta_path.is_file():
         dataset = load(split.key)
         staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=_mkdir(cache / "encoded")))
@@ -202,12 +205,12 @@ def _encoded_table(
 def _read_entry(final: Path) -> pa.Table:
     """A warm cache needs pyarrow only: the Arrow streams that datasets.map wrote, mapped, each
     first checked against the SHA-256 that meta.json recorded (what tmt wrote is verified)."""
-    meta = json.loads((final / "meta.json").read_text())
+    meta = json.loads(files.read_plain(final / "meta.json", limit=1 << 20))
     names, digests = meta["files"], meta["sha256"]
     if not all(isinstance(n, str) and n == Path(n).name and n not in ("", "..") for n in names):
         raise ValueError("meta.json names files outside its entry")
     for name in names:
-        if files.sha256_file(final / name) != digests[name]:
+        if files.sha256_plain(final / name) != digests[name]:
             raise ValueError(f"{name} does not match the SHA-256 recorded when it was written")
     parts = [pa.ipc.open_stream(pa.memory_map(str(final / name))).read_all() for name in names]
     table = pa.concat_tables(parts)

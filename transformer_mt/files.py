@@ -6,6 +6,8 @@
 - `swap_into_place` / `recover`: a complete staging directory renamed to its final name, replacing
   what is there; and the clean-up after a swap a kill interrupted.
 - `sha256_file`: a streaming SHA-256 of a file of any size.
+- `open_plain` / `read_plain` / `sha256_plain`: what tmt reads back, refused unless it is a plain
+  file (no link, FIFO or device: reading one could hang).
 - `remove_leftovers`: sweep what killed writers left behind (hidden staging names).
 - `split_lines`: bytes split on b"\\n" only, one trailing b"\\r" dropped: Python's text mode would
   also split on a lone "\\r", and `str.splitlines` on nine separators, which misaligns corpora that
@@ -17,9 +19,11 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Collection, Iterable, Iterator
@@ -70,6 +74,46 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class NotPlainFile(OSError):
+    """What tmt reads back must be a plain file of a sane size: not a link, a FIFO or a device."""
+
+
+@contextlib.contextmanager
+def open_plain(path: Path, limit: int | None = None) -> Iterator[BinaryIO]:
+    """A binary handle on the plain file at `path`, opened without following a symbolic link or
+    waiting on a FIFO (a naive read of one hangs, or of a device never ends): NotPlainFile for
+    anything else, or for a file over `limit` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise NotPlainFile(errno.ELOOP, "a symbolic link", str(path)) from None
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotPlainFile(errno.EINVAL, "not a plain file", str(path))
+        if limit is not None and info.st_size > limit:
+            too_big = f"{info.st_size} bytes, larger than it can be ({limit})"
+            raise NotPlainFile(errno.EFBIG, too_big, str(path))
+        yield handle
+
+
+def read_plain(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of a plain file (open_plain's rules)."""
+    with open_plain(path, limit) as handle:
+        return handle.read()
+
+
+def sha256_plain(path: Path) -> str:
+    """SHA-256 of a plain file (open_plain's rules), read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open_plain(path) as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def sha256_file(path: Path) -> str:

@@ -25,10 +25,21 @@ def trim(run_dir: Path, step: int) -> None:
     """Drop the records past `step` from a run's metrics log: a resume trains those steps again.
     A line that does not read as a record of a step (torn by a kill, or damaged) is dropped."""
     path = run_dir / METRICS_FILE
-    if path.exists():
-        lines = path.read_bytes().decode("utf-8", "replace").split("\n")
+    if path.exists() or path.is_symlink():
+        lines = read_log(path)
         kept = [line for line in lines if _record_step(line) <= step]
         files.atomic_write(path, "".join(line + "\n" for line in kept).encode())
+
+
+def read_log(path: Path) -> list[str]:
+    """The lines of a metrics log (invalid UTF-8 replaced), refused in one line unless it is the
+    plain file tmt writes (a FIFO or a link in its place would hang or mislead the reader)."""
+    try:
+        return files.read_plain(path).decode("utf-8", "replace").split("\n")
+    except files.NotPlainFile as err:
+        raise TmtError(
+            f"{path}: {err.strerror}; tmt writes its metrics log as a plain file"
+        ) from None
 
 
 def _record_step(line: str) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 from transformer_mt import files, textio
 from transformer_mt.exits import TmtError
-from transformer_mt.metrics import METRICS_FILE
+from transformer_mt.metrics import METRICS_FILE, read_log
 
 RUN_CURVES = "curves.png"  # what training draws into its run directory at each validation
 FORMATS = (".png", ".svg", ".pdf")
@@ -43,7 +43,7 @@ def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
         raise TmtError(f"{run_dir}: no {METRICS_FILE} (not a tmt run directory, or not started)")
     points: dict[str, list[tuple[int, float]]] = {}
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = [line for line in read_log(path) if line]
     except OSError as err:
         raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
     for line in lines:
