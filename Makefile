@@ -5,9 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow test-reliability lint format demo finetune bench clean
+.PHONY: install test test-slow test-reliability test-browser lint format demo finetune bench clean
 
 install: $(STAMP)
 
@@ -19,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not browser"
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
@@ -28,6 +29,14 @@ test-slow: install
 test-reliability: install
 	$(BIN)/python -m pytest -q -m slow tests/test_reliability.py tests/test_promises.py \
 		tests/test_train.py -k "not torch_compile"
+
+# The page of tmt serve in a real browser: Debian's chromium and chromium-driver (installed here if
+# missing, from the distribution's packages; nothing is downloaded at run time), driven by selenium.
+test-browser: install
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ $(SUDO) apt-get install -y -q chromium chromium-driver || \
+		  { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver; }; }
+	$(BIN)/python -m pytest -q -m browser
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

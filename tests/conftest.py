@@ -133,3 +133,38 @@ def model_parts(cfg: Config, spm: bytes, seed: int = 0) -> tuple[dict, dict]:
     ranks = [{"rng": train_state.capture_rng(), "metrics": {}}]
     state = train_state.collect(optimizer, scheduler, scaler, ranks, {"step": 0})
     return model.state_dict(), state
+
+
+@pytest.fixture(scope="session")
+def multi30k_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """configs/tiny.yaml widened to d_model 64 on the bundled Multi30k (de→en) for 300 updates
+    (about 15 s): a small model whose translations are varied English sentences that depend on
+    the input, for tests that compare them (the 32-wide tiny model says nearly the same thing
+    for every input, which would make such comparisons vacuous)."""
+    import dataclasses
+
+    from transformer_mt.train import train
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    out = tmp_path_factory.mktemp("multi30k_run")
+    train(
+        dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, d_model=64, d_ff=256, n_heads=4, dropout=0.0),
+            data=dataclasses.replace(cfg.data, max_tokens=2048),
+            optim=dataclasses.replace(cfg.optim, warmup_steps=100, lr_scale=0.5),
+            train=dataclasses.replace(
+                cfg.train, out_dir=str(out), max_steps=300, save_every=100, valid_every=100
+            ),
+        )
+    )
+    return out
+
+
+def multi30k_sentences(n: int, split: str = "test_2016_flickr") -> list[str]:
+    """The first `n` German sentences of a bundled Multi30k split."""
+    import gzip
+
+    path = REPO / "transformer_mt" / "multi30k" / f"{split}.de.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        return [next(lines).rstrip("\n") for _ in range(n)]

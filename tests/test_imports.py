@@ -39,6 +39,9 @@ LAYERS: list[tuple[str, set[str]]] = [
         "engines",
         {"translate", "evaluate", "step", "bulk", "export", "huggingface", "plot", "dry_run"},
     ),
+    # the server: one worker batching requests, the service that knows the model, the two
+    # APIs (tmt's own and LibreTranslate's) and the HTTP app around them
+    ("serving", {"batching", "service", "libretranslate", "serve"}),
     # the training loop: the only module that knows a whole run
     ("training", {"train"}),
     # the faces: the command line, `python -m transformer_mt`, the Python API
@@ -60,6 +63,11 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("export", "translate"): "an export is checked against tmt's own decoding",
     ("export", "huggingface"): "the Hugging Face export is huggingface.py's conversion",
     ("huggingface", "translate"): "converts a loaded Translator's model and tokenizer",
+    ("service", "batching"): "requests are translated through the one batching worker",
+    ("libretranslate", "service"): "the LibreTranslate API is a second face of the service",
+    ("serve", "service"): "the HTTP app answers with the service",
+    ("serve", "libretranslate"): "... and mounts the LibreTranslate API",
+    ("serve", "batching"): "... and starts and drains the batching worker",
     ("__main__", "cli"): "python -m transformer_mt is the command line",
     ("__init__", "translate"): "the Python API is the Translator (imported lazily)",
 }

@@ -226,3 +226,11 @@ def average_into(
         "averaged": list(written.sources),
         **({"by": by} if best else {}),
     }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """`average_into`'s report for people: which checkpoints went into which file."""
+    names = ", ".join(Path(p).name for p in report["averaged"])
+    ranked = f" (the best by {report['by']})" if "by" in report else ""
+    count = len(report["averaged"])
+    return f"averaged {count} checkpoints{ranked} into {report['output']}: {names}"

@@ -32,7 +32,6 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    help="tmt: train the Transformer of 'Attention Is All You Need' and translate raw text.",
 )
 
 ConfigOption = Annotated[
@@ -234,11 +233,13 @@ _FLAGS = {  # flag name -> (config key, what the user typed)
     "sampling": ("decode.sampling", "--sampling"),
     "temperature": ("decode.temperature", "--temperature"),
     "seed": ("decode.seed", "--seed"),
+    "host": ("serve.host", "--host"),
+    "port": ("serve.port", "--port"),
 }
 
 
-def _decode_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[str, str]]:
-    """--set first, then the decoding flags given (a flag wins over a --set of the same key)."""
+def _flag_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[str, str]]:
+    """--set first, then the flags given (a flag wins over a --set of the same key)."""
     overrides: list[str | tuple[str, str]] = list(set_ or [])
     for name, value in flags.items():
         if value is not None:
@@ -290,7 +291,7 @@ def translate(
     from transformer_mt import bulk
     from transformer_mt import translate as lib
 
-    overrides = _decode_overrides(
+    overrides = _flag_overrides(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
         precision=precision, sampling=sampling, temperature=temperature, seed=seed,
     )  # fmt: skip
@@ -344,7 +345,7 @@ def evaluate(
     from transformer_mt import evaluate as lib
     from transformer_mt import textio, translate
 
-    overrides = _decode_overrides(
+    overrides = _flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision
     )
     lib.check_split(split)  # before a model is loaded
@@ -394,14 +395,7 @@ def export(
         _model(model, old_model), fmt, output, quantization=quantization, check_lines=check_lines,
         overwrite=overwrite, last=last, best=best, by=by,
     )  # fmt: skip
-    kind = report.get("architecture") or report.get("quantization")
-    text = (
-        f"exported {report['source']} to {report['output']} ({report['format']}, {kind}):"
-        f" its greedy outputs equal tmt's on {report['check_lines']} validation lines"
-    )
-    if "quantized_identical_lines" in report:
-        text += f"; quantized, {report['quantized_identical_lines']} lines identical"
-    _echo(report, as_json, text)
+    _echo(report, as_json, lib.format_report(report))
 
 
 @app.command()
@@ -428,12 +422,7 @@ def average(
     report = averaging.average_into(
         models or [], output, last=last, best=best, by=by, overwrite=overwrite
     )
-    names = ", ".join(Path(p).name for p in report["averaged"])
-    ranked = f" (the best by {report['by']})" if "by" in report else ""
-    text = (
-        f"averaged {len(report['averaged'])} checkpoints{ranked} into {report['output']}: {names}"
-    )
-    _echo(report, as_json, text)
+    _echo(report, as_json, averaging.format_report(report))
 
 
 @app.command()
@@ -462,6 +451,46 @@ def plot(
     report = lib.plot(run_dirs or [], output, overwrite)
     panels = ", ".join(f"{title} {n}" for title, n in report["curves"].items())
     _echo(report, as_json, f"{report['output']}: curves drawn per panel: {panels}")
+
+
+@app.command()
+@_user_errors
+def serve(
+    model: Model = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (serve.host).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (serve.port; 0: any free).")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="TMT_API_KEY", help="Require Authorization: Bearer KEY (not /health)."),
+    ] = None,
+    beam: Beam = None,
+    lenpen: Lenpen = None,
+    max_tokens: MaxTokens = None,
+    device: Device = None,
+    precision: Precision = None,
+    last: Last = 0,
+    best: Best = 0,
+    by: By = None,
+    set_: Overrides = None,
+) -> None:
+    """Serve the model over HTTP: tmt's API, the LibreTranslate API, a page, metrics (serve.*)."""
+    try:
+        from transformer_mt import serve as lib
+    except ImportError as err:
+        raise TmtError(
+            f"tmt serve needs the serve extra ({err.name} is missing):"
+            " pip install 'transformer_mt[serve]'"
+        ) from None
+    from transformer_mt import translate
+
+    overrides = _flag_overrides(
+        set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
+        host=host, port=port,
+    )  # fmt: skip
+    translator = translate.load_translator(
+        _model(model, None), overrides, last=last, best=best, by=by
+    )
+    lib.serve(translator, overrides, api_key=api_key or "")
 
 
 def main() -> None:

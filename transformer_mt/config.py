@@ -299,6 +299,25 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """`tmt serve`: where it listens, how it batches, and the limits that keep it standing."""
+
+    host: Text = "127.0.0.1"  # the address it binds; 0.0.0.0 opens it to the network
+    port: Annotated[int, Interval(0, 65535)] = 8000  # 0: any free port (printed at the start)
+    # Dynamic batching: the sentences of the requests waiting are decoded together, up to
+    # max_tokens source tokens, after waiting for more while they keep coming (each within
+    # gap_ms of the last), at most max_wait_ms (batching.py says why).
+    max_tokens: Count = 4096
+    max_wait_ms: Amount = 50.0
+    gap_ms: Amount = 2.0
+    max_queue: Count = 1024  # sentences waiting; beyond that a request gets 503 and Retry-After
+    max_sentences: Count = 128  # sentences in one request
+    max_chars: Count = 2000  # characters in one sentence
+    max_body_bytes: Count = 1_048_576  # bytes in one request body
+    drain_seconds: Amount = 30.0  # on SIGTERM or SIGINT: time in-flight requests get to finish
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -306,6 +325,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def __post_init__(self) -> None:
         for section in dataclasses.fields(self):

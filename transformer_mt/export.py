@@ -103,6 +103,18 @@ def export(
     return {"output": str(output), **report}
 
 
+def format_report(report: dict[str, Any]) -> str:
+    """An export's report for people: where it went and what its parity check showed."""
+    kind = report.get("architecture") or report.get("quantization")
+    text = (
+        f"exported {report['source']} to {report['output']} ({report['format']}, {kind}):"
+        f" its greedy outputs equal tmt's on {report['check_lines']} validation lines"
+    )
+    if "quantized_identical_lines" in report:
+        text += f"; quantized, {report['quantized_identical_lines']} lines identical"
+    return text
+
+
 def _check_destination(output: Path, model: str | Path, overwrite: bool) -> None:
     """An export goes into a new or empty directory, or replaces an earlier export with
     `overwrite`; never anything else (textio.check_output: nor the model, nor tmt's files)."""

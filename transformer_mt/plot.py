@@ -82,6 +82,13 @@ def draw_curves(run_dirs: Sequence[Path], output: Path) -> dict[str, Any]:
     output = Path(output)
     if output.suffix.lower() not in FORMATS:
         raise TmtError(f"{output}: the plot is written as {', '.join(FORMATS)}; name it so")
+    image, counts = render_curves(run_dirs, output.suffix.lower().lstrip("."))
+    files.atomic_write(output, image)
+    return {"output": str(output), "runs": len(run_dirs), "curves": counts}
+
+
+def render_curves(run_dirs: Sequence[Path], fmt: str = "png") -> tuple[bytes, dict[str, int]]:
+    """The runs' curves as an image in `fmt` (png, svg or pdf), and the curves of each panel."""
     runs = [(Path(run_dir), read_curves(Path(run_dir))) for run_dir in run_dirs]
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -116,9 +123,8 @@ def draw_curves(run_dirs: Sequence[Path], output: Path) -> dict[str, Any]:
             keys = ", ".join(key for key, _, _ in series)
             axes.text(0.5, 0.5, f"no {keys} recorded", ha="center", transform=axes.transAxes)
     buffer = io.BytesIO()
-    figure.savefig(buffer, format=output.suffix.lower().lstrip("."))
-    files.atomic_write(output, buffer.getvalue())
-    return {"output": str(output), "runs": len(runs), "curves": counts}
+    figure.savefig(buffer, format=fmt)
+    return buffer.getvalue(), counts
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:

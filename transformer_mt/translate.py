@@ -27,6 +27,7 @@ from transformer_mt import averaging, distributed, run, textio
 from transformer_mt.config import MODEL_SECTIONS, Config, apply_overrides, changed_keys
 from transformer_mt.data import TokenBucketSampler
 from transformer_mt.exits import TmtError
+from transformer_mt.files import METRICS_FILE
 from transformer_mt.model import DecoderCache, Transformer, make_src_mask
 from transformer_mt.search import Hypothesis, beam_search, greedy, sample
 from transformer_mt.tokenizer import Tokenizer
@@ -51,6 +52,9 @@ class Translator:
     config: Config  # the checkpoint's config with the caller's overrides
     device: torch.device
     origin: str  # what was loaded, for messages
+    step: int = 0  # the updates its weights were trained for (the newest, for an average)
+    path: Path | None = None  # the checkpoint or averaged model read (the newest averaged)
+    run_dir: Path | None = None  # the run directory it belongs to, when there is one
 
     @classmethod
     def load(
@@ -107,8 +111,18 @@ def load_translator(
     with distributed.allocating(f"the model in {cfg.decode.precision}", nbytes, target):
         model = _in_precision(saved.model, cfg.decode.precision, target)
     return Translator(
-        model=model.eval(), tokenizer=saved.tokenizer, config=cfg, device=target, origin=origin
-    )
+        model=model.eval(), tokenizer=saved.tokenizer, config=cfg, device=target, origin=origin,
+        step=saved.step, path=saved.path, run_dir=_run_of(Path(path), saved.path),
+    )  # fmt: skip
+
+
+def _run_of(given: Path, read: Path) -> Path | None:
+    """The run directory a model came from: the one given, or the run holding what was read (a
+    checkpoint in its checkpoints/, its average)."""
+    for candidate in (given, read.parent.parent, read.parent):
+        if (candidate / run.CHECKPOINTS).is_dir() and (candidate / METRICS_FILE).is_file():
+            return candidate
+    return None
 
 
 def _in_precision(model: Transformer, precision: str, device: torch.device) -> Transformer:

@@ -1,0 +1,351 @@
+"""tmt serve through a real uvicorn on an ephemeral 127.0.0.1 port: the endpoints, outputs equal to
+tmt translate's, dynamic batching, limits and bad input, the API key, a drain on SIGTERM."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import multi30k_sentences
+
+from transformer_mt import translate
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = multi30k_sentences(16)
+
+
+class Server:
+    """`tmt serve` in a child process on port 0; its log collected, stopped at the end."""
+
+    def __init__(self, model: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        command = [sys.executable, "-m", "transformer_mt", "serve", "-m", str(model), "--port", "0"]
+        self.process = subprocess.Popen(
+            [*command, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            cwd=REPO, env={**os.environ, **(env or {})},
+        )  # fmt: skip
+        self.log: list[str] = []
+        ready = threading.Event()
+        self.url = ""
+
+        def read() -> None:
+            for line in self.process.stderr:
+                self.log.append(line)
+                found = re.search(r"serving .* on (http://[\d.]+:\d+)", line)
+                if found:
+                    self.url = found.group(1)
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(90):
+            self.stop()
+            raise AssertionError("the server did not start:\n" + "".join(self.log))
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(10)
+
+    def batches(self) -> float:
+        """Decoding calls so far (the count of the batch-size histogram)."""
+        text = self.client.get("/metrics").text
+        return float(re.search(r"^tmt_batch_sentences_count (\S+)$", text, re.M).group(1))
+
+
+@pytest.fixture(scope="module")
+def server(multi30k_run: Path) -> Iterator[Server]:
+    started = Server(
+        multi30k_run,
+        "--set", "serve.max_wait_ms=300", "--set", "serve.gap_ms=100", "--set", "serve.max_sentences=20",
+        "--set", "serve.max_chars=300", "--set", "serve.max_body_bytes=20000",
+        "--set", "serve.max_queue=30",
+    )  # fmt: skip
+    yield started
+    assert started.stop() == 0
+    assert not any("Traceback" in line for line in started.log), "".join(started.log)
+
+
+@pytest.fixture(scope="module")
+def expected(multi30k_run: Path) -> list[str]:
+    """What tmt translate writes for SOURCES: real sentences, not all alike (else comparing them
+    would prove nothing)."""
+    outputs = translate.translate_text(translate.load_translator(multi30k_run), SOURCES)
+    assert all(outputs) and len(set(outputs)) > len(outputs) // 2, outputs
+    return outputs
+
+
+def test_the_endpoints_answer_and_translate_as_tmt_translate_does(
+    server: Server, multi30k_run: Path, expected: list[str]
+) -> None:
+    assert server.url.startswith("http://127.0.0.1:")  # loopback unless told otherwise
+    assert server.client.get("/health").json() == {"status": "ok"}
+    card = server.client.get("/v1/model").json()
+    assert card["languages"] == {"source": "de", "target": "en"} and card["parameters"] > 0
+    assert card["step"] == 300 and card["run"] == str(multi30k_run)
+    answer = server.client.post("/v1/translate", json={"text": SOURCES}).json()
+    assert answer["translations"] == expected
+    one = server.client.post("/v1/translate", json={"text": SOURCES[0]}).json()
+    assert one["translations"] == expected[:1]
+    nbest = server.client.post("/v1/translate", json={"text": SOURCES[:2], "nbest": 2}).json()
+    assert [len(rows) for rows in nbest["nbest"]] == [2, 2]
+    assert nbest["nbest"][0][0]["score"] >= nbest["nbest"][0][1]["score"]
+    sampled = {"text": SOURCES[:3], "sampling": "topk:5", "seed": 3}
+    first, again = (server.client.post("/v1/translate", json=sampled).json() for _ in range(2))
+    assert first["translations"] == again["translations"]  # a seed fixes the samples
+    assert server.client.get("/").text.startswith("<!doctype html>")
+    assert "tmt_requests_total" in server.client.get("/metrics").text
+
+
+def test_the_libretranslate_api_answers_its_clients(server: Server, expected: list[str]) -> None:
+    client = server.client
+    assert client.get("/languages").json()[0] == {"code": "de", "name": "German", "targets": ["en"]}
+    single = client.post("/translate", json={"q": SOURCES[0], "source": "de", "target": "en"})
+    assert single.json() == {"translatedText": expected[0]}
+    form = client.post("/translate", data={"q": SOURCES[1], "source": "auto", "target": "en"})
+    assert form.json() == {
+        "translatedText": expected[1],
+        "detectedLanguage": {"confidence": 100.0, "language": "de"},
+    }
+    listed = client.post("/translate", json={"q": SOURCES[:3], "source": "de", "target": "en",
+                                             "format": "text", "api_key": ""}).json()  # fmt: skip
+    assert listed == {"translatedText": expected[:3]}
+    options = client.post("/translate", json={"q": SOURCES[0], "source": "de", "target": "en",
+                                              "alternatives": 2}).json()  # fmt: skip
+    assert options["translatedText"] == expected[0] and len(options["alternatives"]) == 2
+    markup = client.post("/translate", json={
+        "q": f"<p class='x'>{SOURCES[0]} <b>{SOURCES[1]}</b></p>", "source": "de", "target": "en",
+        "format": "html"}).json()["translatedText"]  # fmt: skip
+    assert markup == f"<p class='x'>{expected[0]} <b>{expected[1]}</b></p>"
+    for body, message in [
+        ({"q": "x", "source": "de", "target": "fr"}, "fr is not supported"),
+        ({"q": "x", "source": "en", "target": "de"}, "German (de) is not available"),
+        ({"source": "de", "target": "en"}, "missing q parameter"),
+        ({"q": "x", "source": "de", "target": "en", "format": "pdf"}, "pdf format is not"),
+    ]:
+        refused = client.post("/translate", json=body)
+        assert refused.status_code == 400 and message in refused.json()["error"], refused.text
+
+
+def test_concurrent_requests_are_decoded_together_with_the_same_outputs(
+    server: Server, expected: list[str]
+) -> None:
+    before = server.batches()
+    with concurrent.futures.ThreadPoolExecutor(len(SOURCES)) as pool:
+        answers = list(pool.map(
+            lambda s: server.client.post("/v1/translate", json={"text": [s]}).json(), SOURCES
+        ))  # fmt: skip
+    assert [a["translations"][0] for a in answers] == expected
+    batches = server.batches() - before
+    assert 1 <= batches <= len(SOURCES) // 4, batches  # 16 requests in a few decoding calls
+
+
+def test_bad_requests_are_a_4xx_with_one_message(server: Server) -> None:
+    client = server.client
+    cases = [
+        (client.post("/v1/translate", content=b"{bad", headers={"content-type": "application/json"}), 400, "not valid JSON"),
+        (client.post("/v1/translate", content=b"text=x"), 400, "not a JSON object"),
+        (client.post("/v1/translate", json={"text": 5}), 422, "text"),
+        (client.post("/v1/translate", json={"text": ["a"], "beam_size": "5"}), 422, "beam_size"),
+        (client.post("/v1/translate", json={"text": []}), 422, "no text"),
+        (client.post("/v1/translate", json={"text": ["a"], "colour": 1}), 422, "colour: unknown field"),
+        (client.post("/v1/translate", json={"text": ["a"], "beam_size": 0}), 422, "decode.beam_size = 0"),
+        (client.post("/v1/translate", json={"text": ["a"] * 21}), 413, "serve.max_sentences"),
+        (client.post("/v1/translate", json={"text": ["a" * 301]}), 413, "serve.max_chars"),
+        (client.post("/v1/translate", json={"text": ["a"] * 20000}), 413, "serve.max_body_bytes"),
+        (client.post("/v1/translate", content=iter([b'{"text": ["' + b"a" * 30000 + b'"]}'])), 413, "serve.max_body_bytes"),
+        (client.get("/nowhere"), 404, "Not Found"),
+        (client.get("/v1/translate"), 405, "Method Not Allowed"),
+    ]  # fmt: skip
+    for response, status, message in cases:
+        assert response.status_code == status, (message, response.text)
+        error = response.json()["error"]
+        assert message in error and "\n" not in error and "Traceback" not in error, error
+    assert server.client.get("/health").status_code == 200  # still standing
+
+
+def test_the_queue_is_bounded_and_a_request_beyond_it_is_503_with_retry_after(
+    trained_run: Path,
+) -> None:
+    from transformer_mt.batching import Batcher, Job, QueueFull
+
+    class Quiet:
+        def queued(self, n: int) -> None: ...
+
+    batcher = Batcher(max_tokens=100, max_wait_s=0.0, max_queue=3, metrics=Quiet())
+    batcher._running = True  # no worker: what is queued stays queued
+    batcher.submit(Job(lines=["a", "b"], translator=None, key=(), tokens=4))  # type: ignore[arg-type]
+    with pytest.raises(QueueFull, match="2 sentences are waiting"):
+        batcher.submit(Job(lines=["c", "d"], translator=None, key=(), tokens=4))  # type: ignore[arg-type]
+    tight = Server(trained_run, "--set", "serve.max_queue=2")
+    try:
+        refused = tight.client.post("/v1/translate", json={"text": ["kalo", "mi", "nu"]})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "serve.max_queue" in refused.json()["error"]
+        assert tight.client.post("/v1/translate", json={"text": ["kalo", "mi"]}).status_code == 200
+    finally:
+        assert tight.stop() == 0
+
+
+def test_an_api_key_guards_every_endpoint_but_health_and_is_never_logged(
+    trained_run: Path,
+) -> None:
+    key = "s3cret-key-4711"
+    guarded = Server(trained_run, env={"TMT_API_KEY": key})
+    try:
+        client = guarded.client
+        assert client.get("/health").status_code == 200
+        for path in ("/v1/model", "/metrics", "/languages"):
+            assert client.get(path).status_code == 401
+            wrong = client.get(path, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401 and wrong.json() == {"error": "Invalid API key"}
+            assert client.get(path, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        body = {"q": SOURCES[0], "source": "de", "target": "en"}
+        assert client.post("/translate", json=body).status_code == 401
+        assert client.post("/translate", json={**body, "api_key": key}).status_code == 200
+        assert (
+            client.post(f"/translate?api_key={key}", json={**body, "api_key": key}).status_code
+            == 200
+        )
+    finally:
+        assert guarded.stop() == 0
+    assert "API key required" in "".join(guarded.log)
+    assert key not in "".join(guarded.log)
+
+
+def test_sigterm_lets_the_request_in_flight_finish_and_exits_0(trained_run: Path) -> None:
+    draining = Server(trained_run, "--set", "serve.max_wait_ms=2000", "--set", "serve.gap_ms=2000")
+    answers: list[httpx.Response] = []
+    request = threading.Thread(target=lambda: answers.append(
+        draining.client.post("/v1/translate", json={"text": SOURCES[:2]})))  # fmt: skip
+    request.start()
+    time.sleep(0.5)  # the request waits in the batcher
+    draining.process.send_signal(signal.SIGTERM)
+    request.join(30)
+    assert draining.process.wait(30) == 0
+    assert answers and answers[0].status_code == 200 and len(answers[0].json()["translations"]) == 2
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(draining.url + "/health", timeout=5)
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(trained_run: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "transformer_mt", "serve", "-m", str(trained_run),
+             "--port", str(port)], capture_output=True, text=True, cwd=REPO, timeout=120,
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tmt: error:")]
+    assert errors == [f"tmt: error: --port {port}: in use on 127.0.0.1; choose another port"]
+
+
+def test_a_request_whose_client_has_gone_is_never_decoded(trained_run: Path) -> None:
+    waiting = Server(trained_run, "--set", "serve.max_wait_ms=3000", "--set", "serve.gap_ms=3000")
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            waiting.client.post("/v1/translate", json={"text": ["kalo mi"]}, timeout=0.5)
+        time.sleep(4)  # past the batcher's wait: the job would have been decoded by now
+        assert waiting.batches() == 0
+        assert waiting.client.post("/v1/translate", json={"text": "kalo"}).status_code == 200
+        assert waiting.batches() == 1
+    finally:
+        assert waiting.stop() == 0
+
+
+def test_a_client_that_has_gone_costs_nothing(
+    trained_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformer_mt import batching
+
+    decoded: list[str] = []
+    monkeypatch.setattr(batching, "translate_lines",
+                        lambda translator, lines: decoded.extend(lines) or [[] for _ in lines])  # fmt: skip
+
+    class Quiet:
+        def queued(self, n: int) -> None: ...
+
+        def observe_batch(self, sentences: int, seconds: float) -> None: ...
+
+    batcher = batching.Batcher(
+        max_tokens=100, max_wait_s=0.2, max_queue=10, metrics=Quiet(), gap_s=0.2
+    )
+    gone = batching.Job(lines=["gone"], translator=None, key=(), tokens=2)  # type: ignore[arg-type]
+    kept = batching.Job(lines=["kept"], translator=None, key=(), tokens=2)  # type: ignore[arg-type]
+    batcher.start()
+    try:
+        batcher.submit(gone)
+        gone.cancelled = True  # its client disconnected while it waited
+        batcher.submit(kept).result(timeout=10)
+    finally:
+        batcher.stop(timeout=5)
+    assert decoded == ["kept"]
+
+
+def test_a_missing_serve_extra_is_one_line_and_exit_2(trained_run: Path) -> None:
+    without_fastapi = (
+        "import sys; sys.modules['fastapi'] = None; from transformer_mt.cli import main;"
+        " sys.argv = ['tmt', 'serve', '-m', sys.argv[1]]; main()"
+    )
+    result = subprocess.run([sys.executable, "-c", without_fastapi, str(trained_run)],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr == (
+        "tmt: error: tmt serve needs the serve extra (fastapi is missing):"
+        " pip install 'transformer_mt[serve]'\n"
+    )
+
+
+def test_the_batcher_gathers_a_burst_and_lets_a_lone_request_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from transformer_mt import batching
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(batching, "translate_lines",
+                        lambda translator, lines: calls.append(lines) or [[] for _ in lines])  # fmt: skip
+
+    class Quiet:
+        def queued(self, n: int) -> None: ...
+
+        def observe_batch(self, sentences: int, seconds: float) -> None: ...
+
+    def job(line: str) -> batching.Job:
+        return batching.Job(lines=[line], translator=None, key=(), tokens=2)  # type: ignore[arg-type]
+
+    # a burst (one every 20 ms, each within gap_s of the last) is one decoding call
+    batcher = batching.Batcher(max_tokens=100, max_wait_s=1.0, max_queue=10, metrics=Quiet(),
+                               gap_s=0.5)  # fmt: skip
+    batcher.start()
+    try:
+        futures = []
+        for line in "abcde":
+            futures.append(batcher.submit(job(line)))
+            time.sleep(0.02)
+        for future in futures:
+            future.result(timeout=10)
+        assert calls == [list("abcde")]
+        # once the burst has gone (idle longer than max_wait_s), a lone request waits gap_s,
+        # not max_wait_s for the burst's clients to come back
+        time.sleep(1.5)
+        batcher.gap_s = 0.01
+        batcher.submit(job("f")).result(timeout=0.9)
+        assert calls[-1] == ["f"]
+    finally:
+        batcher.stop(timeout=5)

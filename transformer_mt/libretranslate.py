@@ -1,0 +1,164 @@
+"""The LibreTranslate API over a tmt model, so that its clients (browser extensions, Mastodon,
+apps, scripts) work unchanged: POST /translate (q as text or a list, source as a language or
+"auto", target, format text or html, alternatives, api_key; a JSON or a form body) answering
+{"translatedText": ...}, and GET /languages. Errors come in its shape, {"error": ...}, with its
+words where it has them. The model serves one pair: another is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from html.parser import HTMLParser
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from transformer_mt.service import ServeError, Service, check_key
+from transformer_mt.translate import Translator, detokenize
+
+LANGUAGE_NAMES = {
+    "ar": "Arabic", "cs": "Czech", "de": "German", "en": "English", "es": "Spanish",
+    "fi": "Finnish", "fr": "French", "hi": "Hindi", "it": "Italian", "ja": "Japanese",
+    "ko": "Korean", "nl": "Dutch", "pl": "Polish", "pt": "Portuguese", "ro": "Romanian",
+    "ru": "Russian", "sv": "Swedish", "tr": "Turkish", "uk": "Ukrainian", "zh": "Chinese",
+}  # fmt: skip
+
+
+def add_endpoints(app: FastAPI, service: Service) -> None:
+    data = service.translator.config.data
+
+    @app.get("/languages")
+    async def languages() -> list[dict[str, Any]]:
+        return [
+            {"code": data.src_lang, "name": _name(data.src_lang), "targets": [data.tgt_lang]},
+            {"code": data.tgt_lang, "name": _name(data.tgt_lang), "targets": []},
+        ]
+
+    @app.post("/translate")
+    async def translate(request: Request) -> dict[str, Any]:
+        fields = await _fields(request)
+        check_key(request.headers.get("authorization", ""), service.api_key, fields.get("api_key"))
+        return await _translate(service, request, fields)
+
+
+_LT_FIELDS = {"q", "source", "target", "format", "api_key", "alternatives", "secret"}
+
+
+async def _fields(request: Request) -> dict[str, Any]:
+    """A LibreTranslate request's fields, from a JSON or a form body."""
+    if request.headers.get("content-type", "").split(";")[0].strip() == "application/json":
+        try:
+            fields = json.loads(await request.body())
+        except (ValueError, RecursionError):
+            raise ServeError(400, "Invalid request: the body is not valid JSON") from None
+        if not isinstance(fields, dict):
+            raise ServeError(400, "Invalid request: the body is not a JSON object")
+    else:
+        form = await request.form()
+        fields = {key: form.getlist(key) if key == "q" else form.get(key) for key in form}
+        if isinstance(fields.get("q"), list) and len(fields["q"]) == 1:
+            fields["q"] = fields["q"][0]
+    unknown = sorted(set(fields) - _LT_FIELDS)
+    if unknown:
+        raise ServeError(400, f"Invalid request: unknown parameter {unknown[0]}")
+    return fields
+
+
+async def _translate(service: Service, request: Request, fields: dict[str, Any]) -> Any:
+    data = service.translator.config.data
+    for name in ("q", "source", "target"):
+        if fields.get(name) in (None, "", []):
+            raise ServeError(400, f"Invalid request: missing {name} parameter")
+    q, source, target = fields["q"], fields["source"], fields["target"]
+    batch = isinstance(q, list)
+    lines = q if batch else [q]
+    if not all(isinstance(x, str) for x in lines) or not all(
+        isinstance(fields.get(k, ""), str) for k in ("source", "target", "format")
+    ):
+        raise ServeError(400, "Invalid request: q, source, target and format are text")
+    known = (data.src_lang, data.tgt_lang)
+    for code in (source, target):
+        if code not in known and not (code is source and code == "auto"):
+            raise ServeError(400, f"{code} is not supported")
+    source_code = data.src_lang if source == "auto" else source
+    if source_code != data.src_lang or target != data.tgt_lang:
+        raise ServeError(400, f"{_name(target)} ({target}) is not available as a target language"
+                              f" from {_name(source_code)} ({source_code})")  # fmt: skip
+    text_format = fields.get("format") or "text"
+    if text_format not in ("text", "html"):
+        raise ServeError(400, f"{text_format} format is not supported")
+    alternatives = fields.get("alternatives") or 0
+    if isinstance(alternatives, str) and alternatives.isdigit():
+        alternatives = int(alternatives)
+    if not isinstance(alternatives, int) or isinstance(alternatives, bool) or alternatives < 0:
+        raise ServeError(400, "Invalid request: alternatives is a number >= 0")
+    decode = service.translator.config.decode
+    overrides = []
+    if alternatives:
+        beam, typed = max(decode.beam_size, alternatives + 1), f"alternatives={alternatives}"
+        overrides = [
+            (f"decode.beam_size={beam}", typed),
+            (f"decode.nbest={alternatives + 1}", typed),
+        ]
+    chosen = service.translator_for(overrides)
+    if text_format == "html":
+        texts = [await _translate_html(service, request, chosen, line) for line in lines]
+        options: list[list[str]] = [[] for _ in lines]
+    else:
+        hyps = await service.translate(request, lines, chosen)
+        outputs = [detokenize(chosen, [h.tokens for h in line]) if line else [""] for line in hyps]
+        texts = [out[0] for out in outputs]
+        options = [out[1:] for out in outputs]
+    answer: dict[str, Any] = {"translatedText": texts if batch else texts[0]}
+    if alternatives:
+        answer["alternatives"] = options if batch else options[0]
+    if source == "auto":  # one source language: the model's (no detection)
+        detected = {"confidence": 100.0, "language": data.src_lang}
+        answer["detectedLanguage"] = [detected] * len(lines) if batch else detected
+    return answer
+
+
+class _Segments(HTMLParser):
+    """HTML split into markup (kept as written) and text (translated)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[tuple[bool, str]] = []  # (is_text, content)
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        self.parts.append((False, self.get_starttag_text() or ""))
+
+    def handle_startendtag(self, tag: str, attrs: Any) -> None:
+        self.parts.append((False, self.get_starttag_text() or ""))
+
+    def handle_endtag(self, tag: str) -> None:
+        self.parts.append((False, f"</{tag}>"))
+
+    def handle_data(self, data: str) -> None:
+        self.parts.append((True, data))
+
+
+async def _translate_html(
+    service: Service, request: Request, translator: Translator, markup: str
+) -> str:
+    """format html: the text between tags translated, the tags kept, whitespace kept around."""
+    parser = _Segments()
+    parser.feed(markup)
+    parser.close()
+    texts = [c for is_text, c in parser.parts if is_text and c.strip()]
+    hyps = await service.translate(request, [t.strip() for t in texts], translator) if texts else []
+    translated = iter(detokenize(translator, [h[0].tokens if h else [] for h in hyps]))
+    out = []
+    for is_text, content in parser.parts:
+        if is_text and content.strip():
+            lead = content[: len(content) - len(content.lstrip())]
+            trail = content[len(content.rstrip()) :]
+            out.append(lead + html.escape(next(translated), quote=False) + trail)
+        else:
+            out.append(html.escape(content, quote=False) if is_text else content)
+    return "".join(out)
+
+
+def _name(code: str) -> str:
+    return LANGUAGE_NAMES.get(code, code)

@@ -1,0 +1,328 @@
+"""`tmt serve`: one loaded model behind HTTP: tmt's API, the LibreTranslate API that existing
+clients speak, a page for people, health, a model card and Prometheus metrics.
+
+    POST /v1/translate   {"text": "..." | [...], beam_size, length_penalty, nbest, sampling,
+                         temperature, seed} -> {"translations": [...], "model", "seconds"}
+    POST /translate      LibreTranslate: q, source, target, format, alternatives, api_key
+    GET  /languages      LibreTranslate: [{"code", "name", "targets"}]
+    GET  /health         {"status": "ok"}: the model is loaded
+    GET  /v1/model       the model card       GET /v1/curves.png  the run's training curves
+    GET  /metrics        Prometheus text      GET /                the page (page.html)
+
+Requests are decoded by batching.py's one worker, the sentences of concurrent requests together.
+Every error is a JSON body of one message, {"error": "..."}, with a 4xx status (5xx for a fault
+of the server), and the log gets one line, never a traceback. Bodies, sentences per request,
+characters per sentence and the queue are bounded (serve.*); a full queue answers 503 with
+Retry-After. With an API key, every endpoint but /health and the page itself needs
+`Authorization: Bearer KEY` (or, for LibreTranslate clients, `api_key`); the key is never logged.
+It binds 127.0.0.1 unless told otherwise; SIGTERM or SIGINT stops accepting, lets what is in
+flight finish (serve.drain_seconds) and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import math
+import signal
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from importlib import resources
+from typing import Any
+
+import prometheus_client as prom
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
+
+from transformer_mt import libretranslate
+from transformer_mt.batching import Batcher
+from transformer_mt.config import ServeConfig, apply_overrides
+from transformer_mt.exits import TmtError
+from transformer_mt.service import ServeError, Service, Stats, check_key, curves, model_card
+from transformer_mt.translate import Translator, detokenize
+
+logger = logging.getLogger("tmt.serve")
+
+PUBLIC = ("/health", "/", "/favicon.ico")  # what needs no API key: the page asks for the key
+KEY_IN_BODY = ("/translate",)  # LibreTranslate clients send api_key in the body
+
+
+class TranslateRequest(BaseModel):
+    """POST /v1/translate: the text and this request's decoding options (the CLI's rules)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    text: str | list[str]
+    beam_size: int | None = None
+    length_penalty: float | None = None
+    nbest: int | None = None
+    sampling: str | None = None
+    temperature: float | None = None
+    seed: int | None = None
+
+
+# --- the application ---------------------------------------------------------------------------
+
+
+def create_app(
+    translator: Translator, cfg: ServeConfig, api_key: str = "", decoder_thread: bool = True
+) -> FastAPI:
+    """The FastAPI application serving `translator`. The batcher opens and stops with the app;
+    it decodes on a thread of its own, or (decoder_thread=False) on whichever thread calls
+    app.state.service.batcher.run()."""
+    stats = Stats()
+    batcher = Batcher(
+        cfg.max_tokens, cfg.max_wait_ms / 1000.0, cfg.max_queue, stats, cfg.gap_ms / 1000.0
+    )
+    service = Service(translator, cfg, batcher, stats, api_key, model_card(translator))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if decoder_thread:
+            batcher.start()
+        else:
+            batcher.open()
+        yield
+        batcher.stop(timeout=5.0)  # after the drain: what was in flight is answered
+
+    app = FastAPI(title="tmt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    _add_errors(app)
+    _add_endpoints(app, service)
+    libretranslate.add_endpoints(app, service)
+    return Gate(app, service)  # type: ignore[return-value]  (an ASGI application)
+
+
+def _add_endpoints(app: FastAPI, service: Service) -> None:
+    translator = service.translator
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/model")
+    async def model() -> dict[str, Any]:
+        return service.card
+
+    @app.get("/v1/curves.png")
+    async def training_curves() -> Response:  # drawn away from the event loop (a second or so)
+        return Response(await asyncio.to_thread(curves, translator), media_type="image/png")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body = prom.generate_latest(service.stats.registry)
+        return Response(body, media_type=prom.CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(resources.files("transformer_mt").joinpath("page.html").read_text())
+
+    @app.post("/v1/translate")
+    async def v1_translate(body: TranslateRequest, request: Request) -> dict[str, Any]:
+        start = time.monotonic()
+        lines = [body.text] if isinstance(body.text, str) else body.text
+        options = body.model_dump(exclude={"text"}, exclude_none=True)
+        overrides = [(f"decode.{k}={v}", f"{k}={v!r}") for k, v in options.items()]
+        chosen = service.translator_for(overrides)
+        hyps = await service.translate(request, lines, chosen)
+        answer: dict[str, Any] = {
+            "translations": [detokenize(chosen, [h[0].tokens if h else []])[0] for h in hyps],
+            "model": translator.origin,
+        }
+        if chosen.config.decode.nbest > 1:
+            answer["nbest"] = [
+                [{"translation": t, "score": round(h.score, 4)}
+                 for h, t in zip(line, detokenize(chosen, [h.tokens for h in line]), strict=True)]
+                for line in hyps
+            ]  # fmt: skip
+        answer["seconds"] = round(time.monotonic() - start, 4)
+        return answer
+
+
+# --- errors, access, limits --------------------------------------------------------------------
+
+
+def _add_errors(app: FastAPI) -> None:
+    """Refusals and validation errors as {"error": one message}."""
+
+    def answer(status: int, message: str, headers: Any = None) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+    @app.exception_handler(ServeError)
+    async def refused(request: Request, err: ServeError) -> JSONResponse:
+        return answer(err.status, err.message, err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        if first.get("type") == "json_invalid":
+            return answer(400, "the body is not valid JSON")
+        if tuple(first.get("loc", ())) == ("body",):
+            return answer(400, "the body is not a JSON object (Content-Type: application/json)")
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        problem = first.get("msg", "invalid").replace("Extra inputs are not permitted",
+                                                      "unknown field")  # fmt: skip
+        return answer(422, f"{where}: {problem}")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        return answer(err.status_code, str(err.detail), getattr(err, "headers", None))
+
+
+class Gate:
+    """The outermost ASGI layer: the body limit (413, by Content-Length or as the body streams
+    in: the body is read here, bounded, and handed on whole), the API key (401), the access log
+    and the request metrics, and one line and a 500 for a fault of the server, never a
+    traceback."""
+
+    def __init__(self, app: FastAPI, service: Service) -> None:
+        self.app, self.service, self.limit = app, service, service.cfg.max_body_bytes
+        self.state = app.state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.monotonic(), [0]
+
+        async def watched(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            self._admit(scope)
+            body = await self._body(receive)
+            replayed = [False]
+
+            async def replay() -> dict[str, Any]:  # the body once, then the client's own events
+                if replayed[0]:
+                    return await receive()
+                replayed[0] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            await self.app(scope, replay, watched)
+        except ServeError as err:
+            if not status[0]:
+                await _send_error(watched, err.status, err.message, err.headers)
+        except Exception as err:
+            logger.error("%s %s: %s: %s", scope["method"], scope["path"], type(err).__name__, err)
+            if not status[0]:
+                await _send_error(watched, 500, f"the server failed ({type(err).__name__})")
+        self._account(scope, status[0], time.monotonic() - start)
+
+    async def _body(self, receive: Any) -> bytes:
+        """The whole request body, refused (413) as soon as it passes the limit."""
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ServeError(499, "the client closed the request")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                raise ServeError(413, f"a body over {self.limit} bytes (serve.max_body_bytes)")
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+    def _admit(self, scope: dict[str, Any]) -> None:
+        headers = dict(scope.get("headers", ()))
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            what = f"a body of {int(length)} bytes" if length.isdigit() else "a bad Content-Length"
+            raise ServeError(413, f"{what}; at most {self.limit} (serve.max_body_bytes)")
+        if scope["path"] not in PUBLIC and scope["path"] not in KEY_IN_BODY:
+            check_key(headers.get(b"authorization", b"").decode("latin-1"), self.service.api_key)
+
+    def _account(self, scope: dict[str, Any], status: int, seconds: float) -> None:
+        route = getattr(scope.get("route"), "path", "other")  # a bounded set of labels
+        stats = self.service.stats
+        stats.requests.labels(route, str(status)).inc()
+        stats.latency.labels(route).observe(seconds)
+        if status >= 400:
+            stats.errors.labels(route).inc()
+        # The path only: a query string could carry a key.
+        logger.info("%s %s %d %.1f ms", scope["method"], scope["path"], status, 1000 * seconds)
+
+
+async def _send_error(send: Any, status: int, message: str, headers: Any = None) -> None:
+    raw = [(b"content-type", b"application/json")]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": json.dumps({"error": message}).encode()})
+
+
+# --- running it --------------------------------------------------------------------------------
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: any free one), or one line saying why it cannot be."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as err:
+        why = f"not an address to listen on ({err.strerror})"
+        raise TmtError(f"{host}: {why}", param="host") from None
+    # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are
+    # TCP; with Nagle on, every answer waited ~40 ms for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # connections wait in the backlog until uvicorn takes them
+    except OSError as err:
+        sock.close()
+        why = "in use" if err.errno == errno.EADDRINUSE else (err.strerror or str(err))
+        raise TmtError(f"{port}: {why} on {host}; choose another port", param="port") from None
+    return sock
+
+
+def serve(
+    translator: Translator, overrides: Sequence[str | tuple[str, str]] = (), api_key: str = ""
+) -> None:
+    """Serve `translator` at serve.host:serve.port until SIGTERM or SIGINT, then drain. The model
+    is decoded on this thread (the one that loaded it: batching.py says why), HTTP on another.
+
+    The serve.* settings are this tmt's defaults with the serve.* items of `overrides`, not
+    those saved in the checkpoint: where and how a model is served is not part of the model."""
+    serving = [o for o in overrides if (o if isinstance(o, str) else o[0]).startswith("serve.")]
+    fresh = dataclasses.replace(translator.config, serve=ServeConfig())
+    cfg = apply_overrides(fresh, serving).serve
+    sock = bind(cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    app = create_app(translator, cfg, api_key, decoder_thread=False)
+    config = uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="on",
+        timeout_graceful_shutdown=max(1, math.ceil(cfg.drain_seconds)),
+    )  # fmt: skip
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    server = uvicorn.Server(config)  # on a thread: uvicorn leaves the signals to us
+    batcher = app.state.service.batcher
+    batcher.open()  # requests may queue before the worker below starts
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            batcher.stop()  # whatever ended the server ends the worker
+
+    # SIGTERM or SIGINT: uvicorn stops accepting and drains (a second one: at once), exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    http_thread = threading.Thread(target=http, name="tmt-http")
+    http_thread.start()
+    where = f"[{host}]" if ":" in host else host
+    logger.info("serving %s on http://%s:%d%s", translator.origin, where, port,
+                " (API key required)" if api_key else "")  # fmt: skip
+    batcher.run()
+    http_thread.join()
+    logger.info("stopped")

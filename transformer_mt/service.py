@@ -1,0 +1,194 @@
+"""What `tmt serve`'s endpoints share (serve.py's own API, libretranslate.py's): the model with
+its batcher (batching.py), the limits, the metrics, the API key and the model card. A request's
+lines go through Service.translate: checked against the limits, queued, decoded in a batch with
+other requests' lines, and dropped if the client goes away first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import prometheus_client as prom
+from starlette.requests import Request
+
+from transformer_mt import checkpoint, metrics, plot
+from transformer_mt.batching import Batcher, Job, QueueFull
+from transformer_mt.config import ServeConfig, apply_overrides, to_dict
+from transformer_mt.exits import TmtError
+from transformer_mt.model import count_parameters
+from transformer_mt.translate import Translator
+
+
+class ServeError(Exception):
+    """A request the server refuses: its status, its one-line message and extra headers."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+@dataclasses.dataclass
+class Service:
+    """What the endpoints share: the model, the batcher, the limits, the metrics, the key."""
+
+    translator: Translator
+    cfg: ServeConfig
+    batcher: Batcher
+    stats: Stats
+    api_key: str
+    card: dict[str, Any]
+    options: dict[tuple[Any, ...], Translator] = dataclasses.field(default_factory=dict)
+
+    def translator_for(self, overrides: list[tuple[str, str]]) -> Translator:
+        """The served model with this request's decoding options (validated as the CLI's)."""
+        key = tuple(overrides)
+        if key not in self.options:
+            try:
+                config = apply_overrides(self.translator.config, overrides)
+            except TmtError as err:
+                raise ServeError(422, str(err)) from None
+            if len(self.options) >= 64:  # a bounded cache of option sets
+                self.options.pop(next(iter(self.options)))
+            self.options[key] = dataclasses.replace(self.translator, config=config)
+        return self.options[key]
+
+    async def translate(self, request: Request, lines: list[str], translator: Translator) -> Any:
+        """The hypotheses of `lines`, decoded in a batch with other requests' lines."""
+        cfg = self.cfg
+        if not lines:
+            raise ServeError(422, "no text: send at least one sentence")
+        if len(lines) > cfg.max_sentences:
+            raise ServeError(413, f"{len(lines)} sentences; at most {cfg.max_sentences} a request"
+                                  " (serve.max_sentences)")  # fmt: skip
+        longest = max(map(len, lines))
+        if longest > cfg.max_chars:
+            raise ServeError(413, f"a sentence of {longest} characters; at most {cfg.max_chars}"
+                                  " (serve.max_chars)")  # fmt: skip
+        decode = translator.config.decode
+        sampled = decode.sampling != "none"  # alone: each line's stream follows its index
+        tokens = sum(len(ids) + 1 for ids in translator.tokenizer.encode(lines))
+        key = (id(translator), id(lines) if sampled else None)
+        job = Job(lines=lines, translator=translator, key=key, tokens=tokens)
+        try:
+            future = self.batcher.submit(job)
+        except QueueFull as err:
+            raise ServeError(503, f"busy: {err}; retry later", {"Retry-After": "1"}) from None
+        waiting = asyncio.wrap_future(future)
+        while True:  # a client that has gone costs nothing more: its job is dropped
+            done, _ = await asyncio.wait({waiting}, timeout=0.25)
+            if done:
+                return waiting.result()
+            if await request.is_disconnected():
+                job.cancelled = True
+                raise ServeError(499, "the client closed the request")
+
+
+class Stats:
+    """The Prometheus metrics of one app (its own registry: several apps may live in a process)."""
+
+    def __init__(self) -> None:
+        prom.disable_created_metrics()  # the *_created series only double the output
+        self.registry = prom.CollectorRegistry()
+        kw = {"registry": self.registry}
+        self.requests = prom.Counter(
+            "tmt_requests", "Requests by endpoint and status", ["endpoint", "status"], **kw
+        )
+        self.errors = prom.Counter("tmt_request_errors", "4xx and 5xx answers", ["endpoint"], **kw)
+        self.latency = prom.Histogram("tmt_request_seconds", "Latency", ["endpoint"], **kw)
+        self.batch = prom.Histogram(
+            "tmt_batch_sentences", "Sentences decoded together",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), **kw,
+        )  # fmt: skip
+        self.batch_seconds = prom.Histogram("tmt_batch_seconds", "Decoding time of a batch", **kw)
+        self.queue = prom.Gauge("tmt_queue_sentences", "Sentences waiting to be decoded", **kw)
+        self.lines = prom.Counter("tmt_translated_lines", "Lines translated", **kw)
+        self.rate = prom.Gauge("tmt_lines_per_second", "Lines translated, last 30 s", **kw)
+        self.rate.set_function(self._lines_per_second)
+        self._recent: list[tuple[float, int]] = []
+        self._lock = threading.Lock()
+
+    def observe_batch(self, sentences: int, seconds: float) -> None:
+        self.batch.observe(sentences)
+        self.batch_seconds.observe(seconds)
+        self.lines.inc(sentences)
+        with self._lock:
+            self._recent.append((time.monotonic(), sentences))
+
+    def queued(self, sentences: int) -> None:
+        self.queue.set(sentences)
+
+    def _lines_per_second(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            self._recent = [(t, n) for t, n in self._recent if now - t <= 30.0]
+            return sum(n for _, n in self._recent) / 30.0
+
+
+def check_key(header: str, api_key: str, in_body: Any = None) -> None:
+    """Refuse (401) a request without the server's API key: `Authorization: Bearer KEY` (or the
+    body's). Compared in constant time; never logged."""
+    if not api_key:
+        return
+    given = header[7:] if header.lower().startswith("bearer ") else in_body
+    if not isinstance(given, str) or not hmac.compare_digest(given.encode(), api_key.encode()):
+        why = "Invalid API key" if given else "an API key is required: Authorization: Bearer KEY"
+        raise ServeError(401, why, {"WWW-Authenticate": "Bearer"})
+
+
+def model_card(translator: Translator) -> dict[str, Any]:
+    """What the page and /v1/model show: languages, size, where it came from, its scores."""
+    cfg, scores, scored = translator.config, {}, None
+    if translator.path is not None:
+        scores, scored = checkpoint.scores(translator.path), str(translator.path)
+    if not scores and translator.run_dir is not None:
+        last = _last_validation(translator.run_dir)
+        if last:
+            step = last.pop("step")
+            scores, scored = last, f"the run's last validation, at step {step}"
+    return {
+        "model": translator.origin,
+        "languages": {"source": cfg.data.src_lang, "target": cfg.data.tgt_lang},
+        "parameters": count_parameters(translator.model),
+        "step": translator.step,
+        "run": str(translator.run_dir) if translator.run_dir else None,
+        "validation": {"scores": scores, "of": scored} if scores else None,
+        "decode": to_dict(cfg)["decode"],
+        "device": str(translator.device),
+        "curves": translator.run_dir is not None,
+        "tmt_version": checkpoint.TMT_VERSION,
+    }
+
+
+def _last_validation(run_dir: Path) -> dict[str, Any]:
+    """The newest record of metrics.jsonl with validation BLEU or chrF, and its step."""
+    try:
+        lines = metrics.read_log(run_dir / metrics.METRICS_FILE)
+    except (TmtError, OSError):
+        return {}
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
+            record = json.loads(line)
+            found = {k: record[k] for k in ("val_bleu", "val_chrf") if k in record}
+            if found:
+                return {**found, "step": record.get("step")}
+    return {}
+
+
+def curves(translator: Translator) -> bytes:
+    if translator.run_dir is None:
+        raise ServeError(404, "the model did not come from a run directory: no curves")
+    try:
+        return plot.render_curves([translator.run_dir], "png")[0]
+    except plot.NoMatplotlib:
+        extra = "pip install 'transformer_mt[plot]'"
+        raise ServeError(404, f"drawing curves needs matplotlib ({extra})") from None
+    except TmtError as err:
+        raise ServeError(404, str(err)) from None
