@@ -91,3 +91,23 @@ def test_file_round_trip(tokenizer: Tokenizer, tmp_path) -> None:
     assert Tokenizer.from_file(tmp_path / "spm.model").sha256 == tokenizer.sha256
     with pytest.raises(TmtError, match="cannot read tokenizer"):
         Tokenizer.from_file(tmp_path / "missing.model")
+
+
+def test_few_lines_one_by_one_equal_many_lines_pooled(tokenizer: Tokenizer) -> None:
+    """Below tokenizer._POOLED lines are encoded and decoded one by one (sentencepiece's
+    thread pool costs more than the work); the ids and texts are the same either way."""
+    import random
+
+    from transformer_mt import tokenizer as module
+
+    rng = random.Random(0)
+    texts = ["", " ", "\x00", "ü" * 40] + [
+        " ".join(rng.choice(["ab", "cd", "xyz", "Ünï", "ko"]) for _ in range(rng.randrange(12)))
+        for _ in range(2 * module._POOLED)
+    ]
+    ids = tokenizer.encode(texts)  # pooled
+    assert [tokenizer.encode([t])[0] for t in texts] == ids
+    assert [tokenizer.decode([i])[0] for i in ids] == tokenizer.decode(ids)
+    assert tokenizer.encode(texts[:5]) == ids[:5] and tokenizer.decode(ids[:5]) == [
+        tokenizer.decode([i])[0] for i in ids[:5]
+    ]

@@ -7,8 +7,9 @@ gets a second team on the same cores, which made single-sentence decoding 2.4x s
 
 A request is a Job: its lines, the Translator with its decoding options applied, and a Future the
 worker completes. The worker takes the oldest job, then every job already waiting, then waits for
-more until serve.max_tokens source tokens are gathered or the oldest job has waited
-serve.max_wait_ms, and decodes each group of jobs with the same options as one call of
+more (the clients of the last batch; or, after an idle spell, whoever keeps coming within
+serve.gap_ms), up to serve.max_tokens source tokens and at most serve.max_wait_ms (_gather says
+why), and decodes each group of jobs with the same options as one call of
 translate_lines (which sorts by length and batches by tokens). A line's hypotheses do not depend
 on the lines it is batched with (tests/test_translate.py), so batching changes speed, not output.
 Sampled jobs are decoded on their own: their random streams follow each line's index in its own
@@ -59,6 +60,8 @@ class Batcher:
         self.max_tokens, self.max_wait_s, self.max_queue = max_tokens, max_wait_s, max_queue
         self.gap_s = gap_s
         self._answered = 0  # jobs in the last batch: under load, their clients come back
+        self._answered_at = 0.0  # when their results were set (a client may be back before
+        # the worker is: a job that came after this is one of them)
         self.metrics = metrics  # observe_batch(sentences, seconds), queued(sentences)
         self._jobs: collections.deque[Job] = collections.deque()
         self._queued = 0  # sentences in _jobs
@@ -114,15 +117,16 @@ class Batcher:
         return job.result
 
     def _gather(self) -> list[Job] | None:
-        """The next batch (None once stopped): the oldest job and every job waiting, then more
-        as they come, until max_tokens, or until none has come for `gap`, or at the latest
-        max_wait after the worker became free or the oldest job came, whichever is later.
+        """The next batch (None once stopped): the oldest job and every job waiting, then more,
+        until max_tokens source tokens, and at the latest max_wait after the worker became free
+        or the oldest job came, whichever is later.
 
-        It also waits, within max_wait, for as many new jobs as the last batch answered:
+        Right after a batch it waits for as many new jobs as that batch answered, then goes:
         clients that get their answers send again a few ms later, and without waiting for them
         they form a second, smaller batch behind the jobs that waited (measured: 16 clients
-        alternated batches of 11 and 5; 64 clients, batches of 64 and of 1). A lone client
-        waits only `gap` (max_wait once, right after a larger batch)."""
+        alternated batches of 11 and 5; 64 clients, batches of 64 and of 1). So one client
+        sending request after request waits for nothing. After an idle spell longer than
+        max_wait it waits for more only while they keep coming, each within `gap`."""
         free = time.monotonic()
         with self._ready:
             while self._running and not self._jobs:
@@ -139,12 +143,17 @@ class Batcher:
             while self._running:
                 while self._jobs and (not jobs or tokens + self._jobs[0].tokens <= self.max_tokens):
                     job = self._take()
-                    came += job.arrived >= free
+                    came += job.arrived >= self._answered_at
                     newest = max(newest, job.arrived)
                     if not job.cancelled:
                         jobs.append(job)
                         tokens += job.tokens
-                until = deadline if came < expected else min(deadline, newest + self.gap_s)
+                if came < expected:
+                    until = deadline  # the clients the last batch answered are not all back
+                elif expected:
+                    break  # they are: whoever else comes is the next batch's
+                else:
+                    until = min(deadline, newest + self.gap_s)
                 left = until - time.monotonic()
                 if tokens >= self.max_tokens or left <= 0 or (self._jobs and jobs):
                     break
@@ -170,6 +179,7 @@ class Batcher:
                 self._fail(job, err)
             return
         self.metrics.observe_batch(len(lines), time.monotonic() - start)
+        self._answered_at = time.monotonic()
         first = 0
         for job in jobs:
             if not job.result.done():

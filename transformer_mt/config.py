@@ -305,8 +305,8 @@ class ServeConfig:
     host: Text = "127.0.0.1"  # the address it binds; 0.0.0.0 opens it to the network
     port: Annotated[int, Interval(0, 65535)] = 8000  # 0: any free port (printed at the start)
     # Dynamic batching: the sentences of the requests waiting are decoded together, up to
-    # max_tokens source tokens, after waiting for more while they keep coming (each within
-    # gap_ms of the last), at most max_wait_ms (batching.py says why).
+    # max_tokens source tokens, after waiting for more (the last batch's clients, or whoever
+    # keeps coming within gap_ms), at most max_wait_ms (batching.py says why).
     max_tokens: Count = 4096
     max_wait_ms: Amount = 50.0
     gap_ms: Amount = 2.0

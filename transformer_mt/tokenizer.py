@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# sentencepiece encodes and decodes a list on a pool of threads it starts for each call: for a
+# few lines that costs 10-20x the work (8 lines: 3.7 ms against 48 us one by one), which the
+# server pays on every request and streaming translation on every small batch.
+_POOLED = 256
+
+
 class Tokenizer:
     """A sentencepiece model: batch encode/decode and the special ids."""
 
@@ -59,6 +65,8 @@ class Tokenizer:
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Subword ids of each text, without bos/eos."""
+        if len(texts) < _POOLED:
+            return [self._sp.encode(text) for text in texts]
         return self._sp.encode(list(texts))
 
     def tag_ids(self, tag: str) -> list[int] | None:
@@ -74,7 +82,10 @@ class Tokenizer:
         """Detokenized text of each id sequence (special ids are dropped)."""
         if not ids:  # sentencepiece would read [] as one empty sequence
             return []
-        return self._sp.decode([list(map(int, seq)) for seq in ids])
+        sequences = [list(map(int, seq)) for seq in ids]
+        if len(sequences) < _POOLED:
+            return [self._sp.decode(seq) for seq in sequences]
+        return self._sp.decode(sequences)
 
     # Workers of datasets.map(num_proc > 1) receive the tokenizer pickled: send the bytes only.
     def __getstate__(self) -> dict[str, object]:
