@@ -349,3 +349,29 @@ def test_the_batcher_gathers_a_burst_and_lets_a_lone_request_go(
         assert calls[-1] == ["f"]
     finally:
         batcher.stop(timeout=5)
+
+
+def test_serve_settings_come_from_this_tmt_and_set_not_from_the_checkpoint(
+    tiny_cfg, tmp_path: Path
+) -> None:
+    """Where and how a model is served is not part of the model: a run trained with
+    serve.max_sentences=1 is served with the default limit unless --set says otherwise."""
+    import dataclasses
+
+    from transformer_mt.train import train
+
+    train(dataclasses.replace(
+        tiny_cfg, serve=dataclasses.replace(tiny_cfg.serve, max_sentences=1),
+        train=dataclasses.replace(tiny_cfg.train, out_dir=str(tmp_path / "run"), max_steps=2),
+    ))  # fmt: skip
+    served = Server(tmp_path / "run")
+    try:
+        assert served.client.post("/v1/translate", json={"text": ["a", "b"]}).status_code == 200
+    finally:
+        assert served.stop() == 0
+    limited = Server(tmp_path / "run", "--set", "serve.max_sentences=1")
+    try:
+        refused = limited.client.post("/v1/translate", json={"text": ["a", "b"]})
+        assert refused.status_code == 413 and "serve.max_sentences" in refused.json()["error"]
+    finally:
+        assert limited.stop() == 0
