@@ -202,3 +202,53 @@ def test_export_of_a_run_takes_its_average(trained_run: Path, tmp_path: Path) ->
     mean = averaging.write(averaging.newest(run_dir, 2), run_dir / "average")
     report = export.export(run_dir, "ctranslate2", tmp_path / "ct2", check_lines=2)
     assert report["source"] == str(mean.path)
+
+
+def test_a_ctranslate2_export_is_self_contained_and_its_readme_code_reproduces_tmt(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    """The README's recipe, run as a script by a Python that never imports tmt, with only the
+    export directory: ctranslate2 + sentencepiece give tmt's greedy translations."""
+    import subprocess
+    import sys
+
+    from transformer_mt import recipes
+
+    out = tmp_path / "ct2"
+    export.export(trained_run, "ctranslate2", out, check_lines=LINES)
+    translator = translate.load_translator(trained_run, ["decode.beam_size=1"])
+    assert (out / recipes.SENTENCEPIECE_FILE).read_bytes() == translator.tokenizer.model_bytes
+    readme = (out / recipes.README_FILE).read_text()
+    assert f"on {LINES} validation lines" in readme and "min_decoding_length=0" in readme
+    script = tmp_path / "translate.py"
+    script.write_text(recipes.python_block(readme))
+    lines = [*check_lines(trained_run), "", "kalo " * 40, *[s for s, _ in reverse_pairs(6, seed=5)]]
+    guard = "import sys; sys.modules['transformer_mt'] = None; "  # importing tmt would fail
+    result = subprocess.run(
+        [sys.executable, "-c", guard + f"import runpy; runpy.run_path({str(script)!r}, "
+         "run_name='__main__')", str(out), "1"],
+        input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:-1] == translate.translate_text(translator, lines)
+
+
+def test_a_huggingface_export_has_a_readme_whose_code_reproduces_tmt(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from transformer_mt import recipes
+
+    out = tmp_path / "hf"
+    export.export(trained_run, "huggingface", out, check_lines=LINES)
+    code = recipes.python_block((out / recipes.README_FILE).read_text())
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    translator = translate.load_translator(trained_run, ["decode.beam_size=1"])
+    assert (
+        result.stdout
+        == translate.translate_text(translator, check_lines(trained_run)[:1])[0] + "\n"
+    )

@@ -37,7 +37,17 @@ LAYERS: list[tuple[str, set[str]]] = [
     # what the commands do: translate, score, one update, the file job, export, plots, dry run
     (
         "engines",
-        {"translate", "evaluate", "step", "bulk", "export", "huggingface", "plot", "dry_run"},
+        {
+            "translate",
+            "evaluate",
+            "step",
+            "bulk",
+            "export",
+            "huggingface",
+            "recipes",
+            "plot",
+            "dry_run",
+        },
     ),
     # the server: one worker batching requests, the service that knows the model, the two
     # APIs (tmt's own and LibreTranslate's) and the HTTP app around them
@@ -63,6 +73,8 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("export", "translate"): "an export is checked against tmt's own decoding",
     ("export", "huggingface"): "the Hugging Face export is huggingface.py's conversion",
     ("huggingface", "translate"): "converts a loaded Translator's model and tokenizer",
+    ("export", "recipes"): "an export's README, whose code is its parity check",
+    ("recipes", "translate"): "the README's values are a loaded Translator's",
     ("service", "batching"): "requests are translated through the one batching worker",
     ("libretranslate", "service"): "the LibreTranslate API is a second face of the service",
     ("serve", "service"): "the HTTP app answers with the service",

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from transformer_mt import checkpoint, corpus, files, huggingface, textio, translate
+from transformer_mt import checkpoint, corpus, files, huggingface, recipes, textio, translate
 from transformer_mt.config import apply_overrides
 from transformer_mt.exits import TmtError
 from transformer_mt.translate import Translator
@@ -180,14 +180,13 @@ def _ctranslate2(
     expected: list[list[int]],
     quantization: str | None,
 ) -> dict[str, Any]:
-    import ctranslate2
-
     staging.mkdir(parents=True)
     _ctranslate2_spec(translator).save(str(staging))  # float32: what the parity check reads
-    found = _ctranslate2_greedy(ctranslate2.Translator(str(staging), device="cpu"), translator,
-                                lines)  # fmt: skip
+    files.atomic_write(staging / recipes.SENTENCEPIECE_FILE, translator.tokenizer.model_bytes)
+    found = _ctranslate2_greedy(staging, translator, lines)
     _parity(expected, found, lines, "ctranslate2", translator)
     report: dict[str, Any] = {"check_lines": len(lines), "quantization": quantization or "float32"}
+    readme = recipes.ctranslate2_readme(translator, len(lines), checkpoint.TMT_VERSION)
     if quantization:
         quantized = staging.with_name(staging.name + "-q")
         try:
@@ -195,33 +194,26 @@ def _ctranslate2(
             spec.optimize(quantization=quantization)
             quantized.mkdir()
             spec.save(str(quantized))
+            shutil.copy(staging / recipes.SENTENCEPIECE_FILE, quantized)
             shutil.rmtree(staging)
             os.rename(quantized, staging)
         finally:
             shutil.rmtree(quantized, ignore_errors=True)
-        model = ctranslate2.Translator(str(staging), device="cpu")
-        agree = sum(a == b for a, b in zip(expected, _ctranslate2_greedy(model, translator, lines),
-                                           strict=True))  # fmt: skip
-        report["quantized_identical_lines"] = agree
+        found = _ctranslate2_greedy(staging, translator, lines)
+        report["quantized_identical_lines"] = sum(map(list.__eq__, expected, found))
+    files.atomic_write(staging / recipes.README_FILE, readme.encode())
     return report
 
 
-def _ctranslate2_greedy(model: Any, translator: Translator, lines: list[str]) -> list[list[int]]:
-    tok = translator.tokenizer
-    piece, index = tok._sp.id_to_piece, tok._sp.piece_to_id
-    keep = translator.config.model.max_positions - 1
-    ids, limits = tok.encode(lines), _limits(translator, lines)
-    outputs: list[list[int]] = [[] for _ in lines]
-    for batch in _batches(limits):
-        results = model.translate_batch(
-            [[piece(t) for t in ids[i][:keep]] for i in batch],
-            beam_size=1, max_decoding_length=max(limits[i] for i in batch) - 1,
-            min_decoding_length=0,  # CTranslate2 forbids an empty output by default; tmt does not
-            suppress_sequences=[[piece(tok.pad_id)], [piece(tok.bos_id)]],
-        )  # fmt: skip
-        for i, result in zip(batch, results, strict=True):
-            outputs[i] = _cut([index(p) for p in result.hypotheses[0]], tok.eos_id, limits[i])
-    return outputs
+def _ctranslate2_greedy(
+    directory: Path, translator: Translator, lines: list[str]
+) -> list[list[int]]:
+    """The export's greedy outputs as its README computes them: the README's own code, through
+    the directory's sentencepiece.model."""
+    code = recipes.python_block(recipes.ctranslate2_readme(translator, 0, ""))
+    outputs = recipes.run_ctranslate2_recipe(code, str(directory), lines, beam=1)
+    index = translator.tokenizer._sp.piece_to_id
+    return [[index(piece) for piece in output] for output in outputs]
 
 
 def _ctranslate2_spec(translator: Translator) -> Any:
@@ -305,6 +297,10 @@ def _huggingface(
     tokenizer = AutoTokenizer.from_pretrained(str(staging))
     found = _hf_greedy(loaded, tokenizer, translator, lines)
     _parity(expected, found, lines, "huggingface", translator)
+    readme = recipes.huggingface_readme(
+        translator, architecture, len(lines), checkpoint.TMT_VERSION, example=lines[0]
+    )
+    files.atomic_write(staging / recipes.README_FILE, readme.encode())
     return {"check_lines": len(lines), "architecture": architecture}
 
 
