@@ -73,7 +73,7 @@ def server(multi30k_run: Path) -> Iterator[Server]:
         multi30k_run,
         "--set", "serve.max_wait_ms=300", "--set", "serve.gap_ms=100", "--set", "serve.max_sentences=20",
         "--set", "serve.max_chars=300", "--set", "serve.max_body_bytes=20000",
-        "--set", "serve.max_queue=30",
+        "--set", "serve.max_queue=30", "--set", "serve.body_seconds=2",
     )  # fmt: skip
     yield started
     assert started.stop() == 0
@@ -168,6 +168,10 @@ def test_bad_requests_are_a_4xx_with_one_message(server: Server) -> None:
         (client.post("/v1/translate", json={"text": ["a" * 301]}), 413, "serve.max_chars"),
         (client.post("/v1/translate", json={"text": ["a"] * 20000}), 413, "serve.max_body_bytes"),
         (client.post("/v1/translate", content=iter([b'{"text": ["' + b"a" * 30000 + b'"]}'])), 413, "serve.max_body_bytes"),
+        (client.post("/v1/translate", json={"text": ["a"], "beam_size": 10**30}), 422, "serve.max_beam"),
+        (client.post("/v1/translate", json={"text": ["a"], "beam_size": 17}), 422, "serve.max_beam"),
+        (client.post("/translate", json={"q": "a", "source": "de", "target": "en",
+                                         "alternatives": 10**6}), 422, "serve.max_beam"),
         (client.get("/nowhere"), 404, "Not Found"),
         (client.get("/v1/translate"), 405, "Method Not Allowed"),
     ]  # fmt: skip
@@ -176,6 +180,18 @@ def test_bad_requests_are_a_4xx_with_one_message(server: Server) -> None:
         error = response.json()["error"]
         assert message in error and "\n" not in error and "Traceback" not in error, error
     assert server.client.get("/health").status_code == 200  # still standing
+    # lone surrogates (valid JSON escapes, no UTF-8) are read as the model reads them
+    lone = client.post("/v1/translate", content=b'{"text": ["ein \\ud800 Hund"]}',
+                       headers={"content-type": "application/json"})  # fmt: skip
+    assert lone.status_code == 200 and len(lone.json()["translations"]) == 1
+    # a body that never comes whole holds its connection serve.body_seconds, then 408
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), 10) as raw:
+        raw.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                    b"\r\nContent-Length: 100\r\n\r\n{\"text\":")  # fmt: skip
+        answer = b""
+        while not answer.endswith(b"0\r\n\r\n") and (part := raw.recv(4096)):
+            answer += part  # the head and the chunked body may come apart
+    assert answer.startswith(b"HTTP/1.1 408") and b"serve.body_seconds" in answer
 
 
 def test_the_queue_is_bounded_and_a_request_beyond_it_is_503_with_retry_after(

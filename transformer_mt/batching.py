@@ -174,7 +174,8 @@ class Batcher:
         try:
             results = translate_lines(jobs[0].translator, lines)
         except Exception as err:
-            logger.error("decoding %d lines failed: %s: %s", len(lines), type(err).__name__, err)
+            first = (str(err).strip().splitlines() or [""])[0]  # torch's own run to pages
+            logger.error("decoding %d lines failed: %s: %s", len(lines), type(err).__name__, first)
             for job in jobs:
                 self._fail(job, err)
             return

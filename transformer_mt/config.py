@@ -312,8 +312,10 @@ class ServeConfig:
     gap_ms: Amount = 2.0
     max_queue: Count = 1024  # sentences waiting; beyond that a request gets 503 and Retry-After
     max_sentences: Count = 128  # sentences in one request
+    max_beam: Count = 16  # hypotheses a sentence a request may ask for (beam_size, nbest)
     max_chars: Count = 2000  # characters in one sentence
     max_body_bytes: Count = 1_048_576  # bytes in one request body
+    body_seconds: Positive = 30.0  # time a request body has to arrive whole (else 408)
     drain_seconds: Amount = 30.0  # on SIGTERM or SIGINT: time in-flight requests get to finish
 
 

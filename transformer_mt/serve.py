@@ -221,10 +221,16 @@ class Gate:
         self._account(scope, status[0], time.monotonic() - start)
 
     async def _body(self, receive: Any) -> bytes:
-        """The whole request body, refused (413) as soon as it passes the limit."""
+        """The whole request body, refused (413) as soon as it passes the limit, and (408) when
+        it has not all come within serve.body_seconds: a client that promises more bytes than it
+        sends holds no connection for ever."""
         chunks, size, more = [], 0, True
+        deadline = time.monotonic() + self.service.cfg.body_seconds
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:  # TimeoutError itself only from Python 3.11
+                raise ServeError(408, "the body did not come within serve.body_seconds") from None
             if message["type"] == "http.disconnect":
                 raise ServeError(499, "the client closed the request")
             chunks.append(message.get("body", b""))
@@ -297,6 +303,11 @@ def serve(
     serving = [o for o in overrides if (o if isinstance(o, str) else o[0]).startswith("serve.")]
     fresh = dataclasses.replace(translator.config, serve=ServeConfig())
     cfg = apply_overrides(fresh, serving).serve
+    decode = translator.config.decode
+    rows = decode.nbest if decode.sampling != "none" else decode.beam_size
+    if rows > cfg.max_beam:
+        raise TmtError(f"decode.beam_size {decode.beam_size}, decode.nbest {decode.nbest}: more"
+                       f" than serve.max_beam ({cfg.max_beam}) hypotheses a sentence")  # fmt: skip
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     app = create_app(translator, cfg, api_key, decoder_thread=False)

@@ -24,7 +24,7 @@ from transformer_mt.batching import Batcher, Job, QueueFull
 from transformer_mt.config import ServeConfig, apply_overrides, to_dict
 from transformer_mt.exits import TmtError
 from transformer_mt.model import count_parameters
-from transformer_mt.translate import Translator
+from transformer_mt.translate import Translator, source_ids
 
 
 class ServeError(Exception):
@@ -74,7 +74,12 @@ class Service:
                                   " (serve.max_chars)")  # fmt: skip
         decode = translator.config.decode
         sampled = decode.sampling != "none"  # alone: each line's stream follows its index
-        tokens = sum(len(ids) + 1 for ids in translator.tokenizer.encode(lines))
+        rows = decode.nbest if sampled else decode.beam_size
+        if rows > cfg.max_beam:
+            raise ServeError(422, f"{rows} hypotheses a sentence (beam_size, nbest); at most"
+                                  f" {cfg.max_beam} (serve.max_beam)")  # fmt: skip
+        # as the model reads them: lone surrogates replaced, cut to its positions
+        tokens = sum(len(ids) + 1 for ids in source_ids(translator, lines))
         key = (id(translator), id(lines) if sampled else None)
         job = Job(lines=lines, translator=translator, key=key, tokens=tokens)
         try:
