@@ -108,6 +108,9 @@ def test_the_endpoints_answer_and_translate_as_tmt_translate_does(
     first, again = (server.client.post("/v1/translate", json=sampled).json() for _ in range(2))
     assert first["translations"] == again["translations"]  # a seed fixes the samples
     assert server.client.get("/").text.startswith("<!doctype html>")
+    gaps = server.client.post("/v1/translate", json={"text": ["", SOURCES[0]], "nbest": 2}).json()
+    assert gaps["translations"] == ["", expected[0]] and gaps["nbest"][0] == []
+    assert gaps["nbest"][1][0]["translation"] == expected[0]
     assert "tmt_requests_total" in server.client.get("/metrics").text
 
 
@@ -131,6 +134,14 @@ def test_the_libretranslate_api_answers_its_clients(server: Server, expected: li
         "q": f"<p class='x'>{SOURCES[0]} <b>{SOURCES[1]}</b></p>", "source": "de", "target": "en",
         "format": "html"}).json()["translatedText"]  # fmt: skip
     assert markup == f"<p class='x'>{expected[0]} <b>{expected[1]}</b></p>"
+    documents = client.post("/translate", json={
+        "q": [f"<!-- kept --><i>{SOURCES[2]}</i>", f"<p>{SOURCES[3]}</p>"], "source": "de",
+        "target": "en", "format": "html"}).json()["translatedText"]  # fmt: skip
+    assert documents == [f"<!-- kept --><i>{expected[2]}</i>", f"<p>{expected[3]}</p>"]
+    # the texts of all documents count against serve.max_sentences (20) together
+    many = client.post("/translate", json={"q": ["<b>a</b> <i>b</i> c"] * 7, "source": "de",
+                                           "target": "en", "format": "html"})  # fmt: skip
+    assert many.status_code == 413 and "serve.max_sentences" in many.json()["error"]
     for body, message in [
         ({"q": "x", "source": "de", "target": "fr"}, "fr is not supported"),
         ({"q": "x", "source": "en", "target": "de"}, "German (de) is not available"),
@@ -391,3 +402,10 @@ def test_serve_settings_come_from_this_tmt_and_set_not_from_the_checkpoint(
         assert refused.status_code == 413 and "serve.max_sentences" in refused.json()["error"]
     finally:
         assert limited.stop() == 0
+
+
+def test_an_error_is_logged_as_its_first_line() -> None:
+    from transformer_mt.exits import first_line
+
+    assert first_line(RuntimeError("out of memory\nframe #0: at::...\nframe #1")) == "out of memory"
+    assert first_line(RuntimeError("  ")) == "RuntimeError"

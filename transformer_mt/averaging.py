@@ -20,7 +20,7 @@ import torch
 
 from transformer_mt import checkpoint, exits, run, textio
 from transformer_mt.checkpoint import HIGHER_IS_BETTER, Checkpoint
-from transformer_mt.exits import TmtError
+from transformer_mt.exits import TmtError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -182,10 +182,9 @@ def write(mean: Checkpoint, output: Path) -> Checkpoint:
             tokenizer_bytes=mean.tokenizer_bytes, info=info,
         )  # fmt: skip
     except (OSError, RuntimeError) as err:  # disk full, quota, I/O (torch: RuntimeError)
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
         raise TmtError(
-            f"{output}: writing the averaged model failed ({reason.splitlines()[0]});"
-            " nothing was left there",
+            f"{output}: writing the averaged model failed ({reason}); nothing was left there",
             exit_code=exits.NO_ROOM,
         ) from None
     return Checkpoint(

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformer_mt.exits import first_line
 from transformer_mt.search import Hypothesis
 from transformer_mt.translate import Translator, translate_lines
 
@@ -174,8 +175,9 @@ class Batcher:
         try:
             results = translate_lines(jobs[0].translator, lines)
         except Exception as err:
-            first = (str(err).strip().splitlines() or [""])[0]  # torch's own run to pages
-            logger.error("decoding %d lines failed: %s: %s", len(lines), type(err).__name__, first)
+            logger.error(
+                "decoding %d lines failed: %s: %s", len(lines), type(err).__name__, first_line(err)
+            )
             for job in jobs:
                 self._fail(job, err)
             return

@@ -47,7 +47,7 @@ from transformer_mt.config import (
     config_hash,
     to_dict,
 )
-from transformer_mt.exits import TmtError
+from transformer_mt.exits import TmtError, first_line
 from transformer_mt.model import Transformer, parameter_count
 from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.train_state import check as check_train_state
@@ -368,12 +368,12 @@ def _load_verified(path: Path, name: str, manifest: dict[str, Any]) -> Any:
         # weights_only: tensors and plain containers only; a pickled object or callable is refused.
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        reason = str(err).splitlines()[0][:200]
+        reason = first_line(err)[:200]
         raise TmtError(
             f"{path / name}: refused: holds more than tensors and plain values ({reason})"
         ) from None
     except (RuntimeError, EOFError, ValueError) as err:
-        raise TmtError(f"{path / name}: unreadable ({str(err).splitlines()[0]})") from None
+        raise TmtError(f"{path / name}: unreadable ({first_line(err)})") from None
 
 
 # --- validation scores in the manifest ---------------------------------------------------------

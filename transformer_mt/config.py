@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 
-from transformer_mt.exits import TmtError
+from transformer_mt.exits import TmtError, first_line
 
 
 @dataclass(frozen=True)
@@ -516,7 +516,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        problem = getattr(err, "problem", None) or first_line(err)
         raise _error(f"{path}{where}: invalid YAML: {problem}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise _error(f"{path}: cannot read: {err}") from None

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformer_mt import files, textio
 from transformer_mt.config import DataConfig
-from transformer_mt.exits import TmtError
+from transformer_mt.exits import TmtError, first_line
 
 if TYPE_CHECKING:
     import datasets
@@ -297,7 +297,7 @@ def _load_hf(cfg: DataConfig, key: str, split: str) -> datasets.Dataset:
             saved = datasets.load_from_disk(cfg.path)
         except (FileNotFoundError, ValueError) as err:
             raise TmtError(
-                f"data.path={cfg.path!r}: not a saved dataset ({_first_line(err)})"
+                f"data.path={cfg.path!r}: not a saved dataset ({first_line(err)})"
             ) from None
         if not isinstance(saved, datasets.DatasetDict):
             raise TmtError(
@@ -312,7 +312,7 @@ def _load_hf(cfg: DataConfig, key: str, split: str) -> datasets.Dataset:
         where = f"data.path={cfg.path!r}" + (
             f" data.hf_config={cfg.hf_config!r}" if cfg.hf_config else ""
         )
-        raise TmtError(f"{where} {key}={split!r}: cannot load: {_first_line(err)}") from None
+        raise TmtError(f"{where} {key}={split!r}: cannot load: {first_line(err)}") from None
 
 
 def _text_columns(dataset: datasets.Dataset, cfg: DataConfig, origin: str) -> datasets.Dataset:
@@ -340,8 +340,3 @@ def _text_columns(dataset: datasets.Dataset, cfg: DataConfig, origin: str) -> da
     return dataset.select_columns(list(fields)).rename_columns(
         dict(zip(fields, ("src", "tgt"), strict=True))
     )
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0]

@@ -32,6 +32,13 @@ SIGNAL_EXIT = {"sigterm": 128 + signal.SIGTERM, "sigint": 128 + signal.SIGINT}
 SIGNAL_GRACE_S = 25.0
 
 
+def first_line(err: BaseException) -> str:
+    """An error's message on one line: its first (torch's and C++'s messages run to pages), or
+    its type's name when it has none."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 class TmtError(Exception):
     """A failure the user can act on: the CLI prints it on one line and exits with `exit_code`.
 

@@ -78,8 +78,8 @@ async def _translate(service: Service, request: Request, fields: dict[str, Any])
     ):
         raise ServeError(400, "Invalid request: q, source, target and format are text")
     known = (data.src_lang, data.tgt_lang)
-    for code in (source, target):
-        if code not in known and not (code is source and code == "auto"):
+    for code in (source if source != "auto" else data.src_lang, target):
+        if code not in known:
             raise ServeError(400, f"{code} is not supported")
     source_code = data.src_lang if source == "auto" else source
     if source_code != data.src_lang or target != data.tgt_lang:
@@ -103,7 +103,7 @@ async def _translate(service: Service, request: Request, fields: dict[str, Any])
         ]
     chosen = service.translator_for(overrides)
     if text_format == "html":
-        texts = [await _translate_html(service, request, chosen, line) for line in lines]
+        texts = await _translate_html(service, request, chosen, lines)
         options: list[list[str]] = [[] for _ in lines]
     else:
         hyps = await service.translate(request, lines, chosen)
@@ -138,26 +138,39 @@ class _Segments(HTMLParser):
     def handle_data(self, data: str) -> None:
         self.parts.append((True, data))
 
+    def handle_comment(self, data: str) -> None:
+        self.parts.append((False, f"<!--{data}-->"))
+
+    def handle_decl(self, decl: str) -> None:
+        self.parts.append((False, f"<!{decl}>"))
+
 
 async def _translate_html(
-    service: Service, request: Request, translator: Translator, markup: str
-) -> str:
-    """format html: the text between tags translated, the tags kept, whitespace kept around."""
-    parser = _Segments()
-    parser.feed(markup)
-    parser.close()
-    texts = [c for is_text, c in parser.parts if is_text and c.strip()]
-    hyps = await service.translate(request, [t.strip() for t in texts], translator) if texts else []
+    service: Service, request: Request, translator: Translator, documents: list[str]
+) -> list[str]:
+    """format html: the text between tags translated, the tags kept, whitespace kept around.
+    The texts of all documents are one request to the service (its limits count them all)."""
+    parsed = []
+    for markup in documents:
+        parser = _Segments()
+        parser.feed(markup)
+        parser.close()
+        parsed.append(parser.parts)
+    texts = [c.strip() for parts in parsed for is_text, c in parts if is_text and c.strip()]
+    hyps = await service.translate(request, texts, translator) if texts else []
     translated = iter(detokenize(translator, [h[0].tokens if h else [] for h in hyps]))
     out = []
-    for is_text, content in parser.parts:
-        if is_text and content.strip():
-            lead = content[: len(content) - len(content.lstrip())]
-            trail = content[len(content.rstrip()) :]
-            out.append(lead + html.escape(next(translated), quote=False) + trail)
-        else:
-            out.append(html.escape(content, quote=False) if is_text else content)
-    return "".join(out)
+    for parts in parsed:
+        pieces = []
+        for is_text, content in parts:
+            if is_text and content.strip():
+                lead = content[: len(content) - len(content.lstrip())]
+                trail = content[len(content.rstrip()) :]
+                pieces.append(lead + html.escape(next(translated), quote=False) + trail)
+            else:
+                pieces.append(html.escape(content, quote=False) if is_text else content)
+        out.append("".join(pieces))
+    return out
 
 
 def _name(code: str) -> str:

@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException
 from transformer_mt import libretranslate
 from transformer_mt.batching import Batcher
 from transformer_mt.config import ServeConfig, apply_overrides
-from transformer_mt.exits import TmtError
+from transformer_mt.exits import TmtError, first_line
 from transformer_mt.service import ServeError, Service, Stats, check_key, curves, model_card
 from transformer_mt.translate import Translator, detokenize
 
@@ -122,9 +122,11 @@ def _add_endpoints(app: FastAPI, service: Service) -> None:
         body = prom.generate_latest(service.stats.registry)
         return Response(body, media_type=prom.CONTENT_TYPE_LATEST)
 
+    page_html = resources.files("transformer_mt").joinpath("page.html").read_text()
+
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
-        return HTMLResponse(resources.files("transformer_mt").joinpath("page.html").read_text())
+        return HTMLResponse(page_html)
 
     @app.post("/v1/translate")
     async def v1_translate(body: TranslateRequest, request: Request) -> dict[str, Any]:
@@ -134,15 +136,16 @@ def _add_endpoints(app: FastAPI, service: Service) -> None:
         overrides = [(f"decode.{k}={v}", f"{k}={v!r}") for k, v in options.items()]
         chosen = service.translator_for(overrides)
         hyps = await service.translate(request, lines, chosen)
+        texts = [detokenize(chosen, [h.tokens for h in line]) for line in hyps]  # best first
         answer: dict[str, Any] = {
-            "translations": [detokenize(chosen, [h[0].tokens if h else []])[0] for h in hyps],
+            "translations": [line[0] if line else "" for line in texts],
             "model": translator.origin,
         }
         if chosen.config.decode.nbest > 1:
             answer["nbest"] = [
                 [{"translation": t, "score": round(h.score, 4)}
-                 for h, t in zip(line, detokenize(chosen, [h.tokens for h in line]), strict=True)]
-                for line in hyps
+                 for h, t in zip(line, line_texts, strict=True)]
+                for line, line_texts in zip(hyps, texts, strict=True)
             ]  # fmt: skip
         answer["seconds"] = round(time.monotonic() - start, 4)
         return answer
@@ -215,7 +218,8 @@ class Gate:
             if not status[0]:
                 await _send_error(watched, err.status, err.message, err.headers)
         except Exception as err:
-            logger.error("%s %s: %s: %s", scope["method"], scope["path"], type(err).__name__, err)
+            logger.error("%s %s: %s: %s", scope["method"], scope["path"], type(err).__name__,
+                         first_line(err))  # fmt: skip
             if not status[0]:
                 await _send_error(watched, 500, f"the server failed ({type(err).__name__})")
         self._account(scope, status[0], time.monotonic() - start)
