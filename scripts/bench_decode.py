@@ -1,5 +1,10 @@
 """Decoding speed: tmt vs HF transformers `generate` vs CTranslate2, one model, the same batches.
 
+Also tmt's own decoding through CTranslate2 (`tmt translate --engine ctranslate2`: tmt's
+batching, length rule and outputs around the same CTranslate2 model, to show what tmt adds on top
+of raw CTranslate2) and int8: tmt's `--precision int8` (torchao dynamic int8) and CTranslate2's
+int8 model, raw and through tmt.
+
 The peers get tmt's weights through `tmt export`'s own converters (transformer_mt/export.py): a
 post-norm model becomes a MarianMTModel, a pre-norm one (the default preset) a
 PegasusForConditionalGeneration, and either a CTranslate2 TransformerSpec, float32 and int8. All
@@ -12,8 +17,10 @@ ports are exact. Needs the bench extra: pip install -e ".[bench]".
     tmt train --set train.out_dir=runs/bench_decode --set train.max_minutes=10
     python scripts/bench_decode.py --checkpoint runs/bench_decode
 
-The last line printed is one JSON object with every figure; "ratios" holds the two the goals name:
-tmt beam 4 ÷ CTranslate2 fp32 beam 4 and tmt beam 4 ÷ HF generate beam 4 (same stopping rule).
+The last line printed is one JSON object with every figure; "ratios" holds those the goals name:
+tmt beam 4 ÷ CTranslate2 fp32 beam 4 and ÷ HF generate beam 4 (same stopping rule), tmt
+--engine ctranslate2 ÷ raw CTranslate2 (greedy, beam 4, int8 beam 4), int8 ÷ fp32 per engine;
+"bleu_int8_minus_fp32" the BLEU cost of int8 per engine. The machine's ISA is printed first.
 """
 
 from __future__ import annotations
@@ -86,7 +93,11 @@ def run_hf(model, translator, lines, beam: int, early_stopping: bool | str = Fal
 
 
 def run_ct2(model_dir: Path, translator, lines, beam: int, compute_type: str = "float32"):
+    """Raw CTranslate2 on tmt's batches: each batch's pieces in, one call with the batch's
+    largest output limit (tmt's a · |x| + b, its EOS excluded), ids out."""
     import ctranslate2
+
+    from transformer_mt import translate
 
     tok = translator.tokenizer
     ct2 = ctranslate2.Translator(
@@ -99,9 +110,10 @@ def run_ct2(model_dir: Path, translator, lines, beam: int, compute_type: str = "
     start = time.perf_counter()
     for batch in batches:
         source = [[piece(t) for t in ids[i]] for i in batch]
+        limit = max(translate.output_limits(translator, source))
         results = ct2.translate_batch(
             source, beam_size=beam, length_penalty=translator.config.decode.length_penalty,
-            max_decoding_length=max(map(len, source)) + 50, max_batch_size=len(source),
+            max_decoding_length=limit - 1, max_batch_size=len(source),
             min_decoding_length=0,  # as tmt and HF: an empty output is allowed
             suppress_sequences=[[piece(tok.pad_id)], [piece(tok.bos_id)]],
         )  # fmt: skip
@@ -117,20 +129,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    isa = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...: what decides the winner
+    print(f"CPU capability: {isa}, {args.threads} threads", flush=True)
 
-    from transformer_mt import corpus, evaluate, export, huggingface, translate
+    from transformer_mt import corpus, ct2, evaluate, huggingface, translate
 
     # Same normalisation for everyone: score / |Y|^α (HF and CTranslate2 cannot do GNMT's).
     overrides = ["decode.length_penalty_form=power", "decode.device=cpu"]
     translator = translate.load_translator(args.checkpoint, overrides)
-    # Not a tmt option: measured here to show why (dynamic int8 of the feed-forward and output
-    # projections of the attention; the fused Q/K/V and the tied output projection stay fp32).
-    int8 = translate.load_translator(args.checkpoint, overrides)
-    quantized = {n for n, m in int8.model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and not n.endswith("in_proj")}  # fmt: skip
-    int8 = dataclasses.replace(
-        int8, model=torch.ao.quantization.quantize_dynamic(int8.model, quantized, torch.qint8)
-    )
+    # tmt's --precision int8: torchao's dynamic int8 of the feed-forward and attention output
+    # projections (the fused Q/K/V and the tied output projection stay fp32).
+    int8 = translate.load_translator(args.checkpoint, [*overrides, "decode.precision=int8"])
+    # tmt --engine ctranslate2 (its export, made beside the model on first use), fp32 and int8.
+    engine = ["decode.engine=ctranslate2", *overrides]
+    tmt_ct2 = translate.load_translator(args.checkpoint, engine)
+    tmt_ct2_int8 = translate.load_translator(args.checkpoint, [*engine, "decode.precision=int8"])
     sources, references = corpus.read_split(translator.config.data, "data.test")
     sources, references = sources[: args.lines], references[: args.lines]
     hf_model, architecture = huggingface.model(translator)
@@ -139,7 +152,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tmt-ct2-") as work:
         fp32_dir, int8_dir = Path(work) / "fp32", Path(work) / "int8"
         for directory, quantization in ((fp32_dir, None), (int8_dir, "int8")):
-            spec = export._ctranslate2_spec(translator)
+            spec = ct2.convert(translator.model, translator.tokenizer, translator.config)
             spec.optimize(quantization=quantization)
             directory.mkdir()
             spec.save(str(directory))
@@ -148,6 +161,9 @@ def main() -> None:
             "tmt_beam4": lambda: run_tmt(translator, sources, 4),
             "tmt_beam4_current": lambda: run_tmt(translator, sources, 4, "current"),
             "tmt_int8_beam4_current": lambda: run_tmt(int8, sources, 4, "current"),
+            "tmt_ct2_greedy": lambda: run_tmt(tmt_ct2, sources, 1),
+            "tmt_ct2_beam4": lambda: run_tmt(tmt_ct2, sources, 4),
+            "tmt_ct2_int8_beam4": lambda: run_tmt(tmt_ct2_int8, sources, 4),
             "hf_greedy": lambda: run_hf(hf_model, translator, sources, 1),
             "hf_beam4_never": lambda: run_hf(hf_model, translator, sources, 4, "never"),
             "hf_beam4": lambda: run_hf(hf_model, translator, sources, 4),
@@ -184,6 +200,7 @@ def main() -> None:
 
     summary = {
         "checkpoint": args.checkpoint,
+        "isa": isa,
         "hf_architecture": architecture,
         "sentences": len(sources),
         "threads": torch.get_num_threads(),
@@ -197,6 +214,19 @@ def main() -> None:
             "tmt_greedy_over_hf_greedy": ratio("tmt_greedy", "hf_greedy"),
             "tmt_greedy_over_ct2_greedy": ratio("tmt_greedy", "ct2_greedy"),
             "tmt_int8_over_ct2_int8_beam4": ratio("tmt_int8_beam4_current", "ct2_int8_beam4"),
+            # tmt --engine ctranslate2 against raw CTranslate2 on the same batches (goal >= 0.95)
+            "tmt_ct2_over_ct2_greedy": ratio("tmt_ct2_greedy", "ct2_greedy"),
+            "tmt_ct2_over_ct2_beam4": ratio("tmt_ct2_beam4", "ct2_beam4"),
+            "tmt_ct2_int8_over_ct2_int8_beam4": ratio("tmt_ct2_int8_beam4", "ct2_int8_beam4"),
+            # int8 over fp32, each engine, beam 4
+            "tmt_int8_over_tmt_fp32_beam4": ratio("tmt_int8_beam4_current", "tmt_beam4_current"),
+            "ct2_int8_over_ct2_fp32_beam4": ratio("ct2_int8_beam4", "ct2_beam4"),
+        },
+        "bleu_int8_minus_fp32": {
+            "tmt": round(
+                results["tmt_int8_beam4_current"]["bleu"] - results["tmt_beam4_current"]["bleu"], 2
+            ),
+            "ct2": round(results["ct2_int8_beam4"]["bleu"] - results["ct2_beam4"]["bleu"], 2),
         },
         "identical_outputs": {
             "tmt_greedy_vs_hf": agree("tmt_greedy", "hf_greedy"),
@@ -207,6 +237,8 @@ def main() -> None:
             "tmt_beam4_vs_tmt_beam4_current": agree("tmt_beam4", "tmt_beam4_current"),
             "tmt_int8_vs_tmt": agree("tmt_int8_beam4_current", "tmt_beam4_current"),
             "ct2_int8_vs_ct2": agree("ct2_int8_beam4", "ct2_beam4"),
+            "tmt_ct2_vs_ct2_greedy": agree("tmt_ct2_greedy", "ct2_greedy"),
+            "tmt_ct2_vs_ct2_beam4": agree("tmt_ct2_beam4", "ct2_beam4"),
         },
     }
     for key, value in summary["identical_outputs"].items():

@@ -11,7 +11,7 @@ import torch
 from conftest import reverse_pairs
 from typer.testing import CliRunner
 
-from transformer_mt import averaging, corpus, export, translate
+from transformer_mt import averaging, corpus, ct2, export, translate
 from transformer_mt.cli import app
 from transformer_mt.config import Config
 from transformer_mt.exits import TmtError
@@ -119,15 +119,15 @@ def test_huggingface_export_loads_with_auto_classes_and_reproduces_tmt(
 def test_an_export_that_differs_is_refused_naming_the_line(
     trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_spec = export._ctranslate2_spec
+    real_convert = ct2.convert
 
-    def tampered(translator):  # an off-by-one in the converter, say
-        spec = real_spec(translator)
+    def tampered(*args):  # an off-by-one in the converter, say
+        spec = real_convert(*args)
         projection = spec.decoder.projection.weight  # a validated spec wraps its arrays
         projection.array = projection.array[::-1].copy()
         return spec
 
-    monkeypatch.setattr(export, "_ctranslate2_spec", tampered)
+    monkeypatch.setattr(ct2, "convert", tampered)
     with pytest.raises(TmtError, match=r"differs from tmt on validation line 1 \(.*nothing was"):
         export.export(trained_run, "ctranslate2", tmp_path / "bad", check_lines=LINES)
     assert list(tmp_path.iterdir()) == []  # no output, no staging left
@@ -217,7 +217,7 @@ def test_a_ctranslate2_export_is_self_contained_and_its_readme_code_reproduces_t
     out = tmp_path / "ct2"
     export.export(trained_run, "ctranslate2", out, check_lines=LINES)
     translator = translate.load_translator(trained_run, ["decode.beam_size=1"])
-    assert (out / recipes.SENTENCEPIECE_FILE).read_bytes() == translator.tokenizer.model_bytes
+    assert (out / ct2.SENTENCEPIECE_FILE).read_bytes() == translator.tokenizer.model_bytes
     readme = (out / recipes.README_FILE).read_text()
     assert f"on {LINES} validation lines" in readme and "min_decoding_length=0" in readme
     script = tmp_path / "translate.py"

@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     # what tmt keeps on disk: one checkpoint, a run directory, averages of checkpoints
-    ("stores", {"checkpoint", "run", "averaging"}),
+    # ... and a CTranslate2 export of a model, the engine that decodes it
+    ("stores", {"checkpoint", "run", "averaging", "ct2"}),
     # what the commands do: translate, score, one update, the file job, export, plots, dry run
     (
         "engines",

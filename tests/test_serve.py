@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -409,3 +410,28 @@ def test_an_error_is_logged_as_its_first_line() -> None:
 
     assert first_line(RuntimeError("out of memory\nframe #0: at::...\nframe #1")) == "out of memory"
     assert first_line(RuntimeError("  ")) == "RuntimeError"
+
+
+def test_the_ctranslate2_engine_serves_tmts_greedy_output(
+    multi30k_run: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("ctranslate2")
+    run_dir = tmp_path / "run"  # the export is made beside the model: in a copy of the run
+    shutil.copytree(multi30k_run, run_dir, symlinks=True)
+    greedy = translate.load_translator(run_dir, ["decode.beam_size=1"])
+    expected = translate.translate_text(greedy, SOURCES)
+    served = Server(run_dir, "--engine", "ctranslate2", "--beam", "1")
+    try:
+        card = served.client.get("/v1/model").json()
+        assert card["decode"]["engine"] == "ctranslate2" and card["parameters"] > 0
+        answer = served.client.post("/v1/translate", json={"text": SOURCES}).json()
+        assert answer["translations"] == expected
+        nbest = served.client.post("/v1/translate", json={"text": SOURCES[:2], "beam_size": 4,
+                                                          "nbest": 2}).json()  # fmt: skip
+        assert [len(rows) for rows in nbest["nbest"]] == [2, 2]
+        refused = served.client.post("/v1/translate", json={"text": SOURCES[:1],
+                                                            "sampling": "topk:5"})  # fmt: skip
+        assert refused.status_code == 422 and "decode.engine=ctranslate2" in refused.json()["error"]
+    finally:
+        assert served.stop() == 0
+    assert not any("Traceback" in line for line in served.log), "".join(served.log)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from transformer_mt import distributed, exits, faults, files, run, textio, translate
-from transformer_mt.config import to_dict
+from transformer_mt.config import Config, to_dict
 from transformer_mt.distributed import DistInfo
 from transformer_mt.exits import TmtError
 from transformer_mt.translate import Translator
@@ -136,7 +136,7 @@ def _plan(
         "format": JOB_FORMAT,
         "input": str(source.resolve()),
         "input_sha256": digest,
-        "model_sha256": model_fingerprint(translator),
+        "model_sha256": translator.fingerprint,
         "decode": {
             k: v
             for k, v in to_dict(translator.config)["decode"].items()
@@ -194,15 +194,6 @@ def _scan(source: Path, chunk_lines: int) -> tuple[str, list[int], int]:
     return digest.hexdigest(), offsets, lines
 
 
-def model_fingerprint(translator: Translator) -> str:
-    """SHA-256 of the weights (float32) and the tokenizer: the model, whatever file it came from."""
-    digest = hashlib.sha256(translator.tokenizer.model_bytes)
-    for name, tensor in translator.model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
 def _read_job(job_dir: Path) -> dict[str, Any] | None:
     path = job_dir / JOB_FILE
     if not path.exists():
@@ -211,7 +202,15 @@ def _read_job(job_dir: Path) -> dict[str, Any] | None:
         found = json.loads(files.read_plain(path, limit=1 << 20))
     except (OSError, ValueError, RecursionError):
         found = None
-    return found if isinstance(found, dict) else {"job.json": "unreadable"}
+    if not isinstance(found, dict):
+        return {"job.json": "unreadable"}
+    if isinstance(found.get("decode"), dict):
+        # A decoding option that an earlier tmt did not have meant its default then (engine).
+        defaults = {
+            k: v for k, v in to_dict(Config())["decode"].items() if k not in NOT_IN_IDENTITY
+        }
+        found["decode"] = defaults | found["decode"]
+    return found
 
 
 def _difference(previous: dict[str, Any], identity: dict[str, Any]) -> str:

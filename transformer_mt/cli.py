@@ -221,21 +221,14 @@ Device = Annotated[
 ]
 Precision = Annotated[
     str | None,
-    typer.Option("--precision", help="fp32, bf16 or fp16 (GPU) (decode.precision)."),
+    typer.Option("--precision", help="fp32, bf16, fp16 (GPU) or int8 (CPU) (decode.precision)."),
 ]
-_FLAGS = {  # flag name -> (config key, what the user typed)
-    "nbest": ("decode.nbest", "--nbest"),
-    "beam": ("decode.beam_size", "--beam"),
-    "lenpen": ("decode.length_penalty", "--lenpen"),
-    "max_tokens": ("decode.max_tokens", "--max-tokens"),
-    "device": ("decode.device", "--device"),
-    "precision": ("decode.precision", "--precision"),
-    "sampling": ("decode.sampling", "--sampling"),
-    "temperature": ("decode.temperature", "--temperature"),
-    "seed": ("decode.seed", "--seed"),
-    "host": ("serve.host", "--host"),
-    "port": ("serve.port", "--port"),
-}
+Engine = Annotated[
+    str | None,
+    typer.Option("--engine", help="torch, or ctranslate2: an export of the model (decode.engine)."),
+]
+# Each flag is one override of decode.NAME (serve.NAME for host and port) unless named here.
+_KEYS = {"beam": "decode.beam_size", "lenpen": "decode.length_penalty"}
 
 
 def _flag_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[str, str]]:
@@ -243,8 +236,9 @@ def _flag_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[st
     overrides: list[str | tuple[str, str]] = list(set_ or [])
     for name, value in flags.items():
         if value is not None:
-            key, typed = _FLAGS[name]
-            overrides.append((f"{key}={value}", f"{typed} {value}"))
+            section = "serve" if name in ("host", "port") else "decode"
+            key = _KEYS.get(name, f"{section}.{name}")
+            overrides.append((f"{key}={value}", f"--{name.replace('_', '-')} {value}"))
     return overrides
 
 
@@ -267,6 +261,7 @@ def translate(
     max_tokens: MaxTokens = None,
     device: Device = None,
     precision: Precision = None,
+    engine: Engine = None,
     sampling: Annotated[
         str | None,
         typer.Option("--sampling", help="Sample instead of search: full, topk:K or topp:P."),
@@ -293,7 +288,8 @@ def translate(
 
     overrides = _flag_overrides(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
-        precision=precision, sampling=sampling, temperature=temperature, seed=seed,
+        precision=precision, engine=engine, sampling=sampling, temperature=temperature,
+        seed=seed,
     )  # fmt: skip
     last = _renamed(last, old_last, "--last", "--average-last")
     model = _model(model, old_model)
@@ -333,6 +329,7 @@ def evaluate(
     max_tokens: MaxTokens = None,
     device: Device = None,
     precision: Precision = None,
+    engine: Engine = None,
     last: Last = 0,
     best: Best = 0,
     by: By = None,
@@ -346,8 +343,9 @@ def evaluate(
     from transformer_mt import textio, translate
 
     overrides = _flag_overrides(
-        set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision
-    )
+        set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
+        engine=engine,
+    )  # fmt: skip
     lib.check_split(split)  # before a model is loaded
     model = _renamed(model, old_model, "--model", "--checkpoint")
     input_ = _renamed(input_, old_input, "--input", "--src")
@@ -468,6 +466,7 @@ def serve(
     max_tokens: MaxTokens = None,
     device: Device = None,
     precision: Precision = None,
+    engine: Engine = None,
     last: Last = 0,
     best: Best = 0,
     by: By = None,
@@ -485,7 +484,7 @@ def serve(
 
     overrides = _flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
-        host=host, port=port,
+        engine=engine, host=host, port=port,
     )  # fmt: skip
     translator = translate.load_translator(
         _model(model, None), overrides, last=last, best=best, by=by

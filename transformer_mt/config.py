@@ -282,10 +282,16 @@ class DecodeConfig:
     nbest: Count = 1  # hypotheses written per input line (tmt translate --nbest)
     buffer_lines: Count = 256  # stdin lines translated together when they are already waiting
     device: Annotated[str, DeviceName()] = "auto"  # where translate and evaluate run
+    # Which engine decodes: tmt's own search over the PyTorch model, or CTranslate2 (an export
+    # of the model, made on first use beside it and checked against tmt; or -m EXPORT_DIR). With
+    # ctranslate2, beam search is CTranslate2's: score / |Y|^α and its own stopping rule, so
+    # length_penalty_form and early_stopping do not apply; sampling is refused (translate.py).
+    engine: Literal["torch", "ctranslate2"] = "torch"
     # Weights and activations while decoding (scores are always summed in fp32): fp32; bf16 or
-    # fp16 halve memory traffic on a GPU (fp16 needs one). No int8: dynamic quantization was no
-    # faster on CPU (docs/benchmarks.md).
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # fp16 halve memory traffic on a GPU (fp16 needs one); int8 on a CPU: torch, the linear
+    # layers dynamically quantized (torchao); ctranslate2, an int8 export. Speed and BLEU cost
+    # per machine: docs/benchmarks.md.
+    precision: Literal["fp32", "bf16", "fp16", "int8"] = "fp32"
     # Sampling instead of search (back-translation): "none", "full", "topk:K" or "topp:P", at
     # `temperature` (0 = greedy); nbest N = N independent samples per line. Each line's random
     # stream depends only on `seed` and the line's index in the input, so outputs are the same

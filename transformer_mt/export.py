@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from transformer_mt import checkpoint, corpus, files, huggingface, recipes, textio, translate
+from transformer_mt import checkpoint, corpus, ct2, files, huggingface, recipes, textio, translate
 from transformer_mt.config import apply_overrides
 from transformer_mt.exits import TmtError
 from transformer_mt.translate import Translator
@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 FORMATS = ("ctranslate2", "huggingface")
 QUANTIZATIONS = ("int8", "int8_float16", "float16")  # CTranslate2's, stored weights
-REPORT_FILE = "tmt_export.json"
-_EXTRA = 'pip install "transformer_mt[export]"'
+REPORT_FILE = ct2.REPORT_FILE
+_EXTRA = ct2.EXTRA
 
 
 def export(
@@ -89,10 +89,9 @@ def export(
         )
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        report = builder(translator, staging, lines, expected, quantization)
-        version = checkpoint.TMT_VERSION
-        report |= {"format": fmt, "source": translator.origin, "tmt_version": version}
-        files.atomic_write(staging / REPORT_FILE, json.dumps(report, indent=1).encode())
+        report = _write_report(staging, fmt, translator, builder(
+            translator, staging, lines, expected, quantization
+        ))  # fmt: skip
         output.parent.mkdir(parents=True, exist_ok=True)
         files.swap_into_place(staging, output)  # an empty directory or an earlier export
     except BaseException:
@@ -101,6 +100,21 @@ def export(
     logger.info("exported %s to %s (%d lines identical to tmt)", translator.origin, output,
                 report["check_lines"])  # fmt: skip
     return {"output": str(output), **report}
+
+
+def _write_report(
+    staging: Path, fmt: str, translator: Translator, report: dict[str, Any]
+) -> dict[str, Any]:
+    """tmt_export.json: what was exported, from what, by which tmt; for CTranslate2 also the
+    files' checksums and tmt's config, so that tmt decodes it (-m EXPORT_DIR)."""
+    report |= {"format": fmt, "source": translator.origin, "tmt_version": checkpoint.TMT_VERSION,
+               "step": translator.step, "parameters": translator.parameters}  # fmt: skip
+    if fmt == "huggingface":
+        files.atomic_write(staging / REPORT_FILE, json.dumps(report, indent=1).encode())
+        return report
+    stored = apply_overrides(translator.config, ["decode.engine=ctranslate2", "decode.device=auto"])
+    ct2.write_report(staging, report, stored)
+    return report
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -180,9 +194,9 @@ def _ctranslate2(
     expected: list[list[int]],
     quantization: str | None,
 ) -> dict[str, Any]:
-    staging.mkdir(parents=True)
-    _ctranslate2_spec(translator).save(str(staging))  # float32: what the parity check reads
-    files.atomic_write(staging / recipes.SENTENCEPIECE_FILE, translator.tokenizer.model_bytes)
+    assert translator.model is not None
+    model, tokenizer, cfg = translator.model, translator.tokenizer, translator.config
+    ct2.save(staging, model, tokenizer, cfg, None)  # float32: what the parity check reads
     found = _ctranslate2_greedy(staging, translator, lines)
     _parity(expected, found, lines, "ctranslate2", translator)
     report: dict[str, Any] = {"check_lines": len(lines), "quantization": quantization or "float32"}
@@ -190,11 +204,7 @@ def _ctranslate2(
     if quantization:
         quantized = staging.with_name(staging.name + "-q")
         try:
-            spec = _ctranslate2_spec(translator)
-            spec.optimize(quantization=quantization)
-            quantized.mkdir()
-            spec.save(str(quantized))
-            shutil.copy(staging / recipes.SENTENCEPIECE_FILE, quantized)
+            ct2.save(quantized, model, tokenizer, cfg, quantization)
             shutil.rmtree(staging)
             os.rename(quantized, staging)
         finally:
@@ -214,67 +224,6 @@ def _ctranslate2_greedy(
     outputs = recipes.run_ctranslate2_recipe(code, str(directory), lines, beam=1)
     index = translator.tokenizer._sp.piece_to_id
     return [[index(piece) for piece in output] for output in outputs]
-
-
-def _ctranslate2_spec(translator: Translator) -> Any:
-    """tmt's weights as a ctranslate2 TransformerSpec (float32, not yet optimized)."""
-    from ctranslate2.converters.utils import fuse_linear
-    from ctranslate2.specs import common_spec, transformer_spec
-
-    m, tok, ours = translator.config.model, translator.tokenizer, translator.model
-    spec = transformer_spec.TransformerSpec.from_config(
-        (m.n_encoder_layers, m.n_decoder_layers), m.n_heads, pre_norm=m.pre_norm
-    )
-    d = m.d_model
-
-    def array(t: torch.Tensor) -> Any:
-        return t.detach().float().numpy().copy()
-
-    def linear(target: Any, weight: torch.Tensor, bias: torch.Tensor) -> None:
-        target.weight, target.bias = array(weight), array(bias)
-
-    def norm(target: Any, layer: torch.nn.LayerNorm) -> None:
-        target.gamma, target.beta = array(layer.weight), array(layer.bias)
-
-    def self_attention_and_ffn(layer_spec: Any, layer: Any, attn_norm: Any) -> None:
-        # tmt's stacked in_proj (Q, K, V rows) is CTranslate2's fused self-attention input.
-        attn = layer.self_attn
-        linear(layer_spec.self_attention.linear[0], attn.in_proj.weight, attn.in_proj.bias)
-        linear(layer_spec.self_attention.linear[1], attn.out_proj.weight, attn.out_proj.bias)
-        norm(layer_spec.self_attention.layer_norm, attn_norm)
-        linear(layer_spec.ffn.linear_0, layer.ffn.linear1.weight, layer.ffn.linear1.bias)
-        linear(layer_spec.ffn.linear_1, layer.ffn.linear2.weight, layer.ffn.linear2.bias)
-        norm(layer_spec.ffn.layer_norm, layer.ffn_sub.norm)
-
-    for stack, final_norm in ((spec.encoder, ours.encoder_norm), (spec.decoder, ours.decoder_norm)):
-        embeddings = stack.embeddings[0] if isinstance(stack.embeddings, list) else stack.embeddings
-        embeddings.weight = array(ours.embedding.weight)  # one matrix, 3-way tied
-        stack.position_encodings.encodings = array(ours.embedding.positions[: m.max_positions])
-        stack.scale_embeddings = True
-        if m.pre_norm:
-            norm(stack.layer_norm, final_norm)
-    spec.decoder.projection.weight = array(ours.embedding.weight)
-    for layer_spec, layer in zip(spec.encoder.layer, ours.encoder_layers, strict=True):
-        self_attention_and_ffn(layer_spec, layer, layer.attn_sub.norm)
-    for layer_spec, layer in zip(spec.decoder.layer, ours.decoder_layers, strict=True):
-        self_attention_and_ffn(layer_spec, layer, layer.self_sub.norm)
-        cross = layer.cross_attn
-        w, b = cross.in_proj.weight, cross.in_proj.bias
-        linear(layer_spec.attention.linear[0], w[:d], b[:d])  # W^Q
-        kv = common_spec.LinearSpec()
-        linear(kv, w[d:], b[d:])  # W^K, W^V: CTranslate2's fused key/value projection
-        fuse_linear(layer_spec.attention.linear[1], [kv])
-        linear(layer_spec.attention.linear[2], cross.out_proj.weight, cross.out_proj.bias)
-        norm(layer_spec.attention.layer_norm, layer.cross_sub.norm)
-    pieces = [tok._sp.id_to_piece(i) for i in range(tok.vocab_size)]
-    spec.register_source_vocabulary(pieces)
-    spec.register_target_vocabulary(pieces)
-    spec.config.add_source_eos = True  # tmt's source is x + eos
-    spec.config.decoder_start_token = pieces[tok.bos_id]
-    spec.config.bos_token, spec.config.eos_token = pieces[tok.bos_id], pieces[tok.eos_id]
-    spec.config.unk_token = pieces[tok.unk_id]
-    spec.validate()
-    return spec
 
 
 # --- Hugging Face ------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from typing import Any
 
 from transformer_mt.translate import Translator
 
-SENTENCEPIECE_FILE = "sentencepiece.model"
 README_FILE = "README.md"
 
 _CTRANSLATE2_CODE = '''\

@@ -23,8 +23,7 @@ from transformer_mt import checkpoint, metrics, plot
 from transformer_mt.batching import Batcher, Job, QueueFull
 from transformer_mt.config import ServeConfig, apply_overrides, to_dict
 from transformer_mt.exits import TmtError
-from transformer_mt.model import count_parameters
-from transformer_mt.translate import Translator, source_ids
+from transformer_mt.translate import Translator, check_engine, source_ids
 
 
 class ServeError(Exception):
@@ -53,6 +52,7 @@ class Service:
         if key not in self.options:
             try:
                 config = apply_overrides(self.translator.config, overrides)
+                check_engine(config, self.translator.device)
             except TmtError as err:
                 raise ServeError(422, str(err)) from None
             if len(self.options) >= 64:  # a bounded cache of option sets
@@ -161,7 +161,7 @@ def model_card(translator: Translator) -> dict[str, Any]:
     return {
         "model": translator.origin,
         "languages": {"source": cfg.data.src_lang, "target": cfg.data.tgt_lang},
-        "parameters": count_parameters(translator.model),
+        "parameters": translator.parameters,
         "step": translator.step,
         "run": str(translator.run_dir) if translator.run_dir else None,
         "validation": {"scores": scores, "of": scored} if scores else None,

@@ -2,18 +2,23 @@
 (bulk.py), export's parity check and the validation BLEU of training.
 
 A `Translator` is a model loaded once onto a device in a precision, with its tokenizer and
-decoding settings. Raw text in, detokenized text out: the sentencepiece model travels inside the
-checkpoint. Inputs are sorted by length and batched by tokens; outputs come back in input order,
-exactly one per input line. An empty line gives an empty output without running the model; a line
-longer than the model's positions is truncated with a warning. search.py knows nothing of the
+decoding settings, decoded by one of two engines (decode.engine): tmt's own search over the
+PyTorch model, or CTranslate2 over an export of it (ct2.py) that is made on first use beside the
+model, checked against tmt's greedy output, and reused after. Raw text in, detokenized text out:
+the sentencepiece model travels inside the checkpoint. Inputs are sorted by length and batched
+by tokens; outputs come back in input order, exactly one per input line. An empty line gives an
+empty output without running the model; a line longer than the model's positions is truncated
+with a warning. search.py knows nothing of the
 model: `_translate_batch` gives it the step function (one decoder step over the cache).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +28,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_mt import averaging, distributed, run, textio
+from transformer_mt import averaging, corpus, ct2, distributed, run, textio
 from transformer_mt.config import MODEL_SECTIONS, Config, apply_overrides, changed_keys
 from transformer_mt.data import TokenBucketSampler
 from transformer_mt.exits import TmtError
 from transformer_mt.files import METRICS_FILE
-from transformer_mt.model import DecoderCache, Transformer, make_src_mask
+from transformer_mt.model import DecoderCache, Transformer, count_parameters, make_src_mask
 from transformer_mt.search import Hypothesis, beam_search, greedy, sample
 from transformer_mt.tokenizer import Tokenizer
 
@@ -47,22 +52,32 @@ class Translator:
     translator.translate(["Ein Hund rennt."], beam=5)
     """
 
-    model: Transformer  # in eval mode, on `device`, in the decoding precision
+    model: Transformer | None  # in eval mode, on `device`, in the decoding precision (torch)
     tokenizer: Tokenizer
     config: Config  # the checkpoint's config with the caller's overrides
     device: torch.device
     origin: str  # what was loaded, for messages
+    fingerprint: str  # SHA-256 of what decodes (weights and tokenizer, or the export's files)
     step: int = 0  # the updates its weights were trained for (the newest, for an average)
     path: Path | None = None  # the checkpoint or averaged model read (the newest averaged)
     run_dir: Path | None = None  # the run directory it belongs to, when there is one
+    engine: Any = None  # a ctranslate2.Translator when decode.engine=ctranslate2
+    export: Path | None = None  # ... and the export directory it reads
+    parameters: int = 0  # the model's parameter count
 
     @classmethod
     def load(
-        cls, path: str | Path, device: str = "auto", precision: str = "fp32", **decode: Any
+        cls,
+        path: str | Path,
+        device: str = "auto",
+        precision: str = "fp32",
+        engine: str = "torch",
+        **decode: Any,
     ) -> Translator:
         """A checkpoint, an averaged model or a run directory (its average, else its best, else its
-        newest checkpoint); `decode` sets DecodeConfig fields by name (beam_size=5, ...)."""
-        settings = {**decode, "device": device, "precision": precision}
+        newest checkpoint), or with engine="ctranslate2" also a CTranslate2 export of tmt;
+        `decode` sets DecodeConfig fields by name (beam_size=5, ...)."""
+        settings = {**decode, "device": device, "precision": precision, "engine": engine}
         return load_translator(path, _keyword_overrides(settings))
 
     def translate(self, lines: Sequence[str], beam: int | None = None, **decode: Any) -> list[str]:
@@ -70,7 +85,7 @@ class Translator:
         `beam` and `decode` (DecodeConfig fields by name) apply to this call only."""
         if beam is not None:
             decode["beam_size"] = beam
-        moved = {"device", "precision"} & set(decode)
+        moved = {"device", "precision", "engine"} & set(decode)
         if moved:
             raise TmtError(f"{', '.join(sorted(moved))}: set when loading (Translator.load)")
         translator = self
@@ -94,7 +109,11 @@ def load_translator(
 ) -> Translator:
     """A checkpoint directory, an averaged model, or a run directory (its average, else its best
     checkpoint, else its newest), read once and put on decode.device in decode.precision; with
-    `last` or `best` N, the average of the run's newest N or N best by `by` (averaging.choose)."""
+    `last` or `best` N, the average of the run's newest N or N best by `by` (averaging.choose).
+    With decode.engine=ctranslate2, `path` may also be a CTranslate2 export of tmt; a model is
+    decoded through the export kept beside it (made on first use: _ctranslate2_cache)."""
+    if not (last or best) and ct2.is_export(Path(path)):
+        return _load_export(Path(path), overrides)
     saved = averaging.choose([path], last, best, by)
     if saved is not None:
         origin = f"average of {', '.join(Path(p).name for p in saved.sources)}"
@@ -107,13 +126,109 @@ def load_translator(
     if fixed:
         raise TmtError(f"{', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
     target = distributed.resolve_device(cfg.decode.device, key="decode.device")
+    check_engine(cfg, target)
     nbytes = sum(t.numel() * 4 for t in saved.state_dict.values())
+    torch_engine = cfg.decode.engine == "torch"
     with distributed.allocating(f"the model in {cfg.decode.precision}", nbytes, target):
-        model = _in_precision(saved.model, cfg.decode.precision, target)
-    return Translator(
+        model = _in_precision(saved.model, cfg.decode.precision, target, torch_engine)
+    translator = Translator(
         model=model.eval(), tokenizer=saved.tokenizer, config=cfg, device=target, origin=origin,
-        step=saved.step, path=saved.path, run_dir=_run_of(Path(path), saved.path),
+        fingerprint=model_fingerprint(model, saved.tokenizer), step=saved.step, path=saved.path,
+        run_dir=_run_of(Path(path), saved.path), parameters=count_parameters(model),
     )  # fmt: skip
+    if not torch_engine:
+        return _ctranslate2_cache(translator)
+    if cfg.decode.precision == "int8":
+        translator = dataclasses.replace(translator, model=_int8(model))
+    return translator
+
+
+def check_engine(cfg: Config, device: torch.device) -> None:
+    """Refuse, naming the option, what an engine cannot do as tmt promises it."""
+    decode, engine = cfg.decode, cfg.decode.engine
+    if decode.precision == "fp16" and device.type != "cuda":
+        raise TmtError("decode.precision=fp16 needs a GPU (decode.device); use bf16 or fp32")
+    if engine == "torch" and decode.precision == "int8" and device.type != "cpu":
+        raise TmtError(
+            f"decode.precision=int8: the torch engine quantizes on CPU only (decode.device is"
+            f" {device}); use fp16 or bf16 there, or decode.engine=ctranslate2"
+        )
+    if engine == "ctranslate2" and decode.sampling != "none":
+        raise TmtError(
+            f"decode.sampling={decode.sampling}: not with decode.engine=ctranslate2 (its random"
+            " streams depend on the batch, tmt's on the line alone); use decode.engine=torch"
+        )
+
+
+def _load_export(directory: Path, overrides: Sequence[str | tuple[str, str]]) -> Translator:
+    """A CTranslate2 export of tmt (tmt export, or a cache beside a model) as a Translator."""
+    export = ct2.read(directory)
+    cfg = apply_overrides(export.config, overrides)
+    fixed = changed_keys(export.config, cfg, MODEL_SECTIONS)
+    if fixed:
+        raise TmtError(f"{', '.join(fixed)}: fixed by the export ({directory})")
+    if cfg.decode.engine != "ctranslate2":
+        raise TmtError(
+            f"{directory}: a CTranslate2 export; decode it with decode.engine=ctranslate2"
+            " (--engine ctranslate2), or give the tmt model it came from"
+        )
+    target = distributed.resolve_device(cfg.decode.device, key="decode.device")
+    check_engine(cfg, target)
+    engine = ct2.load(export, target, cfg.decode.precision, torch.get_num_threads())
+    source = export.report.get("source")
+    return Translator(
+        model=None, tokenizer=export.tokenizer, config=cfg, device=target, origin=str(directory),
+        fingerprint=export.fingerprint, step=int(export.report.get("step", 0)),
+        run_dir=_run_of(Path(source), Path(source)) if isinstance(source, str) else None,
+        engine=engine, export=directory, parameters=int(export.report.get("parameters", 0)),
+    )  # fmt: skip
+
+
+def _ctranslate2_cache(translator: Translator) -> Translator:
+    """`translator` decoded by CTranslate2: through the export kept beside its model (in the
+    checkpoint's directory), made on first use once the float32 conversion's greedy outputs
+    match tmt's on the validation split, and verified whenever it is read back. One process
+    makes it while others wait (a lock), so torchrun ranks and a second command share it."""
+    ct2.require()
+    assert translator.path is not None and translator.model is not None
+    decode = translator.config.decode
+    root = translator.path if translator.path.is_dir() else translator.path.parent
+    final = root / ct2.cache_name(decode.precision, translator.fingerprint)
+    if not ct2.writable(root) and not final.is_dir():
+        raise TmtError(
+            f"{root}: cannot write the CTranslate2 export beside the model there; make one with"
+            " `tmt export --format ctranslate2` and decode it with -m EXPORT_DIR"
+        )
+    with ct2.cache_lock(root):
+        export = ct2.read_cache(final)
+        if export is None:
+            logger.info(
+                "making the CTranslate2 export of %s in %s (once)", translator.origin, final
+            )
+            greedy = apply_overrides(translator.config, ["decode.engine=torch",
+                                     "decode.precision=fp32", "decode.beam_size=1"])  # fmt: skip
+            torch_greedy = dataclasses.replace(translator, config=greedy)
+            try:
+                sources, _ = corpus.read_split(greedy.data, "data.valid")
+            except TmtError:  # the validation split is not here: a few lines of its own
+                sources = []
+            lines = [s for s in sources if s.strip()][:200] or _CHECK_LINES
+            expected = [h[0].tokens for h in translate_lines(torch_greedy, lines)]
+            ids = source_ids(translator, lines)
+            report = {"source": translator.origin, "step": translator.step,
+                      "parameters": translator.parameters}  # fmt: skip
+            check = ct2.Check(lines, ids, output_limits(translator, ids), expected)
+            ct2.make_cache(final, translator.model, translator.tokenizer, translator.config,
+                           report, check)  # fmt: skip
+            export = ct2.read(final)
+    engine = ct2.load(export, translator.device, decode.precision, torch.get_num_threads())
+    return dataclasses.replace(
+        translator, model=None, engine=engine, export=final, fingerprint=export.fingerprint
+    )
+
+
+# Checked when the model's validation split is not where its config says.
+_CHECK_LINES = ["a", "Ein Hund rennt.", "Two people are walking down a street.", "1 2 3 4 5"]
 
 
 def _run_of(given: Path, read: Path) -> Path | None:
@@ -125,12 +240,55 @@ def _run_of(given: Path, read: Path) -> Path | None:
     return None
 
 
-def _in_precision(model: Transformer, precision: str, device: torch.device) -> Transformer:
-    """The model on `device` in the decoding precision (decode.precision)."""
-    if precision == "fp16" and device.type != "cuda":
-        raise TmtError("decode.precision=fp16 needs a GPU (decode.device); use bf16 or fp32")
+def _in_precision(
+    model: Transformer, precision: str, device: torch.device, torch_engine: bool = True
+) -> Transformer:
+    """The model on `device` in the decoding precision (decode.precision); float32 on the CPU
+    for int8 (quantized after: _int8) and for the ctranslate2 engine (converted from it)."""
+    if not torch_engine:
+        return model.to(device="cpu", dtype=torch.float32)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     return model.to(device=device, dtype=dtype)
+
+
+def _int8(model: Transformer) -> Transformer:
+    """Dynamic int8 of the linear layers (torchao: int8 weights per channel, activations
+    quantized per token at each call). The stacked Q/K/V projections stay float32: cross
+    attention slices theirs (keys and values of the source), which a quantized tensor cannot.
+    Unlike float32, a line's output may differ in rare lines with the batch it is decoded in
+    (149 of 150 test sentences identical alone and batched on the demo model)."""
+    # torchao's import logs the GPU kernels it cannot load on this machine: not the user's news.
+    logging.disable(logging.WARNING)
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+        from torchao.utils import should_reduce_range
+    except ImportError:
+        raise TmtError(
+            'decode.precision=int8 needs the torchao package: pip install "transformer_mt[int8]"'
+        ) from None
+    finally:
+        logging.disable(logging.NOTSET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # Without VNNI, int8 products summed in pairs can saturate: a reduced range avoids it.
+        int8 = Int8DynamicActivationInt8WeightConfig(
+            reduce_range=should_reduce_range(torch.device("cpu"))
+        )
+        quantize_(model, int8, filter_fn=_quantizable)
+    return model
+
+
+def _quantizable(module: torch.nn.Module, name: str) -> bool:
+    return isinstance(module, torch.nn.Linear) and not name.endswith("in_proj")
+
+
+def model_fingerprint(model: Transformer, tokenizer: Tokenizer) -> str:
+    """SHA-256 of the weights (float32) and the tokenizer: the model, whatever file it came from."""
+    digest = hashlib.sha256(tokenizer.model_bytes)
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 # --- lines to hypotheses -----------------------------------------------------------------------
@@ -176,6 +334,8 @@ def translate_lines(
 ) -> list[list[Hypothesis]]:
     """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line.
     `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling)."""
+    if translator.engine is not None:  # decoding options may have changed since the load
+        check_engine(translator.config, translator.device)
     ids = source_ids(translator, lines)
     results: list[list[Hypothesis]] = [[] for _ in lines]
     todo = [i for i, seq in enumerate(ids) if seq]  # empty input: empty output, no model call
@@ -215,6 +375,10 @@ def _translate_batch(
 ) -> list[list[Hypothesis]]:
     """Encode a batch of sources once and search over the decoder: sampling, greedy or beam."""
     model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
+    if translator.engine is not None:
+        limits = output_limits(translator, sources)
+        return ct2.decode(translator.engine, tok, sources, limits, decode)
+    assert model is not None
     samples = decode.nbest if decode.sampling != "none" else 1
     if samples > 1:  # N independent samples of a line are N rows of the same source
         sources = [seq for seq in sources for _ in range(samples)]
