@@ -229,40 +229,30 @@ def decode(
     """The n-best of each source (ids, without EOS) by CTranslate2; `limits`: each output's
     maximum length, its EOS included (translate.output_limits).
 
-    CTranslate2 takes one maximum length per call: the batch is decoded to the largest limit,
-    and the rows whose output came out longer than their own limit (rare: the limit is
-    a · |x| + b) are decoded again with theirs, one call per limit."""
+    CTranslate2 takes one maximum length per call: the batch is decoded to its largest limit and
+    each row is cut at its own. Greedy rows do not depend on each other, so this is exactly tmt's
+    forced end of sentence; a beam row that reaches its limit (a looping output, ~1 % of lines)
+    keeps the best hypothesis CTranslate2 found, cut. Decoding those rows again, one call per
+    limit, cost more than the whole batch (measured: 10 one-sentence calls of ~70 steps, 1.5 s
+    against 1.7 s for 1,000 sentences)."""
     piece, index = tokenizer._sp.id_to_piece, tokenizer._sp.piece_to_id
-    tokens = [[piece(t) for t in seq] for seq in sources]
-    options = {
-        "beam_size": decode_cfg.beam_size,
-        "num_hypotheses": decode_cfg.nbest,
-        "length_penalty": decode_cfg.length_penalty,
-        "min_decoding_length": 0,
-        "return_scores": True,
-        "suppress_sequences": [[piece(tokenizer.pad_id)], [piece(tokenizer.bos_id)]],
-    }
-
-    def run(rows: list[int], limit: int) -> list[list[Hypothesis]]:
-        results = engine.translate_batch(
-            [tokens[i] for i in rows], max_batch_size=len(rows),
-            max_decoding_length=max(limit - 1, 1), **options,
-        )  # fmt: skip
-        # CTranslate2 gives the normalised score only: it stands for the log-probability too.
-        return [
-            [Hypothesis([index(p) for p in hyp][: limit - 1], float(score), float(score))
-             for hyp, score in zip(result.hypotheses, result.scores, strict=True)]
-            for result in results
-        ]  # fmt: skip
-
-    everyone = list(range(len(sources)))
-    found = run(everyone, max(limits))
-    over = [i for i in everyone if any(len(h.tokens) >= limits[i] for h in found[i])]
-    for limit in sorted({limits[i] for i in over}):
-        rows = [i for i in over if limits[i] == limit]
-        for i, hyps in zip(rows, run(rows, limit), strict=True):
-            found[i] = hyps
-    return found
+    results = engine.translate_batch(
+        [[piece(t) for t in seq] for seq in sources],
+        max_batch_size=len(sources),
+        max_decoding_length=max(max(limits) - 1, 1),
+        beam_size=decode_cfg.beam_size,
+        num_hypotheses=decode_cfg.nbest,
+        length_penalty=decode_cfg.length_penalty,
+        min_decoding_length=0,  # an empty output is allowed, as in tmt
+        return_scores=True,
+        suppress_sequences=[[piece(tokenizer.pad_id)], [piece(tokenizer.bos_id)]],
+    )
+    # CTranslate2 gives the normalised score only: it stands for the log-probability too.
+    return [
+        [Hypothesis([index(p) for p in hyp[: limit - 1]], float(score), float(score))
+         for hyp, score in zip(result.hypotheses, result.scores, strict=True)]
+        for result, limit in zip(results, limits, strict=True)
+    ]  # fmt: skip
 
 
 # --- the export `--engine ctranslate2` keeps beside a model --------------------------------------
