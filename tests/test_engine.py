@@ -100,6 +100,16 @@ def test_an_export_directory_is_a_model_for_ctranslate2(run_copy: Path, tmp_path
     code, _, err = tmt("translate", "-m", str(out), "--engine", "torch", stdin=text)
     assert code == 2 and "decode it with decode.engine=ctranslate2" in err
     assert len(err.strip().splitlines()) == 1
+    code, _, err = tmt(
+        "export", "-m", str(out), "--format", "huggingface", "-o", str(tmp_path / "hf")
+    )
+    assert code == 2 and "a CTranslate2 export already" in err
+    # Its config is read back as strictly as a checkpoint's: an unknown key is one line.
+    report = json.loads((out / ct2.REPORT_FILE).read_text())
+    (out / ct2.REPORT_FILE).write_text(json.dumps({**report, "config": {"decode": {"bem": 4}}}))
+    code, _, err = tmt("translate", "-m", str(out), stdin=text)
+    assert code == 2 and "unknown key decode.bem" in err and len(err.strip().splitlines()) == 1
+    (out / ct2.REPORT_FILE).write_text(json.dumps(report))
     # A damaged export is refused, naming the file; a cache is made again instead.
     with open(out / "model.bin", "r+b") as handle:
         handle.seek(100)
@@ -113,12 +123,15 @@ def test_a_damaged_cache_is_made_again(run_copy: Path, caplog: pytest.LogCapture
     expected = translate.translate_text(first, SOURCES[:6])
     (cache,) = caches(run_copy)
     (cache / "model.bin").write_bytes(b"not a model")
+    killed = cache.parent / f".tmp-{cache.name}-999999"  # what a kill mid-making leaves
+    shutil.copytree(cache, killed)
     with caplog.at_level("WARNING"):
         again = translate.load_translator(
             run_copy, ["decode.engine=ctranslate2", "decode.beam_size=1"]
         )
     assert "does not match its checksum" in caplog.text
     assert translate.translate_text(again, SOURCES[:6]) == expected
+    assert not killed.exists() and caches(run_copy) == [cache]
 
 
 def test_a_conversion_that_differs_is_refused_and_leaves_nothing(

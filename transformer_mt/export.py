@@ -69,9 +69,11 @@ def export(
         )  # fmt: skip
     if check_lines < 0:
         raise TmtError(f"{check_lines}: expected 0 (all) or more", param="check_lines")
+    if ct2.is_export(Path(model)):
+        raise TmtError(f"{model}: a CTranslate2 export already; export the tmt model it came from")
     _check_destination(output, model, overwrite)
     builder = _require(fmt)
-    settings = ["decode.device=cpu", "decode.precision=fp32"]
+    settings = ["decode.device=cpu", "decode.precision=fp32", "decode.engine=torch"]
     translator = translate.load_translator(model, settings, last=last, best=best, by=by)
     sources, _ = corpus.read_split(translator.config.data, "data.valid")
     lines = [s for s in sources if s.strip()][: check_lines or None]
