@@ -165,12 +165,11 @@ def test_the_job_keeps_the_engine_in_its_identity(
                             stdin=big_input.read_bytes().decode(errors="replace"))  # fmt: skip
     assert out.read_text() == streamed  # tmt's greedy output, line for line
     # An unfinished job of one engine is not finished by the other.
-    job = out.with_name(out.name + ".tmt-job")
-    job.mkdir()
-    identity = {"format": 1, "input": str(big_input.resolve()), "input_sha256": "0"}
-    (job / "job.json").write_text(json.dumps(identity))
-    code, _, err = tmt(*translate_args(run_copy, big_input, out, *engine))
-    assert code == 2 and "unfinished job" in err
+    killed = tmp_path / "killed.txt"
+    assert run_tmt(translate_args(run_copy, big_input, killed, "--beam", "1"),
+                   fault="chunk@3:kill").returncode == -9  # fmt: skip
+    code, _, err = tmt(*translate_args(run_copy, big_input, killed, *engine))
+    assert code == 2 and "decode.engine: 'torch' -> 'ctranslate2'" in err, err
 
 
 def test_two_ranks_share_the_cache_and_write_the_bytes_of_one(

@@ -218,12 +218,14 @@ def _difference(previous: dict[str, Any], identity: dict[str, Any]) -> str:
         return "an unreadable job.json"
     if previous.get("input_sha256") != identity["input_sha256"]:
         return f"another input ({previous.get('input')}, changed since or different)"
-    if previous.get("model_sha256") != identity["model_sha256"]:
-        return "another model"
     old, new = previous.get("decode", {}), identity["decode"]
     changed = [f"decode.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                if old.get(k) != new.get(k)]  # fmt: skip
-    return f"other decoding options ({', '.join(changed)})" if changed else "another format"
+    if changed:  # first: another engine or precision also makes another fingerprint
+        return f"other decoding options ({', '.join(changed)})"
+    if previous.get("model_sha256") != identity["model_sha256"]:
+        return "another model"
+    return "another format"
 
 
 def _uncommitted(
