@@ -83,6 +83,9 @@ empty line gives an empty line.
 
 ```python
 {code}```
+
+With tmt installed, `tmt translate -m THIS_DIRECTORY` (also `evaluate` and `serve`) decodes it with
+its CTranslate2 engine, after checking the files against the checksums in `tmt_export.json`.
 """
 
 _HUGGINGFACE_README = """\
