@@ -136,7 +136,7 @@ def _plan(
         "format": JOB_FORMAT,
         "input": str(source.resolve()),
         "input_sha256": digest,
-        "model_sha256": translator.fingerprint,
+        "model_sha256": translate.fingerprint(translator),
         "decode": {
             k: v
             for k, v in to_dict(translator.config)["decode"].items()

@@ -70,7 +70,7 @@ def validation_bleu(
     decode = dataclasses.replace(cfg.decode, beam_size=cfg.train.bleu_beam_size, nbest=1)
     translator = Translator(
         model=model, tokenizer=tokenizer, config=dataclasses.replace(cfg, decode=decode),
-        device=info.device, origin="training", fingerprint="",  # no job keeps it: no need
+        device=info.device, origin="training",
     )  # fmt: skip
     was_training = model.training
     model.eval()

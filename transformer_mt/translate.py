@@ -8,8 +8,8 @@ model, checked against tmt's greedy output, and reused after. Raw text in, detok
 the sentencepiece model travels inside the checkpoint. Inputs are sorted by length and batched
 by tokens; outputs come back in input order, exactly one per input line. An empty line gives an
 empty output without running the model; a line longer than the model's positions is truncated
-with a warning. search.py knows nothing of the
-model: `_translate_batch` gives it the step function (one decoder step over the cache).
+with a warning. search.py knows nothing of the model: `_translate_batch` gives it the step
+function (one decoder step over the cache).
 """
 
 from __future__ import annotations
@@ -57,13 +57,15 @@ class Translator:
     config: Config  # the checkpoint's config with the caller's overrides
     device: torch.device
     origin: str  # what was loaded, for messages
-    fingerprint: str  # SHA-256 of what decodes (weights and tokenizer, or the export's files)
     step: int = 0  # the updates its weights were trained for (the newest, for an average)
     path: Path | None = None  # the checkpoint or averaged model read (the newest averaged)
     run_dir: Path | None = None  # the run directory it belongs to, when there is one
     engine: Any = None  # a ctranslate2.Translator when decode.engine=ctranslate2
     export: Path | None = None  # ... and the export directory it reads
     parameters: int = 0  # the model's parameter count
+    # SHA-256 of what decodes (the export's files; the weights before int8); "" until a job asks
+    # for it (fingerprint()): hashing every weight is not worth it on each load.
+    fingerprint: str = ""
 
     @classmethod
     def load(
@@ -130,16 +132,22 @@ def load_translator(
     nbytes = sum(t.numel() * 4 for t in saved.state_dict.values())
     torch_engine = cfg.decode.engine == "torch"
     with distributed.allocating(f"the model in {cfg.decode.precision}", nbytes, target):
-        model = _in_precision(saved.model, cfg.decode.precision, target, torch_engine)
+        if torch_engine:
+            model = _in_precision(saved.model, cfg.decode.precision, target)
+        else:  # float32 on the CPU: what the CTranslate2 conversion reads
+            model = _in_precision(saved.model, "fp32", torch.device("cpu"))
     translator = Translator(
         model=model.eval(), tokenizer=saved.tokenizer, config=cfg, device=target, origin=origin,
-        fingerprint=model_fingerprint(model, saved.tokenizer), step=saved.step, path=saved.path,
-        run_dir=_run_of(Path(path), saved.path), parameters=count_parameters(model),
+        step=saved.step, path=saved.path, run_dir=_run_of(Path(path), saved.path),
+        parameters=count_parameters(model),
     )  # fmt: skip
-    if not torch_engine:
-        return _ctranslate2_cache(translator)
-    if cfg.decode.precision == "int8":
-        translator = dataclasses.replace(translator, model=_int8(model))
+    if not torch_engine:  # the cache is named by the weights' fingerprint
+        return _ctranslate2_cache(
+            dataclasses.replace(translator, fingerprint=fingerprint(translator))
+        )
+    if cfg.decode.precision == "int8":  # the fingerprint of the weights, not of their int8
+        weights = fingerprint(translator)
+        return dataclasses.replace(translator, model=_int8(model), fingerprint=weights)
     return translator
 
 
@@ -208,9 +216,9 @@ def _ctranslate2_cache(translator: Translator) -> Translator:
             greedy = apply_overrides(translator.config, ["decode.engine=torch",
                                      "decode.precision=fp32", "decode.beam_size=1"])  # fmt: skip
             torch_greedy = dataclasses.replace(translator, config=greedy)
-            try:
-                sources, _ = corpus.read_split(greedy.data, "data.valid")
-            except TmtError:  # the validation split is not here: a few lines of its own
+            try:  # the validation split; if it is not where the config says, a few lines
+                sources = corpus.read_split(greedy.data, "data.valid")[0]
+            except TmtError:
                 sources = []
             lines = [s for s in sources if s.strip()][:200] or _CHECK_LINES
             expected = [h[0].tokens for h in translate_lines(torch_greedy, lines)]
@@ -227,7 +235,6 @@ def _ctranslate2_cache(translator: Translator) -> Translator:
     )
 
 
-# Checked when the model's validation split is not where its config says.
 _CHECK_LINES = ["a", "Ein Hund rennt.", "Two people are walking down a street.", "1 2 3 4 5"]
 
 
@@ -240,13 +247,8 @@ def _run_of(given: Path, read: Path) -> Path | None:
     return None
 
 
-def _in_precision(
-    model: Transformer, precision: str, device: torch.device, torch_engine: bool = True
-) -> Transformer:
-    """The model on `device` in the decoding precision (decode.precision); float32 on the CPU
-    for int8 (quantized after: _int8) and for the ctranslate2 engine (converted from it)."""
-    if not torch_engine:
-        return model.to(device="cpu", dtype=torch.float32)
+def _in_precision(model: Transformer, precision: str, device: torch.device) -> Transformer:
+    """The model on `device` in the decoding precision (float32 for int8: _int8 quantizes it)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     return model.to(device=device, dtype=dtype)
 
@@ -282,10 +284,13 @@ def _quantizable(module: torch.nn.Module, name: str) -> bool:
     return isinstance(module, torch.nn.Linear) and not name.endswith("in_proj")
 
 
-def model_fingerprint(model: Transformer, tokenizer: Tokenizer) -> str:
-    """SHA-256 of the weights (float32) and the tokenizer: the model, whatever file it came from."""
-    digest = hashlib.sha256(tokenizer.model_bytes)
-    for name, tensor in model.state_dict().items():
+def fingerprint(translator: Translator) -> str:
+    """SHA-256 of the weights (float32) and the tokenizer: the model, whatever file it came from
+    (for CTranslate2, of the export's files)."""
+    if translator.fingerprint or translator.model is None:
+        return translator.fingerprint
+    digest = hashlib.sha256(translator.tokenizer.model_bytes)
+    for name, tensor in translator.model.state_dict().items():
         digest.update(name.encode())
         digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
