@@ -252,3 +252,21 @@ def test_a_huggingface_export_has_a_readme_whose_code_reproduces_tmt(
         result.stdout
         == translate.translate_text(translator, check_lines(trained_run)[:1])[0] + "\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("rule", "expected"), [("bound", "never"), ("current", False), ("k_finished", True)]
+)
+def test_huggingface_generate_defaults_carry_the_stopping_rule(
+    trained_run: Path, rule: str, expected: str | bool
+) -> None:
+    # What generate's early_stopping means for each of tmt's rules (its docstring): "never" is
+    # the exact bound, False the current-length heuristic, True "stop once num_beams finished".
+    from transformer_mt import huggingface
+
+    translator = translate.load_translator(
+        trained_run, ["decode.beam_size=3", f"decode.early_stopping={rule}"]
+    )
+    hf, _ = huggingface.model(translator)
+    assert hf.generation_config.num_beams == 3
+    assert hf.generation_config.early_stopping == expected

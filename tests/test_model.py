@@ -105,7 +105,7 @@ def test_cache_reorder_follows_the_rows() -> None:
     for t in range(3):
         model.decode(tgt[:, t : t + 1], None, mask, cache)
     order = torch.tensor([2, 2, 0])
-    cache.reorder(order)
+    cache.reorder(order, 1)
     out = model.decode(tgt[order, 3:4], None, mask[order], cache)
     full = model(src[order], tgt[order, :4])
     torch.testing.assert_close(out[:, 0], full[:, 3], rtol=0, atol=1e-5)
@@ -114,19 +114,21 @@ def test_cache_reorder_follows_the_rows() -> None:
 @pytest.mark.parametrize("pre_norm", [False, True])
 def test_beams_sharing_one_source_equal_repeated_sources(pre_norm: bool) -> None:
     # Beam search keeps the source once per sentence and lets its k beams attend as k queries;
-    # that must equal the plain cache over the source repeated k times, through reorders that
-    # shuffle beams within sentences and drop a sentence.
+    # that must equal the plain cache over the source repeated k times, from the first step's
+    # one row per sentence, through its expansion to k rows and reorders that shuffle beams
+    # within sentences and drop a sentence.
     model, k = tiny_model(pre_norm), 3
     src = torch.cat([tokens(2, 6), torch.full((1, 6), PAD)])
     src[2, :2] = tokens(1, 2, seed=11)  # a padded row
     tgt = tokens(3 * k, 6, seed=12)
     mask = make_src_mask(src, PAD)
     memory = model.encode(src, mask)
-    shared = model.start_cache(memory, beam=k)
-    plain = model.start_cache(memory.repeat_interleave(k, dim=0))
-    shared_mask, plain_mask = mask, mask.repeat_interleave(k, dim=0)
-    reorders = {2: torch.tensor([2, 0, 0, 3, 5, 4, 8, 8, 6]), 4: torch.tensor([7, 6, 8, 1, 1, 0])}
-    rows = torch.arange(3 * k)
+    shared, plain = model.start_cache(memory), model.start_cache(memory)
+    shared_mask, plain_mask = mask, mask
+    expand = torch.arange(3).repeat_interleave(k)  # each sentence's one row, k times
+    reorders = {0: expand, 2: torch.tensor([2, 0, 0, 3, 5, 4, 8, 8, 6]),
+                4: torch.tensor([7, 6, 8, 1, 1, 0])}  # fmt: skip
+    rows = torch.arange(0, 3 * k, k)
     for t in range(tgt.size(1)):
         step = tgt[rows, t : t + 1]
         a = model.decode(step, None, shared_mask, shared)
@@ -134,12 +136,14 @@ def test_beams_sharing_one_source_equal_repeated_sources(pre_norm: bool) -> None
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
         if t in reorders:
             index = reorders[t]
-            sentences = shared.reorder(index)
+            sentences = shared.reorder(index, k)
             if sentences is not None:
                 shared_mask = shared_mask.index_select(0, sentences)
-            plain.reorder(index)
-            plain_mask, rows = plain_mask.index_select(0, index), rows[index]
+            plain.reorder(index, 1)  # every row its own sentence
+            plain_mask = plain_mask.index_select(0, index)
+            rows = torch.arange(3 * k) if t == 0 else rows[index]
     assert shared.cross_k[0].size(0) == 2  # the dropped sentence's source is gone
+    assert plain.cross_k[0].size(0) == 2 * k
 
 
 def test_three_way_weight_tying() -> None:

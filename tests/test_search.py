@@ -23,7 +23,7 @@ class ToyState:
     def __init__(self, sentences: list[int]) -> None:
         self.rows = [(s, ()) for s in sentences]
 
-    def reorder(self, index: torch.Tensor) -> None:
+    def reorder(self, index: torch.Tensor, beam: int) -> None:
         self.rows = [self.rows[i] for i in index.tolist()]
 
 
@@ -84,7 +84,7 @@ def test_wide_beam_equals_exhaustive_search(alpha: float, form: str, seed: int) 
     )
     result = beam_search(
         toy_step(seed),
-        ToyState([0] * k),
+        ToyState([0]),
         [max_len],
         BOS,
         EOS,
@@ -115,7 +115,7 @@ def test_greedy_can_be_worse_than_beam() -> None:
     }
     g = greedy(toy_step(table=table), ToyState([0]), [5], BOS, EOS, banned=(PAD, BOS))[0]
     b = beam_search(
-        toy_step(table=table), ToyState([0, 0]), [5], BOS, EOS, 2, alpha=0.0, banned=(PAD, BOS)
+        toy_step(table=table), ToyState([0]), [5], BOS, EOS, 2, alpha=0.0, banned=(PAD, BOS)
     )[0][0]
     assert g.tokens == [3] and b.tokens == [4]
     assert b.log_prob > g.log_prob
@@ -151,7 +151,7 @@ def test_batched_equals_one_by_one(seed: int, k: int, n: int) -> None:
     limits = [3 + 2 * (i % 3) for i in range(n)]
     together = beam_search(
         toy_step(seed),
-        ToyState([i for i in range(n) for _ in range(k)]),
+        ToyState(list(range(n))),
         limits,
         BOS,
         EOS,
@@ -163,7 +163,7 @@ def test_batched_equals_one_by_one(seed: int, k: int, n: int) -> None:
     for i in range(n):
         alone = beam_search(
             toy_step(seed),
-            ToyState([i] * k),
+            ToyState([i]),
             [limits[i]],
             BOS,
             EOS,
@@ -194,7 +194,7 @@ def test_maximum_length_forces_eos_and_banned_ids_never_appear() -> None:
     )
     beam_out = beam_search(
         toy_step(table=table),
-        ToyState([0, 0, 0, 1, 1, 1]),
+        ToyState([0, 1]),
         [1, 4],
         BOS,
         EOS,
@@ -211,7 +211,7 @@ def test_maximum_length_forces_eos_and_banned_ids_never_appear() -> None:
 def test_search_stops_early_when_nothing_can_beat_the_finished() -> None:
     eos_first = {"default": torch.log_softmax(torch.tensor([0.0, 0.0, 8.0, 0.0, 0.0, 0.0]), dim=-1)}
     step = toy_step(table=eos_first)
-    out = beam_search(step, ToyState([0] * 4), [60], BOS, EOS, 4, 0.6, banned=(PAD, BOS))
+    out = beam_search(step, ToyState([0]), [60], BOS, EOS, 4, 0.6, banned=(PAD, BOS))
     assert out[0][0].tokens == []
     assert len(step.calls) < 10  # far fewer steps than the maximum length of 60
     step = toy_step(table=eos_first)
@@ -220,10 +220,11 @@ def test_search_stops_early_when_nothing_can_beat_the_finished() -> None:
 
 
 def test_finished_sentences_leave_the_batch() -> None:
-    # Sentence 0 may have 1 token, sentence 1 up to 6: later steps only feed sentence 1's rows.
+    # Sentence 0 may have 1 token, sentence 1 up to 6: the first step feeds one row per sentence
+    # (all beams start alike), later steps only sentence 1's 3 beams.
     step = toy_step(seed=5)
-    beam_search(step, ToyState([0, 0, 1, 1]), [1, 6], BOS, EOS, 2, 0.6, banned=(PAD, BOS))
-    assert step.calls[0] == 4 and all(c == 2 for c in step.calls[1:])
+    beam_search(step, ToyState([0, 1]), [1, 6], BOS, EOS, 3, 0.6, banned=(PAD, BOS))
+    assert step.calls[0] == 2 and len(step.calls) > 1 and all(c == 3 for c in step.calls[1:])
 
 
 def test_length_penalty_forms() -> None:
@@ -243,7 +244,7 @@ def test_current_length_early_stopping_is_never_better_and_never_longer(seed: in
     runs = {}
     for rule in ("bound", "current"):
         step = toy_step(seed=seed)
-        state = ToyState([s for s in sentences for _ in range(k)])
+        state = ToyState(sentences)
         hyps = beam_search(
             step, state, limits, BOS, EOS, k, 0.6, banned=(PAD, BOS), early_stopping=rule
         )
@@ -253,9 +254,57 @@ def test_current_length_early_stopping_is_never_better_and_never_longer(seed: in
     assert all(c <= b + 1e-9 for c, b in zip(current_scores, bound_scores, strict=True))
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(2, 4))
+def test_k_finished_stops_once_k_hypotheses_finished(seed: int, k: int) -> None:
+    # fairseq's and CTranslate2's rule: on the same trajectory, never more steps than "current",
+    # and every sentence that stopped before its limit holds k finished hypotheses.
+    sentences, limits = [0, 1, 2], [9, 5, 12]
+    rows = {}
+    for rule in ("current", "k_finished"):
+        step = toy_step(seed=seed)
+        hyps = beam_search(step, ToyState(sentences), limits, BOS, EOS, k, 0.6, nbest=k,
+                           banned=(PAD, BOS), early_stopping=rule)  # fmt: skip
+        rows[rule] = sum(step.calls)
+    assert rows["k_finished"] <= rows["current"]
+    assert all(len(h) == k for h in hyps)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    width=st.integers(1, 4),
+    vocab=st.sampled_from([1, 3, 6, 7, 64, 130, 192, 257]),
+    count=st.integers(1, 10),
+    ties=st.sampled_from(["none", "few values", "-inf", "zeros"]),
+    seed=st.integers(0, 10_000),
+)
+def test_best_continuations_equal_a_stable_sort_of_all(rows, width, vocab, count, ties, seed):
+    # The block-wise top of search.py against its definition: all w·V continuations of each
+    # sentence sorted best first, ties to the lower index; fewer than `count` padded with -inf.
+    from transformer_mt.search import _best_continuations
+
+    g = torch.Generator().manual_seed(seed)
+    log_probs = torch.randn(rows * width, vocab, generator=g)
+    if ties == "few values":
+        log_probs = torch.randint(-2, 1, log_probs.shape, generator=g).float()
+    elif ties == "-inf":
+        log_probs[torch.rand(log_probs.shape, generator=g) < 0.8] = -math.inf
+    elif ties == "zeros":  # -0.0 and 0.0 are equal, as the floats compare
+        log_probs = torch.where(torch.rand(log_probs.shape, generator=g) < 0.5, -0.0, 0.0)
+    beam_scores = -torch.rand(rows, width, generator=g).round(decimals=1)
+    scores, index = _best_continuations(log_probs, beam_scores, count)
+    everything = (beam_scores.reshape(-1, 1) + log_probs).view(rows, -1)
+    expected, expected_index = everything.sort(dim=-1, descending=True, stable=True)
+    kept = min(count, width * vocab)
+    assert torch.equal(index[:, :kept], expected_index[:, :kept])
+    assert torch.equal(scores[:, :kept], expected[:, :kept])
+    assert scores.shape == (rows, count) and bool((scores[:, kept:] == -math.inf).all())
+
+
 def test_unknown_early_stopping_rule_is_refused() -> None:
     with pytest.raises(ValueError, match="early_stopping"):
-        beam_search(toy_step(), ToyState([0, 0]), [5], BOS, EOS, 2, early_stopping="never")
+        beam_search(toy_step(), ToyState([0]), [5], BOS, EOS, 2, early_stopping="never")
 
 
 # --- the same outputs as the search before its bookkeeping moved onto the device ---------------
@@ -278,7 +327,7 @@ def tied_step(seed: int):
     k=st.integers(1, 5),
     alpha=st.sampled_from([0.0, 0.6, 1.0, 2.0]),
     form=st.sampled_from(["gnmt", "power"]),
-    early_stopping=st.sampled_from(["bound", "current"]),
+    early_stopping=st.sampled_from(["bound", "current", "k_finished"]),
     ties=st.booleans(),
     data=st.data(),
 )
@@ -291,14 +340,13 @@ def test_search_outputs_equal_the_reference(
     make = tied_step if ties else toy_step
     results = []
     for module in (reference, __import__("transformer_mt.search", fromlist=["greedy"])):
-        step, rows = make(seed), [s for s in range(len(lengths)) for _ in range(k)]
+        step, state = make(seed), ToyState(list(range(len(lengths))))
         if k == 1:
-            found = module.greedy(step, ToyState(list(range(len(lengths)))), lengths, BOS, EOS,
-                                  (PAD, BOS), alpha, form)  # fmt: skip
+            found = module.greedy(step, state, lengths, BOS, EOS, (PAD, BOS), alpha, form)
             found = [[(h.tokens, h.score, h.log_prob)] for h in found]
         else:
             found = module.beam_search(
-                step, ToyState(rows), lengths, BOS, EOS, k, alpha, form, nbest=nbest,
+                step, state, lengths, BOS, EOS, k, alpha, form, nbest=nbest,
                 banned=(PAD, BOS), early_stopping=early_stopping,
             )  # fmt: skip
             found = [[(h.tokens, h.score, h.log_prob) for h in hyps] for hyps in found]

@@ -274,8 +274,9 @@ class DecodeConfig:
     # When a sentence's search stops once it has k finished hypotheses: "bound" when no live one
     # can beat them under any length up to the maximum (tensor2tensor, the paper's code: exact,
     # the same output as searching to the maximum length); "current" when none beats them at its
-    # current length (HF generate's default heuristic: fewer steps, may rarely differ).
-    early_stopping: Literal["bound", "current"] = "bound"
+    # current length (HF generate's default heuristic: fewer steps, may rarely differ);
+    # "k_finished" as soon as it has them (fairseq's and CTranslate2's rule, HF's True).
+    early_stopping: Literal["bound", "current", "k_finished"] = "bound"
     max_len_a: Amount = 1.0  # §6.1 maximum output length a · input length + b
     max_len_b: Number = 50
     max_tokens: Count = 4096  # source tokens per translation batch (padded), before beam expansion

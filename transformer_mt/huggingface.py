@@ -53,7 +53,9 @@ def model(translator: Translator) -> tuple[Any, str]:
         {
             "num_beams": decode.beam_size,
             "length_penalty": decode.length_penalty,
-            "early_stopping": "never" if decode.early_stopping == "bound" else False,
+            "early_stopping": {"bound": "never", "current": False, "k_finished": True}[
+                decode.early_stopping
+            ],
         }
         if decode.beam_size > 1
         else {}

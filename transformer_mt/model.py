@@ -214,7 +214,7 @@ class DecoderCache:
     to reorder while the set of sentences stays the same.
     """
 
-    beam: int = 1
+    beam: int = 1  # consecutive rows per sentence
     length: int = 0  # target positions decoded so far
     self_k: list[torch.Tensor] = field(default_factory=list)  # per layer (B·k, H, capacity, K)
     self_v: list[torch.Tensor] = field(default_factory=list)
@@ -243,21 +243,23 @@ class DecoderCache:
         self.self_v[layer][:, :, t:end] = v
         return self.self_k[layer][:, :, :end], self.self_v[layer][:, :, :end]
 
-    def reorder(self, index: torch.Tensor) -> torch.Tensor | None:
-        """Keep rows `index` (B'·k,) in this order, e.g. the surviving beams; each group of k
-        must come from one sentence. Returns the sentences kept (B',), None if all stay as is."""
+    def reorder(self, index: torch.Tensor, beam: int) -> torch.Tensor | None:
+        """Keep rows `index` (B'·beam,) in this order, e.g. the surviving beams; each group of
+        `beam` must come from one sentence (beam search's first step turns each sentence's one
+        row into k). Returns the sentences kept (B',), None if all stay as is."""
         t = self.length
         for buffers in (self.self_k, self.self_v):
             for i, buffer in enumerate(buffers):
                 spare = self.spare
                 if spare is None or spare.shape[1:] != buffer.shape[1:] or len(spare) < len(index):
-                    self.spare = torch.empty_like(buffer)
+                    self.spare = buffer.new_empty(len(index), *buffer.shape[1:])
                 out = self.spare[: len(index)]
                 # Search chooses rows; no gradient flows through that choice (and out= has none).
                 with torch.no_grad():
                     torch.index_select(buffer[:, :, :t], 0, index, out=out[:, :, :t])
                 buffers[i], self.spare = out, buffer
-        sentences = index.view(-1, self.beam)[:, 0] // self.beam  # (B',)
+        sentences = index.view(-1, beam)[:, 0] // self.beam  # (B',)
+        self.beam = beam
         unchanged = torch.arange(self.cross_k[0].size(0), device=index.device)
         if sentences.shape == unchanged.shape and torch.equal(sentences, unchanged):
             return None
@@ -376,10 +378,10 @@ class Transformer(nn.Module):
             cache.length += tgt.size(1)
         return self.output_projection(self.decoder_norm(y))
 
-    def start_cache(self, memory: torch.Tensor, beam: int = 1) -> DecoderCache:
+    def start_cache(self, memory: torch.Tensor) -> DecoderCache:
         """A decoding cache holding each layer's cross-attention K/V of `memory` (B, S, D), for
-        B·beam decoder rows (`beam` consecutive rows per sentence; src_mask stays (B, ...))."""
-        cache = DecoderCache(beam=beam)
+        one decoder row per sentence (beam search makes k of each: DecoderCache.reorder)."""
+        cache = DecoderCache()
         for layer in self.decoder_layers:
             k, v = layer.cross_attn.project_key_value(memory)
             cache.cross_k.append(k)

@@ -305,8 +305,8 @@ class _DecodeState:
     def __init__(self, cache: DecoderCache, src_mask: torch.Tensor) -> None:
         self.cache, self.src_mask = cache, src_mask
 
-    def reorder(self, index: torch.Tensor) -> None:
-        sentences = self.cache.reorder(index.to(self.src_mask.device))
+    def reorder(self, index: torch.Tensor, beam: int) -> None:
+        sentences = self.cache.reorder(index.to(self.src_mask.device), beam)
         if sentences is not None:  # the source mask is per sentence, like the cross K/V
             self.src_mask = self.src_mask.index_select(0, sentences)
 
@@ -395,8 +395,8 @@ def _translate_batch(
     k = 1 if decode.sampling != "none" else decode.beam_size
     src_mask = make_src_mask(src, tok.pad_id)
     memory = model.encode(src, src_mask)
-    # k decoder rows per sentence (B·k); the source stays (B, S, D): see DecoderCache.
-    state = _DecodeState(model.start_cache(memory, beam=k), src_mask)
+    # One decoder row per sentence; beam search makes k (B·k), the source stays (B, S, D).
+    state = _DecodeState(model.start_cache(memory), src_mask)
 
     def step(tokens: torch.Tensor, s: _DecodeState) -> tuple[torch.Tensor, _DecodeState]:
         logits = model.decode(tokens[:, None], None, s.src_mask, s.cache)  # (N, 1, V)
