@@ -117,7 +117,9 @@ def beam_search(
             finished, live, history, top_scores, top_beam, is_eos, t, k, width, alpha, form
         )
         # The first k non-EOS continuations live on (each beam has one EOS: at most k of 2k).
-        order = torch.tensor([[j for j in range(2 * k) if not row[j]][:k] for row in is_eos.tolist()])
+        order = torch.tensor(
+            [[j for j in range(2 * k) if not row[j]][:k] for row in is_eos.tolist()]
+        )
         beam_scores = top_scores.gather(1, order)
         source_row = (torch.arange(len(live))[:, None] * width + top_beam.gather(1, order)).view(
             -1

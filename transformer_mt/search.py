@@ -24,7 +24,6 @@ from typing import Any, Protocol
 
 import torch
 
-
 # When beam search stops a sentence: see beam_search.
 STOPPING_RULES = ("bound", "current", "k_finished")
 
@@ -258,7 +257,7 @@ def _best_continuations(
     On the demo model this is 2x faster than topk over (m, w·V) (scripts/bench_decode.py).
     Fewer than `count` candidates (a tiny vocabulary) are padded with -inf ones."""
     rows, vocab = log_probs.shape
-    m, width = beam_scores.shape
+    m = beam_scores.size(0)
     block = max(d for d in range(1, 65) if vocab % d == 0)  # 64 for 8,000 or 32,000 tokens
     maxima = log_probs.view(rows, vocab // block, block).amax(dim=-1)  # (m·w, V/B)
     maxima = (beam_scores.reshape(-1, 1) + maxima).view(m, -1)  # (m, w·V/B): scores are monotone
