@@ -18,7 +18,8 @@ ports are exact. Needs the bench extra: pip install -e ".[bench]".
     python scripts/bench_decode.py --checkpoint runs/bench_decode
 
 The last line printed is one JSON object with every figure; "ratios" holds those the goals name:
-tmt beam 4 ÷ CTranslate2 fp32 beam 4 and ÷ HF generate beam 4 (same stopping rule), tmt
+tmt beam 4 ÷ CTranslate2 fp32 beam 4 and ÷ HF generate beam 4 (same stopping rule), tmt's
+oneDNN linear layers ÷ PyTorch's (decode.cpu_linear), tmt
 --engine ctranslate2 ÷ raw CTranslate2 (greedy, beam 4, int8 beam 4), int8 ÷ fp32 per engine;
 "bleu_int8_minus_fp32" the BLEU cost of int8 per engine. The machine's ISA is printed first.
 """
@@ -132,7 +133,11 @@ def main() -> None:
     isa = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...: what decides the winner
     print(f"CPU capability: {isa}, {args.threads} threads", flush=True)
 
+    import transformers
+
     from transformer_mt import corpus, ct2, evaluate, huggingface, translate
+
+    transformers.logging.set_verbosity_error()  # not a warning per batch about max_length
 
     # Same normalisation for everyone: score / |Y|^α (HF and CTranslate2 cannot do GNMT's).
     overrides = ["decode.length_penalty_form=power", "decode.device=cpu"]
@@ -140,10 +145,21 @@ def main() -> None:
     # tmt's --precision int8: torchao's dynamic int8 of the feed-forward and attention output
     # projections (the fused Q/K/V and the tied output projection stay fp32).
     int8 = translate.load_translator(args.checkpoint, [*overrides, "decode.precision=int8"])
-    # tmt --engine ctranslate2 (its export, made beside the model on first use), fp32 and int8.
+    # tmt's own engine with PyTorch's linear kernels (MKL on x86) instead of oneDNN's.
+    torch_linear = translate.load_translator(
+        args.checkpoint, [*overrides, "decode.cpu_linear=torch"]
+    )
+    # tmt --engine ctranslate2 (its export, made beside the model on first use), fp32 and int8:
+    # loaded after every PyTorch row has run (engines, below).
     engine = ["decode.engine=ctranslate2", *overrides]
-    tmt_ct2 = translate.load_translator(args.checkpoint, engine)
-    tmt_ct2_int8 = translate.load_translator(args.checkpoint, [*engine, "decode.precision=int8"])
+    engines: dict[str, translate.Translator] = {}
+
+    def tmt_ct2(precision: str) -> translate.Translator:
+        if precision not in engines:
+            changes = [*engine, f"decode.precision={precision}"]
+            engines[precision] = translate.load_translator(args.checkpoint, changes)
+        return engines[precision]
+
     sources, references = corpus.read_split(translator.config.data, "data.test")
     sources, references = sources[: args.lines], references[: args.lines]
     hf_model, architecture = huggingface.model(translator)
@@ -156,17 +172,22 @@ def main() -> None:
             spec.optimize(quantization=quantization)
             directory.mkdir()
             spec.save(str(directory))
+        # PyTorch rows first: once CTranslate2 has decoded in a process, PyTorch's small
+        # parallel ops there take ~60 µs instead of ~4 (two OpenMP runtimes; measured on the
+        # benchmark machine), which would slow every PyTorch row measured after it.
         runs = {
             "tmt_greedy": lambda: run_tmt(translator, sources, 1),
             "tmt_beam4": lambda: run_tmt(translator, sources, 4),
             "tmt_beam4_current": lambda: run_tmt(translator, sources, 4, "current"),
+            "tmt_beam4_k_finished": lambda: run_tmt(translator, sources, 4, "k_finished"),
+            "tmt_torch_linear_beam4_current": lambda: run_tmt(torch_linear, sources, 4, "current"),
             "tmt_int8_beam4_current": lambda: run_tmt(int8, sources, 4, "current"),
-            "tmt_ct2_greedy": lambda: run_tmt(tmt_ct2, sources, 1),
-            "tmt_ct2_beam4": lambda: run_tmt(tmt_ct2, sources, 4),
-            "tmt_ct2_int8_beam4": lambda: run_tmt(tmt_ct2_int8, sources, 4),
             "hf_greedy": lambda: run_hf(hf_model, translator, sources, 1),
             "hf_beam4_never": lambda: run_hf(hf_model, translator, sources, 4, "never"),
             "hf_beam4": lambda: run_hf(hf_model, translator, sources, 4),
+            "tmt_ct2_greedy": lambda: run_tmt(tmt_ct2("fp32"), sources, 1),
+            "tmt_ct2_beam4": lambda: run_tmt(tmt_ct2("fp32"), sources, 4),
+            "tmt_ct2_int8_beam4": lambda: run_tmt(tmt_ct2("int8"), sources, 4),
             "ct2_greedy": lambda: run_ct2(fp32_dir, translator, sources, 1),
             "ct2_beam4": lambda: run_ct2(fp32_dir, translator, sources, 4),
             "ct2_int8_beam4": lambda: run_ct2(int8_dir, translator, sources, 4, "int8"),
@@ -185,7 +206,7 @@ def main() -> None:
             }
             r = results[name]
             print(
-                f"{name:<24} {r['sentences_per_s']:>8.1f} sent/s"
+                f"{name:<32} {r['sentences_per_s']:>8.1f} sent/s"
                 f" {r['target_tokens_per_s']:>9.1f} tok/s  BLEU {r['bleu']:.2f}",
                 flush=True,
             )
@@ -206,8 +227,10 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "results": results,
         "ratios": {
-            # The goals: tmt beam 4 against CTranslate2 fp32 beam 4 (CTranslate2's stopping rule
-            # is the current-length one), and against HF generate with the same rule as tmt's.
+            # The goals: tmt beam 4 against CTranslate2 fp32 beam 4 with CTranslate2's stopping
+            # rule (k_finished: a sentence stops once it has k finished hypotheses; current
+            # searches a little longer), and against HF generate with the same rule as tmt's.
+            "tmt_beam4_k_finished_over_ct2_beam4": ratio("tmt_beam4_k_finished", "ct2_beam4"),
             "tmt_beam4_current_over_ct2_beam4": ratio("tmt_beam4_current", "ct2_beam4"),
             "tmt_beam4_over_hf_beam4_never": ratio("tmt_beam4", "hf_beam4_never"),
             "tmt_beam4_current_over_hf_beam4": ratio("tmt_beam4_current", "hf_beam4"),
@@ -218,6 +241,10 @@ def main() -> None:
             "tmt_ct2_over_ct2_greedy": ratio("tmt_ct2_greedy", "ct2_greedy"),
             "tmt_ct2_over_ct2_beam4": ratio("tmt_ct2_beam4", "ct2_beam4"),
             "tmt_ct2_int8_over_ct2_int8_beam4": ratio("tmt_ct2_int8_beam4", "ct2_int8_beam4"),
+            # oneDNN's packed linear layers (decode.cpu_linear's default) over PyTorch's own
+            "onednn_over_torch_linear_beam4": ratio(
+                "tmt_beam4_current", "tmt_torch_linear_beam4_current"
+            ),
             # int8 over fp32, each engine, beam 4
             "tmt_int8_over_tmt_fp32_beam4": ratio("tmt_int8_beam4_current", "tmt_beam4_current"),
             "ct2_int8_over_ct2_fp32_beam4": ratio("ct2_int8_beam4", "ct2_beam4"),
@@ -234,6 +261,10 @@ def main() -> None:
             "tmt_beam4_vs_hf_never": agree("tmt_beam4", "hf_beam4_never"),
             "tmt_beam4_current_vs_hf": agree("tmt_beam4_current", "hf_beam4"),
             "tmt_beam4_current_vs_ct2": agree("tmt_beam4_current", "ct2_beam4"),
+            "tmt_beam4_k_finished_vs_ct2": agree("tmt_beam4_k_finished", "ct2_beam4"),
+            "tmt_onednn_vs_torch_linear": agree(
+                "tmt_beam4_current", "tmt_torch_linear_beam4_current"
+            ),
             "tmt_beam4_vs_tmt_beam4_current": agree("tmt_beam4", "tmt_beam4_current"),
             "tmt_int8_vs_tmt": agree("tmt_int8_beam4_current", "tmt_beam4_current"),
             "ct2_int8_vs_ct2": agree("ct2_int8_beam4", "ct2_beam4"),

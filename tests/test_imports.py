@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "distributed",
             "train_state",
             "metrics",
+            "onednn",
         },
     ),
     # what tmt keeps on disk: one checkpoint, a run directory, averages of checkpoints

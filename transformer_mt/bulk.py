@@ -43,8 +43,9 @@ logger = logging.getLogger("tmt")
 JOB_SUFFIX = files.JOB_SUFFIX
 JOB_FILE = "job.json"
 JOB_FORMAT = 1
-# Decoding options that do not change what is written: where and in what batches it runs.
-NOT_IN_IDENTITY = ("device", "max_tokens", "buffer_lines")
+# Decoding options that do not change what is written: where, in what batches and with which
+# kernels it runs.
+NOT_IN_IDENTITY = ("device", "max_tokens", "buffer_lines", "cpu_linear")
 
 
 @dataclasses.dataclass(frozen=True)

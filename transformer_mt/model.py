@@ -105,7 +105,7 @@ class MultiHeadAttention(nn.Module):
 
     def project_self(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, T, D) -> q, k, v each (B, H, T, K): one fused matmul for self-attention."""
-        q, k, v = F.linear(x, self.in_proj.weight, self.in_proj.bias).chunk(3, dim=-1)
+        q, k, v = self.in_proj(x).chunk(3, dim=-1)
         return self._heads(q), self._heads(k), self._heads(v)
 
     def project_query(self, x: torch.Tensor) -> torch.Tensor:
@@ -263,8 +263,9 @@ class DecoderCache:
         unchanged = torch.arange(self.cross_k[0].size(0), device=index.device)
         if sentences.shape == unchanged.shape and torch.equal(sentences, unchanged):
             return None
-        for tensors in (self.cross_k, self.cross_v):
-            tensors[:] = [t_.index_select(0, sentences) for t_ in tensors]
+        # Rows of the sentences kept, each in its layout (Kᵀ contiguous, see start_cache).
+        self.cross_k[:] = [k.mT.index_select(0, sentences).mT for k in self.cross_k]
+        self.cross_v[:] = [v.index_select(0, sentences) for v in self.cross_v]
         return sentences
 
 
@@ -384,8 +385,9 @@ class Transformer(nn.Module):
         cache = DecoderCache()
         for layer in self.decoder_layers:
             k, v = layer.cross_attn.project_key_value(memory)
-            cache.cross_k.append(k)
-            cache.cross_v.append(v)
+            # Laid out for the step's matmuls, Kᵀ and V contiguous: not copied again each step.
+            cache.cross_k.append(k.transpose(-2, -1).contiguous().transpose(-2, -1))
+            cache.cross_v.append(v.contiguous())
         return cache
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:

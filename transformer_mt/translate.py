@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_mt import averaging, corpus, ct2, distributed, run, textio
+from transformer_mt import averaging, corpus, ct2, distributed, onednn, run, textio
 from transformer_mt.config import MODEL_SECTIONS, Config, apply_overrides, changed_keys
 from transformer_mt.data import TokenBucketSampler
 from transformer_mt.exits import TmtError
@@ -148,6 +148,8 @@ def load_translator(
     if cfg.decode.precision == "int8":  # the fingerprint of the weights, not of their int8
         weights = fingerprint(translator)
         return dataclasses.replace(translator, model=_int8(model), fingerprint=weights)
+    if cfg.decode.cpu_linear == "onednn" and target.type == "cpu":
+        onednn.pack_linears(model)  # where oneDNN cannot, torch's kernels stay
     return translator
 
 
@@ -254,11 +256,10 @@ def _in_precision(model: Transformer, precision: str, device: torch.device) -> T
 
 
 def _int8(model: Transformer) -> Transformer:
-    """Dynamic int8 of the linear layers (torchao: int8 weights per channel, activations
-    quantized per token at each call). The stacked Q/K/V projections stay float32: cross
-    attention slices theirs (keys and values of the source), which a quantized tensor cannot.
-    Unlike float32, a line's output may differ in rare lines with the batch it is decoded in
-    (149 of 150 test sentences identical alone and batched on the demo model)."""
+    """Dynamic int8 of the linear layers (torchao: int8 weights per channel, activations per
+    token at each call). The stacked Q/K/V projections stay float32: cross attention slices
+    theirs, which a quantized tensor cannot. Unlike float32, a line's output may differ in rare
+    lines with its batch (149 of 150 test sentences identical alone and batched, demo model)."""
     # torchao's import logs the GPU kernels it cannot load on this machine: not the user's news.
     logging.disable(logging.WARNING)
     try:
@@ -392,7 +393,6 @@ def _translate_batch(
         src[row, : len(seq)] = torch.tensor(seq)
         src[row, len(seq)] = tok.eos_id
     src = src.to(translator.device)
-    k = 1 if decode.sampling != "none" else decode.beam_size
     src_mask = make_src_mask(src, tok.pad_id)
     memory = model.encode(src, src_mask)
     # One decoder row per sentence; beam search makes k (B·k), the source stays (B, S, D).
@@ -421,10 +421,10 @@ def _translate_batch(
             temperature=decode.temperature, **common,
         )  # fmt: skip
         return [hypotheses[i : i + samples] for i in range(0, len(hypotheses), samples)]
-    if k == 1:
+    if decode.beam_size == 1:
         return [[h] for h in greedy(step, state, limits, **common)]
     return beam_search(
-        step, state, limits, beam_size=k, nbest=decode.nbest,
+        step, state, limits, beam_size=decode.beam_size, nbest=decode.nbest,
         early_stopping=decode.early_stopping, **common,
     )  # fmt: skip
 

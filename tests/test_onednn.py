@@ -1,0 +1,114 @@
+"""oneDNN's packed linear layers for CPU decoding: the same model, the same outputs, the same
+fingerprint; torch's kernels when asked or where oneDNN is missing."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import reverse_pairs
+from test_bulk import big_input, translate_args  # noqa: F401 (a fixture)
+from test_model import PAD, TINY, V, tokens
+from typer.testing import CliRunner
+
+from transformer_mt import faults, onednn, translate
+from transformer_mt.cli import app
+from transformer_mt.model import Transformer, make_src_mask
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="this PyTorch has no oneDNN")
+SOURCES = [s for s, _ in reverse_pairs(24, seed=11)]
+
+
+def packed_modules(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, onednn.PackedLinear)]
+
+
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_a_packed_model_is_the_same_model(pre_norm: bool) -> None:
+    torch.manual_seed(0)
+    plain = Transformer(dataclasses.replace(TINY, pre_norm=pre_norm), V, PAD).eval()
+    packed = Transformer(dataclasses.replace(TINY, pre_norm=pre_norm), V, PAD).eval()
+    packed.load_state_dict(plain.state_dict())
+    assert onednn.pack_linears(packed)
+    linears = [n for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert packed_modules(packed) == linears  # every one, the tied output projection too
+    assert packed.output_projection.weight is packed.embedding.weight
+    before, after = plain.state_dict(), packed.state_dict()
+    assert list(before) == list(after)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    src, tgt = tokens(3, 7), tokens(3, 5, seed=2)
+    mask = make_src_mask(src, PAD)
+    with torch.inference_mode():
+        expected = plain.decode(tgt, plain.encode(src, mask), mask)
+        found = packed.decode(tgt, packed.encode(src, mask), mask)
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_with_autograd_a_packed_layer_computes_as_a_plain_one() -> None:
+    # Packed weights have no gradient: with autograd on, the layer is nn.Linear (fine-tuning a
+    # model that was loaded for decoding still learns).
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 5)
+    plain = torch.nn.Linear(8, 5)
+    plain.load_state_dict(layer.state_dict())
+    assert onednn.pack_linears(layer) and isinstance(layer, onednn.PackedLinear)
+    x = torch.randn(4, 8)
+    layer(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert layer.weight.grad is not None and plain.weight.grad is not None
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad)
+
+
+def test_without_onednn_the_model_is_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    model = Transformer(TINY, V, PAD)
+    assert not onednn.pack_linears(model) and packed_modules(model) == []
+
+
+def test_the_translator_packs_on_the_cpu_unless_asked_not_to(trained_run: Path) -> None:
+    default = translate.load_translator(trained_run, ["decode.device=cpu"])
+    plain = translate.load_translator(trained_run, ["decode.cpu_linear=torch"])
+    assert packed_modules(default.model) and not packed_modules(plain.model)
+    # The weights' identity (job identity, the CTranslate2 cache's name) does not change.
+    assert translate.fingerprint(default) == translate.fingerprint(plain)
+    for settings in (["decode.beam_size=1"], ["decode.beam_size=3", "decode.nbest=3"]):
+        found = translate.translate_lines(default_with(default, settings), SOURCES)
+        expected = translate.translate_lines(default_with(plain, settings), SOURCES)
+        assert [[h.tokens for h in hyps] for hyps in found] == [
+            [h.tokens for h in hyps] for hyps in expected
+        ]
+        for hyps_a, hyps_b in zip(found, expected, strict=True):
+            for a, b in zip(hyps_a, hyps_b, strict=True):
+                assert a.score == pytest.approx(b.score, rel=1e-5, abs=1e-5)
+
+
+def default_with(translator: translate.Translator, settings: list[str]) -> translate.Translator:
+    from transformer_mt.config import apply_overrides
+
+    return dataclasses.replace(translator, config=apply_overrides(translator.config, settings))
+
+
+def test_int8_is_not_packed(trained_run: Path) -> None:
+    pytest.importorskip("torchao")
+    int8 = translate.load_translator(trained_run, ["decode.precision=int8"])
+    assert packed_modules(int8.model) == []
+
+
+def test_a_job_resumes_with_the_other_kernels(
+    trained_run: Path,
+    big_input: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Which kernels multiply is not part of a job's identity (like the device and batch size).
+    out = tmp_path / "out.txt"
+    monkeypatch.setenv("TMT_FAULT", "chunk@1:raise")
+    args = [*translate_args(trained_run, big_input, out), "--set", "decode.cpu_linear=torch"]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, faults.FaultInjected)
+    monkeypatch.delenv("TMT_FAULT")
+    result = CliRunner().invoke(app, translate_args(trained_run, big_input, out))
+    assert result.exit_code == 0, result.output
+    assert "translated before" in result.stderr and "(0 translated before)" not in result.stderr
