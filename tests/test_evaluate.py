@@ -32,6 +32,104 @@ def test_score_golden_values() -> None:
     assert partial["bleu"] == pytest.approx(76.28, abs=0.01)
 
 
+def test_ter_and_chrf_plus_plus_golden_values() -> None:
+    refs = ["The cat sat on the mat.", "A dog runs in the park."]
+    partial = evaluate.score(["The cat sat on a mat.", "A dog runs in the park."], refs)
+    # TER by hand: one substitution (a -> the) over 12 reference words: 8.33.
+    assert partial["ter"] == pytest.approx(100 / 12, abs=0.01)
+    assert partial["ter_signature"].startswith("nrefs:1|case:lc|tok:tercom|norm:no|punct:yes")
+    # chrF++ adds word unigrams and bigrams to chrF's character n-grams: above chrF here, where
+    # 5 of 6 words per sentence match.
+    assert partial["chrfpp"] > partial["chrf"] and "nw:2" in partial["chrfpp_signature"]
+    perfect = evaluate.score(refs, refs)
+    assert (perfect["ter"], perfect["chrfpp"]) == (0.0, 100.0)
+    report = evaluate.format_report({**partial, "model": None})
+    assert "TER = 8.33" in report and "chrF2++ = " in report
+    # Training's validation leaves the slow ones out.
+    assert "ter" not in evaluate.score(refs, refs, all_metrics=False)
+
+
+def compare_files(tmp_path: Path) -> dict[str, Path]:
+    """40 references; system `good` is them with one word dropped in a line of 8, `bad` has a
+    third of its lines replaced by an unrelated sentence, `same` is a copy of `good`."""
+    refs = [f"a man in a red shirt {i} is walking his dog number {i} today" for i in range(40)]
+    good = [" ".join(r.split()[1:]) if i % 8 == 0 else r for i, r in enumerate(refs)]
+    bad = ["two cats sleep" if i % 3 == 0 else r for i, r in enumerate(good)]
+    files = {"ref": refs, "good": good, "bad": bad, "same": good}
+    for name, lines in files.items():
+        (tmp_path / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    return {name: tmp_path / f"{name}.txt" for name in files}
+
+
+def test_comparison_is_sacrebleus_paired_tests(tmp_path: Path) -> None:
+    from sacrebleu.metrics import BLEU, CHRF, TER
+    from sacrebleu.significance import PairedTest
+
+    f = compare_files(tmp_path)
+    systems = [(str(f[n]), textio.read_text_file(f[n], "hyp")) for n in ("good", "bad", "same")]
+    refs = textio.read_text_file(f["ref"], "ref")
+    report = evaluate.compare(systems, refs)
+    good, bad, same = report["systems"]
+    assert good["baseline"] and good["bleu"]["p_bootstrap"] is None
+    # sacreBLEU's own numbers, called directly (its fixed seed): tmt passes them through.
+    metrics = {"BLEU": BLEU(), "chrF2": CHRF(), "TER": TER()}
+    _, direct = PairedTest(systems, metrics, [refs], test_type="bs", n_ar_confidence=-1)()
+    for i, row in enumerate(report["systems"]):
+        assert row["bleu"]["mean"] == round(float(direct["BLEU"][i].mean), 2)
+        assert row["ter"]["ci95"] == round(float(direct["TER"][i].ci), 2)
+        if not row["identical_to_baseline"]:
+            assert row["chrf"]["p_bootstrap"] == direct["chrF2"][i].p_value
+    # A third of the lines wrong: worse on every metric, significantly in both tests.
+    assert (
+        bad["bleu"]["score"] < good["bleu"]["score"] and bad["ter"]["score"] > good["ter"]["score"]
+    )
+    for metric in ("bleu", "chrf", "ter"):
+        assert bad[metric]["p_bootstrap"] < 0.05 and bad[metric]["p_randomization"] < 0.05
+        # The same output as the baseline: no test (sacreBLEU would say p = 0.001).
+        assert same[metric]["p_bootstrap"] is None and same[metric]["p_randomization"] is None
+    assert same["identical_to_baseline"] and not bad["identical_to_baseline"]
+    table = evaluate.format_comparison(report)
+    bad_rows = [line for line in table.splitlines() if line.startswith(str(f["bad"]))]
+    same_rows = [line for line in table.splitlines() if line.startswith(str(f["same"]))]
+    assert len(bad_rows) == 3 and all(line.endswith(" *") for line in bad_rows)
+    assert len(same_rows) == 3 and all(line.endswith("identical") for line in same_rows)
+
+
+def test_comparison_from_the_command_line(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from transformer_mt.cli import app
+
+    f = compare_files(tmp_path)
+    args = ["evaluate", "--hyp", str(f["good"]), "--hyp", str(f["bad"]), "--ref", str(f["ref"])]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [row["system"] for row in report["systems"]] == [str(f["good"]), str(f["bad"])]
+    assert report["signatures"]["bleu"].startswith("nrefs:1|bs:1000|seed:12345|")
+    text = CliRunner().invoke(app, args)
+    assert (
+        text.exit_code == 0
+        and "mean ± 95% CI" in text.stdout
+        and "p (randomization)" in text.stdout
+    )
+    short = tmp_path / "short.txt"
+    short.write_text("one line\n")
+    for bad_args, message in [
+        (["--hyp", str(f["good"]), "--hyp", str(short), "--ref", str(f["ref"])],
+         f"{short}: 1 hypotheses but 40 references"),
+        (["--hyp", str(f["good"]), "--hyp", str(f["bad"]), "-m", str(tmp_path)],
+         "several --hyp are compared as they are"),
+        (["--hyp", str(f["good"]), "--hyp", str(tmp_path / "nope.txt"), "--ref", str(f["ref"])],
+         "no such file"),
+    ]:  # fmt: skip
+        result = CliRunner().invoke(app, ["evaluate", *bad_args])
+        assert result.exit_code == 2 and message in result.stderr, result.output
+        assert "Traceback" not in result.output
+
+
 def test_count_mismatch_is_an_error() -> None:
     with pytest.raises(TmtError, match="3 hypotheses but 2 references"):
         evaluate.score(["a", "b", "c"], ["a", "b"])

@@ -321,7 +321,12 @@ def evaluate(
         Path | None, typer.Option("--ref", help="Reference file instead of the split's.")
     ] = None,
     hyp: Annotated[
-        Path | None, typer.Option("--hyp", help="Score this hypothesis file; no translating.")
+        list[Path] | None,
+        typer.Option(
+            "--hyp",
+            help="Score this hypothesis file; no translating. Several: compare them with the"
+            " first (sacreBLEU's paired bootstrap and approximate randomization).",
+        ),
     ] = None,
     as_json: AsJson = False,
     beam: Beam = None,
@@ -338,9 +343,22 @@ def evaluate(
     old_input: Annotated[Path | None, typer.Option("--src", hidden=True)] = None,
     old_last: OldLast = 0,
 ) -> None:
-    """sacreBLEU (with signature), chrF and lowercased BLEU of a model or a hypothesis file."""
+    """sacreBLEU (with signature), chrF, chrF++, TER and lowercased BLEU of a model or a
+    hypothesis file; with several --hyp, paired significance tests against the first."""
     from transformer_mt import evaluate as lib
     from transformer_mt import textio, translate
+
+    if hyp and len(hyp) > 1:
+        if model or input_:
+            raise TmtError("several --hyp are compared as they are: no --model or --input")
+        lib.check_split(split)
+        report = lib.compare(
+            [(str(path), textio.read_text_file(path, "hyp")) for path in hyp],
+            textio.read_text_file(ref, "ref") if ref else None,
+            split=split, cfg=load_config("multi30k", set_ or []),
+        )  # fmt: skip
+        _echo(report, as_json, lib.format_comparison(report))
+        return
 
     overrides = _flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
@@ -359,7 +377,7 @@ def evaluate(
         split=split,
         sources=textio.read_text_file(input_, "input") if input_ else None,
         references=textio.read_text_file(ref, "ref") if ref else None,
-        hypotheses=textio.read_text_file(hyp, "hyp") if hyp else None,
+        hypotheses=textio.read_text_file(hyp[0], "hyp") if hyp else None,
         cfg=translator.config if translator else load_config("multi30k", set_ or []),
     )
     _echo(report, as_json, lib.format_report(report))

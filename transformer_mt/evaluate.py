@@ -8,6 +8,7 @@ the BLEU seen during training is the BLEU `tmt evaluate` reports.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,26 +23,41 @@ from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.translate import Translator, translate_text
 
 
-def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
-    """sacreBLEU (cased, 13a tokenization), chrF and lowercased BLEU of detokenized text."""
-    from sacrebleu.metrics import BLEU, CHRF
+def score(
+    hypotheses: Sequence[str], references: Sequence[str], all_metrics: bool = True
+) -> dict[str, Any]:
+    """sacreBLEU (cased, 13a tokenization), chrF and lowercased BLEU of detokenized text; with
+    all_metrics also chrF++ (word bigrams too) and TER (sacreBLEU's tercom: lowercased, lower
+    is better; the slow one, so training's validation leaves both out)."""
+    from sacrebleu.metrics import BLEU, CHRF, TER
 
+    _check_counts(hypotheses, references)
+    refs = [list(references)]
+    metrics = {"bleu": BLEU(), "chrf": CHRF(), "bleu_lc": BLEU(lowercase=True)}
+    if all_metrics:
+        metrics |= {"chrfpp": CHRF(word_order=2), "ter": TER()}
+    report: dict[str, Any] = {
+        name: round(metric.corpus_score(list(hypotheses), refs).score, 2)
+        for name, metric in metrics.items()
+    }
+    for name, metric in metrics.items():
+        if name != "bleu_lc":
+            report[_SIGNATURES[name]] = str(metric.get_signature())
+    return {**report, "sentences": len(hypotheses)}
+
+
+_SIGNATURES = {"bleu": "signature", "chrf": "chrf_signature", "chrfpp": "chrfpp_signature",
+               "ter": "ter_signature"}  # fmt: skip
+
+
+def _check_counts(hypotheses: Sequence[str], references: Sequence[str], name: str = "") -> None:
     if len(hypotheses) != len(references):
         raise TmtError(
-            f"{len(hypotheses)} hypotheses but {len(references)} references: the counts must match"
+            f"{name + ': ' if name else ''}{len(hypotheses)} hypotheses but {len(references)}"
+            " references: the counts must match"
         )
     if not hypotheses:
         raise TmtError("nothing to score: no hypotheses and no references")
-    bleu, bleu_lc, chrf = BLEU(), BLEU(lowercase=True), CHRF()
-    refs = [list(references)]
-    return {
-        "bleu": round(bleu.corpus_score(list(hypotheses), refs).score, 2),
-        "chrf": round(chrf.corpus_score(list(hypotheses), refs).score, 2),
-        "bleu_lc": round(bleu_lc.corpus_score(list(hypotheses), refs).score, 2),
-        "signature": str(bleu.get_signature()),
-        "chrf_signature": str(chrf.get_signature()),
-        "sentences": len(hypotheses),
-    }
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -49,10 +65,102 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"BLEU = {report['bleu']:.2f}  ({report['signature']})",
         f"chrF2 = {report['chrf']:.2f}  ({report['chrf_signature']})",
+    ]
+    if "ter" in report:
+        lines += [
+            f"chrF2++ = {report['chrfpp']:.2f}  ({report['chrfpp_signature']})",
+            f"TER = {report['ter']:.2f}  ({report['ter_signature']}; lower is better)",
+        ]
+    lines += [
         f"BLEU lowercased = {report['bleu_lc']:.2f}",
         f"sentences = {report['sentences']}"
         + (f"; model = {report['model']}" if report.get("model") else ""),
     ]
+    return "\n".join(lines)
+
+
+# sacreBLEU's names of the compared metrics, and ours.
+_COMPARED = {"BLEU": "bleu", "chrF2": "chrf", "TER": "ter"}
+
+
+def compare(
+    systems: Sequence[tuple[str, Sequence[str]]],
+    references: Sequence[str] | None,
+    split: str = "test",
+    cfg: Config | None = None,
+) -> dict[str, Any]:
+    """Each system against the first (the baseline), by sacreBLEU's paired tests on BLEU, chrF
+    and TER: paired bootstrap resampling (1,000 resamples: each system's mean and 95 % confidence
+    interval, and a p-value) and approximate randomization (10,000 trials: a p-value). Both test
+    the null hypothesis that the system and the baseline score the same (two-sided: the absolute
+    difference). sacreBLEU's fixed seed (SACREBLEU_SEED, 12345) makes the figures repeatable.
+    Without `references`, those of the config's `split`."""
+    from sacrebleu.metrics import BLEU, CHRF, TER
+    from sacrebleu.significance import PairedTest
+
+    if len(systems) < 2:
+        raise TmtError("a comparison needs at least two hypothesis files (--hyp A --hyp B)")
+    if references is None:  # the split's references
+        if cfg is None:
+            raise TmtError("a comparison needs references: a reference file or a config's split")
+        references = corpus.read_split(cfg.data, f"data.{split}")[1]
+    for name, hypotheses in systems:
+        _check_counts(hypotheses, references, name)
+    named = [(name, list(hypotheses)) for name, hypotheses in systems]
+    logging.getLogger("sacrebleu").setLevel(logging.WARNING)  # its progress, line by line
+    refs = [list(references)]
+    results: dict[str, Any] = {}
+    for test in ("bs", "ar"):
+        metrics = {"BLEU": BLEU(), "chrF2": CHRF(), "TER": TER()}
+        # The bootstrap gives the confidence intervals; randomization adds only its p-values.
+        signatures, scores = PairedTest(named, metrics, refs, test_type=test, n_ar_confidence=-1)()
+        results[test] = (signatures, scores)
+    (bs_signatures, bootstrap), (_, randomization) = results["bs"], results["ar"]
+    rows = []
+    for i, (name, hypotheses) in enumerate(named):
+        # sacreBLEU gives an output identical to the baseline's the smallest p-value (no
+        # resample differs, and its test counts only larger differences): no test is reported.
+        same = i > 0 and hypotheses == named[0][1]
+        row: dict[str, Any] = {"system": name, "baseline": i == 0, "identical_to_baseline": same}
+        for theirs, ours in _COMPARED.items():
+            b, r = bootstrap[theirs][i], randomization[theirs][i]
+            row[ours] = {
+                "score": round(b.score, 2), "mean": round(float(b.mean), 2),
+                "ci95": round(float(b.ci), 2), "p_bootstrap": None if same else b.p_value,
+                "p_randomization": None if same else r.p_value,
+            }  # fmt: skip
+        rows.append(row)
+    return {
+        "systems": rows,
+        "sentences": len(references),
+        "signatures": {_COMPARED[m]: str(sig) for m, sig in bs_signatures.items()},
+        "randomization_trials": 10_000,
+    }
+
+
+def format_comparison(report: dict[str, Any]) -> str:
+    """compare()'s table: per metric, each system's score, bootstrap mean ± 95 % CI and the two
+    p-values against the baseline (the first system); * marks p < 0.05 in both tests."""
+    width = max(len(row["system"]) for row in report["systems"]) + 2
+    lines = [f"{report['sentences']} sentences; baseline: {report['systems'][0]['system']}"]
+    for theirs, ours in _COMPARED.items():
+        better = "lower is better" if ours == "ter" else "higher is better"
+        lines += ["", f"{theirs} ({better}; {report['signatures'][ours]})",
+                  f"{'system':<{width}}{'score':>8}{'mean ± 95% CI':>18}{'p (bootstrap)':>16}"
+                  f"{'p (randomization)':>20}"]  # fmt: skip
+        for row in report["systems"]:
+            m = row[ours]
+            p_bs, p_ar = m["p_bootstrap"], m["p_randomization"]
+            mark = " *" if p_bs is not None and p_ar is not None and max(p_bs, p_ar) < 0.05 else ""
+            interval = f"{m['mean']:.2f} ± {m['ci95']:.2f}"
+            none = "identical" if row["identical_to_baseline"] else "-"
+            p_bs_text = none if p_bs is None else f"{p_bs:.4f}"
+            p_ar_text = none if p_ar is None else f"{p_ar:.4f}"
+            lines.append(
+                f"{row['system']:<{width}}{m['score']:>8.2f}{interval:>18}{p_bs_text:>16}"
+                f"{p_ar_text:>20}{mark}"
+            )
+    lines += ["", "* p < 0.05 in both tests (the system differs from the baseline)"]
     return "\n".join(lines)
 
 
@@ -82,7 +190,7 @@ def validation_bleu(
         hypotheses = [
             shards[i % info.world_size][i // info.world_size] for i in range(len(sources))
         ]
-        result = score(hypotheses, references)
+        result = score(hypotheses, references, all_metrics=False)
         figures += torch.tensor(
             [result["bleu"], result["chrf"]], dtype=torch.float64, device=info.device
         )
