@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "distributed",
             "train_state",
             "metrics",
-            "onednn",
+            "kernels",
         },
     ),
     # what tmt keeps on disk: one checkpoint, a run directory, averages of checkpoints
@@ -56,6 +56,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("serving", {"batching", "service", "libretranslate", "serve"}),
     # the training loop: the only module that knows a whole run
     ("training", {"train"}),
+    # the command line's options: spellings, help, decoding flags as overrides (typer only)
+    ("options", {"flags"}),
     # the faces: the command line, `python -m transformer_mt`, the Python API
     ("faces", {"cli", "__main__", "__init__"}),
 ]

@@ -27,25 +27,35 @@ import typer
 from transformer_mt import exits
 from transformer_mt.config import load_config
 from transformer_mt.exits import TmtError
+from transformer_mt.flags import (
+    AsJson,
+    Beam,
+    Best,
+    By,
+    ConfigOption,
+    Device,
+    Engine,
+    Hyps,
+    Last,
+    Lenpen,
+    MaxTokens,
+    Model,
+    Models,
+    OldLast,
+    OldModel,
+    OldModels,
+    Output,
+    Overrides,
+    Overwrite,
+    Precision,
+    flag_overrides,
+)
 
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-ConfigOption = Annotated[
-    str,
-    typer.Option(
-        "--config", "-c", help="A YAML file or a shipped preset: tiny, multi30k, base, big."
-    ),
-]
-Overrides = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--set", help="Override a config value, e.g. --set optim.warmup_steps=8000 (repeatable)."
-    ),
-]
 
 
 @app.callback()
@@ -110,42 +120,6 @@ def _echo(result: dict[str, Any], as_json: bool, text: str) -> None:
     typer.echo(json.dumps(result) if as_json else text)
 
 
-AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")]
-Output = Annotated[Path, typer.Option("--output", "-o", help="Where to write it.")]
-Overwrite = Annotated[
-    bool, typer.Option("--overwrite", help="Replace an existing output (never tmt's own files).")
-]
-# What a command reads; the hidden options are tmt 0.1's spellings.
-Model = Annotated[
-    Path | None,
-    typer.Option(
-        "--model",
-        "-m",
-        help="A checkpoint, an averaged model, or a run directory (its average, else its best"
-        " checkpoint, else its newest).",
-    ),
-]
-Models = Annotated[
-    list[Path] | None,
-    typer.Option("--model", "-m", help="A checkpoint or run directory (repeatable)."),
-]
-OldModel = Annotated[Path | None, typer.Option("--checkpoint", hidden=True)]
-OldModels = Annotated[list[Path] | None, typer.Argument(hidden=True, metavar="MODELS")]
-Last = Annotated[
-    int, typer.Option("--last", help="Average the newest N checkpoints of the run (§6.1).")
-]
-Best = Annotated[int, typer.Option("--best", help="Average the N best checkpoints of the run.")]
-By = Annotated[
-    str | None,
-    typer.Option(
-        "--by",
-        help="What --best ranks by: val_bleu, val_chrf, val_loss or val_ppl (default: val_bleu"
-        " when the run measured it, else val_loss).",
-    ),
-]
-OldLast = Annotated[int, typer.Option("--average-last", hidden=True)]
-
-
 def _model(new: Path | None, old: Path | None) -> Path:
     model = _renamed(new, old, "--model", "--checkpoint")
     if model is None:
@@ -206,42 +180,6 @@ def _train_text(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# The decoding options people change most; each is one decode.* override (the rest: --set).
-Beam = Annotated[
-    int | None, typer.Option("--beam", help="Beam size, 1 = greedy (decode.beam_size).")
-]
-Lenpen = Annotated[
-    float | None, typer.Option("--lenpen", help="Length penalty α (decode.length_penalty).")
-]
-MaxTokens = Annotated[
-    int | None, typer.Option("--max-tokens", help="Source tokens per batch (decode.max_tokens).")
-]
-Device = Annotated[
-    str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N (decode.device).")
-]
-Precision = Annotated[
-    str | None,
-    typer.Option("--precision", help="fp32, bf16, fp16 (GPU) or int8 (CPU) (decode.precision)."),
-]
-Engine = Annotated[
-    str | None,
-    typer.Option("--engine", help="torch, or ctranslate2: an export of the model (decode.engine)."),
-]
-# Each flag is one override of decode.NAME (serve.NAME for host and port) unless named here.
-_KEYS = {"beam": "decode.beam_size", "lenpen": "decode.length_penalty"}
-
-
-def _flag_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[str, str]]:
-    """--set first, then the flags given (a flag wins over a --set of the same key)."""
-    overrides: list[str | tuple[str, str]] = list(set_ or [])
-    for name, value in flags.items():
-        if value is not None:
-            section = "serve" if name in ("host", "port") else "decode"
-            key = _KEYS.get(name, f"{section}.{name}")
-            overrides.append((f"{key}={value}", f"--{name.replace('_', '-')} {value}"))
-    return overrides
-
-
 @app.command()
 @_user_errors
 def translate(
@@ -286,7 +224,7 @@ def translate(
     from transformer_mt import bulk
     from transformer_mt import translate as lib
 
-    overrides = _flag_overrides(
+    overrides = flag_overrides(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
         precision=precision, engine=engine, sampling=sampling, temperature=temperature,
         seed=seed,
@@ -320,14 +258,7 @@ def evaluate(
     ref: Annotated[
         Path | None, typer.Option("--ref", help="Reference file instead of the split's.")
     ] = None,
-    hyp: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--hyp",
-            help="Score this hypothesis file; no translating. Several: compare them with the"
-            " first (sacreBLEU's paired bootstrap and approximate randomization).",
-        ),
-    ] = None,
+    hyp: Hyps = None,
     as_json: AsJson = False,
     beam: Beam = None,
     lenpen: Lenpen = None,
@@ -351,16 +282,10 @@ def evaluate(
     if hyp and len(hyp) > 1:
         if model or input_:
             raise TmtError("several --hyp are compared as they are: no --model or --input")
-        lib.check_split(split)
-        report = lib.compare(
-            [(str(path), textio.read_text_file(path, "hyp")) for path in hyp],
-            textio.read_text_file(ref, "ref") if ref else None,
-            split=split, cfg=load_config("multi30k", set_ or []),
-        )  # fmt: skip
-        _echo(report, as_json, lib.format_comparison(report))
+        _compare(hyp, ref, split, set_ or [], as_json)
         return
 
-    overrides = _flag_overrides(
+    overrides = flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
         engine=engine,
     )  # fmt: skip
@@ -381,6 +306,22 @@ def evaluate(
         cfg=translator.config if translator else load_config("multi30k", set_ or []),
     )
     _echo(report, as_json, lib.format_report(report))
+
+
+def _compare(
+    hyps: list[Path], ref: Path | None, split: str, set_: list[str], as_json: bool
+) -> None:
+    """tmt evaluate --hyp A --hyp B ...: sacreBLEU's paired tests against the first."""
+    from transformer_mt import evaluate as lib
+    from transformer_mt import textio
+
+    lib.check_split(split)
+    report = lib.compare(
+        [(str(path), textio.read_text_file(path, "hyp")) for path in hyps],
+        textio.read_text_file(ref, "ref") if ref else None,
+        split=split, cfg=load_config("multi30k", set_),
+    )  # fmt: skip
+    _echo(report, as_json, lib.format_comparison(report))
 
 
 @app.command()
@@ -500,7 +441,7 @@ def serve(
         ) from None
     from transformer_mt import translate
 
-    overrides = _flag_overrides(
+    overrides = flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
         engine=engine, host=host, port=port,
     )  # fmt: skip

@@ -294,7 +294,7 @@ class DecodeConfig:
     # per machine: docs/benchmarks.md.
     precision: Literal["fp32", "bf16", "fp16", "int8"] = "fp32"
     # float32 linear layers on a CPU, set at load: oneDNN with packed weights (1.4x faster beam
-    # search on AVX-512, onednn.py), or "torch", PyTorch's own kernels (MKL on x86).
+    # search on AVX-512, kernels.py), or "torch", PyTorch's own kernels (MKL on x86).
     cpu_linear: Literal["onednn", "torch"] = "onednn"
     # Sampling instead of search (back-translation): "none", "full", "topk:K" or "topp:P", at
     # `temperature` (0 = greedy); nbest N = N independent samples per line. Each line's random

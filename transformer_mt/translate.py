@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import logging
 import re
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_mt import averaging, corpus, ct2, distributed, onednn, run, textio
+from transformer_mt import averaging, corpus, ct2, distributed, kernels, run, textio
 from transformer_mt.config import MODEL_SECTIONS, Config, apply_overrides, changed_keys
 from transformer_mt.data import TokenBucketSampler
 from transformer_mt.exits import TmtError
@@ -133,9 +132,9 @@ def load_translator(
     torch_engine = cfg.decode.engine == "torch"
     with distributed.allocating(f"the model in {cfg.decode.precision}", nbytes, target):
         if torch_engine:
-            model = _in_precision(saved.model, cfg.decode.precision, target)
+            model = kernels.in_precision(saved.model, cfg.decode.precision, target)
         else:  # float32 on the CPU: what the CTranslate2 conversion reads
-            model = _in_precision(saved.model, "fp32", torch.device("cpu"))
+            model = kernels.in_precision(saved.model, "fp32", torch.device("cpu"))
     translator = Translator(
         model=model.eval(), tokenizer=saved.tokenizer, config=cfg, device=target, origin=origin,
         step=saved.step, path=saved.path, run_dir=_run_of(Path(path), saved.path),
@@ -147,9 +146,9 @@ def load_translator(
         )
     if cfg.decode.precision == "int8":  # the fingerprint of the weights, not of their int8
         weights = fingerprint(translator)
-        return dataclasses.replace(translator, model=_int8(model), fingerprint=weights)
+        return dataclasses.replace(translator, model=kernels.int8(model), fingerprint=weights)
     if cfg.decode.cpu_linear == "onednn" and target.type == "cpu":
-        onednn.pack_linears(model)  # where oneDNN cannot, torch's kernels stay
+        kernels.pack_linears(model)  # where oneDNN cannot, torch's kernels stay
     return translator
 
 
@@ -247,42 +246,6 @@ def _run_of(given: Path, read: Path) -> Path | None:
         if (candidate / run.CHECKPOINTS).is_dir() and (candidate / METRICS_FILE).is_file():
             return candidate
     return None
-
-
-def _in_precision(model: Transformer, precision: str, device: torch.device) -> Transformer:
-    """The model on `device` in the decoding precision (float32 for int8: _int8 quantizes it)."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    return model.to(device=device, dtype=dtype)
-
-
-def _int8(model: Transformer) -> Transformer:
-    """Dynamic int8 of the linear layers (torchao: int8 weights per channel, activations per
-    token at each call). The stacked Q/K/V projections stay float32: cross attention slices
-    theirs, which a quantized tensor cannot. Unlike float32, a line's output may differ in rare
-    lines with its batch (149 of 150 test sentences identical alone and batched, demo model)."""
-    # torchao's import logs the GPU kernels it cannot load on this machine: not the user's news.
-    logging.disable(logging.WARNING)
-    try:
-        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
-        from torchao.utils import should_reduce_range
-    except ImportError:
-        raise TmtError(
-            'decode.precision=int8 needs the torchao package: pip install "transformer_mt[int8]"'
-        ) from None
-    finally:
-        logging.disable(logging.NOTSET)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # Without VNNI, int8 products summed in pairs can saturate: a reduced range avoids it.
-        int8 = Int8DynamicActivationInt8WeightConfig(
-            reduce_range=should_reduce_range(torch.device("cpu"))
-        )
-        quantize_(model, int8, filter_fn=_quantizable)
-    return model
-
-
-def _quantizable(module: torch.nn.Module, name: str) -> bool:
-    return isinstance(module, torch.nn.Linear) and not name.endswith("in_proj")
 
 
 def fingerprint(translator: Translator) -> str:

@@ -1,4 +1,5 @@
-"""Decoding's linear layers on a CPU through oneDNN, their weights packed once.
+"""How a model computes while it decodes: its precision on its device, torchao's dynamic int8,
+and on a CPU its float32 linear layers through oneDNN with their weights packed once.
 
 PyTorch computes a float32 linear layer on x86 with MKL's sgemm, which on AMD CPUs does not
 use AVX-512 (MKL picks its kernels by vendor); oneDNN, also inside every PyTorch wheel, does.
@@ -6,16 +7,56 @@ On the AVX-512 machine of docs/benchmarks.md the decoder's products run 1.5-2.5x
 through it, and beam search as a whole 1.4x (scripts/bench_decode.py). The products are the
 same ones: bit for bit for 128-wide inputs there, wider ones summed in another order (a median
 relative difference of 3e-7 at 512). On the demo model's 1,000 test sentences every output was
-the same. decode.cpu_linear=torch keeps torch's own kernels.
-
-Only for decoding: a packed layer has no gradient, so with autograd on it computes as before.
+the same. decode.cpu_linear=torch keeps torch's own kernels. A packed layer has no gradient, so
+with autograd on it computes as before.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from transformer_mt.exits import TmtError
+
+
+def in_precision(model: nn.Module, precision: str, device: torch.device) -> nn.Module:
+    """The model on `device` in the decoding precision (float32 for int8: int8() quantizes it)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return model.to(device=device, dtype=dtype)
+
+
+def int8(model: nn.Module) -> nn.Module:
+    """Dynamic int8 of the linear layers (torchao: int8 weights per channel, activations per
+    token at each call). The stacked Q/K/V projections stay float32: cross attention slices
+    theirs, which a quantized tensor cannot. Unlike float32, a line's output may differ in rare
+    lines with its batch (149 of 150 test sentences identical alone and batched, demo model)."""
+    # torchao's import logs the GPU kernels it cannot load on this machine: not the user's news.
+    logging.disable(logging.WARNING)
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+        from torchao.utils import should_reduce_range
+    except ImportError:
+        raise TmtError(
+            'decode.precision=int8 needs the torchao package: pip install "transformer_mt[int8]"'
+        ) from None
+    finally:
+        logging.disable(logging.NOTSET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # Without VNNI, int8 products summed in pairs can saturate: a reduced range avoids it.
+        config = Int8DynamicActivationInt8WeightConfig(
+            reduce_range=should_reduce_range(torch.device("cpu"))
+        )
+        quantize_(model, config, filter_fn=_quantizable)
+    return model
+
+
+def _quantizable(module: nn.Module, name: str) -> bool:
+    return isinstance(module, nn.Linear) and not name.endswith("in_proj")
 
 
 class PackedLinear(nn.Linear):

@@ -1,5 +1,5 @@
-"""oneDNN's packed linear layers for CPU decoding: the same model, the same outputs, the same
-fingerprint; torch's kernels when asked or where oneDNN is missing."""
+"""kernels.py: oneDNN's packed linear layers for CPU decoding (the same model, outputs and
+fingerprint; torch's kernels when asked or where oneDNN is missing), int8 left unpacked."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from test_bulk import big_input, translate_args  # noqa: F401 (a fixture)
 from test_model import PAD, TINY, V, tokens
 from typer.testing import CliRunner
 
-from transformer_mt import faults, onednn, translate
+from transformer_mt import faults, kernels, translate
 from transformer_mt.cli import app
 from transformer_mt.model import Transformer, make_src_mask
 
-pytestmark = pytest.mark.skipif(not onednn.available(), reason="this PyTorch has no oneDNN")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="this PyTorch has no oneDNN")
 SOURCES = [s for s, _ in reverse_pairs(24, seed=11)]
 
 
 def packed_modules(model: torch.nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, onednn.PackedLinear)]
+    return [n for n, m in model.named_modules() if isinstance(m, kernels.PackedLinear)]
 
 
 @pytest.mark.parametrize("pre_norm", [False, True])
@@ -31,7 +31,7 @@ def test_a_packed_model_is_the_same_model(pre_norm: bool) -> None:
     plain = Transformer(dataclasses.replace(TINY, pre_norm=pre_norm), V, PAD).eval()
     packed = Transformer(dataclasses.replace(TINY, pre_norm=pre_norm), V, PAD).eval()
     packed.load_state_dict(plain.state_dict())
-    assert onednn.pack_linears(packed)
+    assert kernels.pack_linears(packed)
     linears = [n for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)]
     assert packed_modules(packed) == linears  # every one, the tied output projection too
     assert packed.output_projection.weight is packed.embedding.weight
@@ -53,7 +53,7 @@ def test_with_autograd_a_packed_layer_computes_as_a_plain_one() -> None:
     layer = torch.nn.Linear(8, 5)
     plain = torch.nn.Linear(8, 5)
     plain.load_state_dict(layer.state_dict())
-    assert onednn.pack_linears(layer) and isinstance(layer, onednn.PackedLinear)
+    assert kernels.pack_linears(layer) and isinstance(layer, kernels.PackedLinear)
     x = torch.randn(4, 8)
     layer(x).square().sum().backward()
     plain(x).square().sum().backward()
@@ -64,7 +64,7 @@ def test_with_autograd_a_packed_layer_computes_as_a_plain_one() -> None:
 def test_without_onednn_the_model_is_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     model = Transformer(TINY, V, PAD)
-    assert not onednn.pack_linears(model) and packed_modules(model) == []
+    assert not kernels.pack_linears(model) and packed_modules(model) == []
 
 
 def test_the_translator_packs_on_the_cpu_unless_asked_not_to(trained_run: Path) -> None:

@@ -1,0 +1,103 @@
+"""The command line's options: their spellings and help (cli.py's commands take them), and the
+decoding flags as decode.* overrides.
+
+Typer reads them from the annotations; typer is the only import, so `tmt --help` stays instant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+ConfigOption = Annotated[
+    str,
+    typer.Option(
+        "--config", "-c", help="A YAML file or a shipped preset: tiny, multi30k, base, big."
+    ),
+]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set", help="Override a config value, e.g. --set optim.warmup_steps=8000 (repeatable)."
+    ),
+]
+
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")]
+Output = Annotated[Path, typer.Option("--output", "-o", help="Where to write it.")]
+Overwrite = Annotated[
+    bool, typer.Option("--overwrite", help="Replace an existing output (never tmt's own files).")
+]
+# What a command reads; the hidden options are tmt 0.1's spellings.
+Model = Annotated[
+    Path | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="A checkpoint, an averaged model, or a run directory (its average, else its best"
+        " checkpoint, else its newest).",
+    ),
+]
+Models = Annotated[
+    list[Path] | None,
+    typer.Option("--model", "-m", help="A checkpoint or run directory (repeatable)."),
+]
+OldModel = Annotated[Path | None, typer.Option("--checkpoint", hidden=True)]
+OldModels = Annotated[list[Path] | None, typer.Argument(hidden=True, metavar="MODELS")]
+Last = Annotated[
+    int, typer.Option("--last", help="Average the newest N checkpoints of the run (§6.1).")
+]
+Best = Annotated[int, typer.Option("--best", help="Average the N best checkpoints of the run.")]
+By = Annotated[
+    str | None,
+    typer.Option(
+        "--by",
+        help="What --best ranks by: val_bleu, val_chrf, val_loss or val_ppl (default: val_bleu"
+        " when the run measured it, else val_loss).",
+    ),
+]
+OldLast = Annotated[int, typer.Option("--average-last", hidden=True)]
+Hyps = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--hyp",
+        help="Score this hypothesis file; no translating. Several: compare them with the first"
+        " (sacreBLEU's paired bootstrap and approximate randomization).",
+    ),
+]
+
+# The decoding options people change most; each is one decode.* override (the rest: --set).
+Beam = Annotated[
+    int | None, typer.Option("--beam", help="Beam size, 1 = greedy (decode.beam_size).")
+]
+Lenpen = Annotated[
+    float | None, typer.Option("--lenpen", help="Length penalty α (decode.length_penalty).")
+]
+MaxTokens = Annotated[
+    int | None, typer.Option("--max-tokens", help="Source tokens per batch (decode.max_tokens).")
+]
+Device = Annotated[
+    str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N (decode.device).")
+]
+Precision = Annotated[
+    str | None,
+    typer.Option("--precision", help="fp32, bf16, fp16 (GPU) or int8 (CPU) (decode.precision)."),
+]
+Engine = Annotated[
+    str | None,
+    typer.Option("--engine", help="torch, or ctranslate2: an export of the model (decode.engine)."),
+]
+# Each flag is one override of decode.NAME (serve.NAME for host and port) unless named here.
+_KEYS = {"beam": "decode.beam_size", "lenpen": "decode.length_penalty"}
+
+
+def flag_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[str, str]]:
+    """--set first, then the flags given (a flag wins over a --set of the same key)."""
+    overrides: list[str | tuple[str, str]] = list(set_ or [])
+    for name, value in flags.items():
+        if value is not None:
+            section = "serve" if name in ("host", "port") else "decode"
+            key = _KEYS.get(name, f"{section}.{name}")
+            overrides.append((f"{key}={value}", f"--{name.replace('_', '-')} {value}"))
+    return overrides
