@@ -33,9 +33,13 @@ LAYERS: list[tuple[str, set[str]]] = [
             "kernels",
         },
     ),
+    # several models decoding as one: their search states and probabilities combined
+    ("ensembles", {"ensemble"}),
     # what tmt keeps on disk: one checkpoint, a run directory, averages of checkpoints
     # ... and a CTranslate2 export of a model, the engine that decodes it
     ("stores", {"checkpoint", "run", "averaging", "ct2"}),
+    # a model's lines to hypotheses: batches, the search or CTranslate2 (what translate reads)
+    ("decoding", {"decoding"}),
     # what the commands do: translate, score, one update, the file job, export, plots, dry run
     (
         "engines",

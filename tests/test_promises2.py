@@ -16,7 +16,7 @@ from test_promises import REPO, copy_run, deadline, one_line_error
 from test_train import run_tmt
 from typer.testing import CliRunner
 
-from transformer_mt import bulk, translate
+from transformer_mt import bulk, decoding, translate
 from transformer_mt.cli import app
 from transformer_mt.config import Config
 from transformer_mt.data import prepare_data
@@ -242,7 +242,7 @@ def test_allocation_failures_when_building_and_decoding_are_one_line(
         patch.setattr(train_module, "Transformer", no_memory)
         with pytest.raises(TmtError, match=r"training a model of [\d,]+ parameters needs .* GiB"):
             train_module.train(with_train(tiny_cfg, out_dir=str(tmp_path / "run"), max_steps=2))
-    monkeypatch.setattr(translate, "_translate_batch", no_memory)
+    monkeypatch.setattr(decoding, "_translate_batch", no_memory)
     result = runner.invoke(app, ["translate", "-m", str(trained_run)], input="kalo mi\n")
     assert result.exit_code == 2
     assert "ran out of memory" in one_line_error(result.stderr)

@@ -435,3 +435,21 @@ def test_the_ctranslate2_engine_serves_tmts_greedy_output(
     finally:
         assert served.stop() == 0
     assert not any("Traceback" in line for line in served.log), "".join(served.log)
+
+
+def test_an_ensemble_is_served_as_tmt_translate_decodes_it(multi30k_run: Path) -> None:
+    paths = sorted((multi30k_run / "checkpoints").glob("step_*"))[-2:]
+    lines = [*SOURCES[:4], ""]
+    pair = translate.load_ensemble(paths, weights=[0.6, 0.4])
+    expected = translate.translate_text(pair, lines)
+    assert all(expected[:4]) and expected[4] == ""
+    served = Server(paths[0], "-m", str(paths[1]), "--weights", "0.6,0.4")
+    try:
+        card = served.client.get("/v1/model").json()
+        assert card["model"].startswith("ensemble of") and card["weights"] == [0.6, 0.4]
+        assert card["validation"] is None and card["curves"] is False
+        answer = served.client.post("/v1/translate", json={"text": lines}).json()
+        assert answer["translations"] == expected
+    finally:
+        assert served.stop() == 0
+    assert not any("Traceback" in line for line in served.log), "".join(served.log)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import reverse_pairs
 
-from transformer_mt import run, translate
+from transformer_mt import decoding, run, translate
 from transformer_mt.exits import TmtError
 
 SOURCES = [s for s, _ in reverse_pairs(12, seed=7)]
@@ -54,9 +54,9 @@ def test_empty_lines_are_empty_outputs_without_the_model(
 ) -> None:
     t = translator(trained_run)
     seen: list[int] = []
-    real = translate._translate_batch
+    real = decoding._translate_batch
     monkeypatch.setattr(
-        translate,
+        decoding,
         "_translate_batch",
         lambda tr, sources, ids: seen.append(len(sources)) or real(tr, sources, ids),
     )
@@ -123,8 +123,8 @@ def test_early_stopping_setting_reaches_the_search(
         seen.append(kwargs["early_stopping"])
         return real(*args, **kwargs)
 
-    real = translate.beam_search
-    monkeypatch.setattr(translate, "beam_search", recording)
+    real = decoding.beam_search
+    monkeypatch.setattr(decoding, "beam_search", recording)
     bound = translate.translate_text(translator(trained_run, "decode.beam_size=3"), SOURCES[:3])
     current = translate.translate_text(
         translator(trained_run, "decode.beam_size=3", "decode.early_stopping=current"), SOURCES[:3]

@@ -14,7 +14,7 @@ it. Rank r takes every world_size-th chunk still missing; when all are there, ra
 directory. The same
 command after a kill, a lost rank or a full disk translates only the missing chunks; a different
 model, input or decoding option is refused, naming it. Sampling draws from each line's own random
-stream (translate.line_uniforms), so 1 process, N processes and a resumed job write the same bytes.
+stream (search.line_uniforms), so 1 process, N processes and a resumed job write the same bytes.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from transformer_mt.flags import (
     ConfigOption,
     Device,
     Engine,
+    Ensemble,
     Hyps,
     Last,
     Lenpen,
@@ -48,6 +49,7 @@ from transformer_mt.flags import (
     Overrides,
     Overwrite,
     Precision,
+    Weights,
     flag_overrides,
 )
 
@@ -120,6 +122,25 @@ def _echo(result: dict[str, Any], as_json: bool, text: str) -> None:
     typer.echo(json.dumps(result) if as_json else text)
 
 
+def _models(new: list[Path] | None, old: Path | None) -> list[Path]:
+    """-m given once, or several times for an ensemble (or tmt 0.1's --checkpoint)."""
+    models = _renamed(new or None, [old] if old else None, "--model", "--checkpoint")
+    if not models:
+        raise TmtError("no model: name it with -m/--model (a checkpoint or a run directory)")
+    return models
+
+
+def _load(
+    models: list[Path], weights: str | None, overrides: list[str], last: int, best: int,
+    by: str | None,
+) -> Any:  # fmt: skip
+    """The model, average or ensemble the command decodes (translate.load_ensemble)."""
+    from transformer_mt import ensemble, translate
+
+    chosen = ensemble.parse_weights(weights)
+    return translate.load_ensemble(models, overrides, chosen, last=last, best=best, by=by)
+
+
 def _model(new: Path | None, old: Path | None) -> Path:
     model = _renamed(new, old, "--model", "--checkpoint")
     if model is None:
@@ -183,7 +204,8 @@ def _train_text(summary: dict[str, Any]) -> str:
 @app.command()
 @_user_errors
 def translate(
-    model: Model = None,
+    model: Ensemble = None,
+    weights: Weights = None,
     input_: Annotated[
         str, typer.Option("--input", "-i", help="Raw text, one sentence per line; - = stdin.")
     ] = "-",
@@ -230,8 +252,7 @@ def translate(
         seed=seed,
     )  # fmt: skip
     last = _renamed(last, old_last, "--last", "--average-last")
-    model = _model(model, old_model)
-    translator = lib.load_translator(model, overrides, last=last, best=best, by=by)
+    translator = _load(_models(model, old_model), weights, overrides, last, best, by)
     if bulk.is_bulk(input_, output):
         report = bulk.translate_job(translator, input_, output, overwrite=overwrite)
         if "output" in report:  # rank 0
@@ -247,7 +268,8 @@ def translate(
 @app.command()
 @_user_errors
 def evaluate(
-    model: Model = None,
+    model: Ensemble = None,
+    weights: Weights = None,
     split: Annotated[
         str, typer.Option("--split", help="test or valid: a split of the model's config.")
     ] = "test",
@@ -277,7 +299,7 @@ def evaluate(
     """sacreBLEU (with signature), chrF, chrF++, TER and lowercased BLEU of a model or a
     hypothesis file; with several --hyp, paired significance tests against the first."""
     from transformer_mt import evaluate as lib
-    from transformer_mt import textio, translate
+    from transformer_mt import textio
 
     if hyp and len(hyp) > 1:
         if model or input_:
@@ -290,13 +312,12 @@ def evaluate(
         engine=engine,
     )  # fmt: skip
     lib.check_split(split)  # before a model is loaded
-    model = _renamed(model, old_model, "--model", "--checkpoint")
     input_ = _renamed(input_, old_input, "--input", "--src")
     last = _renamed(last, old_last, "--last", "--average-last")
     # Splits come from the model's config (its data section), else from the default preset.
     translator = None
-    if model:
-        translator = translate.load_translator(model, overrides, last=last, best=best, by=by)
+    if model or old_model:
+        translator = _load(_models(model, old_model), weights, overrides, last, best, by)
     report = lib.evaluate(
         translator,
         split=split,
@@ -413,7 +434,8 @@ def plot(
 @app.command()
 @_user_errors
 def serve(
-    model: Model = None,
+    model: Ensemble = None,
+    weights: Weights = None,
     host: Annotated[str | None, typer.Option(help="Address to bind (serve.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (serve.port; 0: any free).")] = None,
     api_key: Annotated[
@@ -439,15 +461,12 @@ def serve(
             f"tmt serve needs the serve extra ({err.name} is missing):"
             " pip install 'transformer_mt[serve]'"
         ) from None
-    from transformer_mt import translate
 
     overrides = flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
         engine=engine, host=host, port=port,
     )  # fmt: skip
-    translator = translate.load_translator(
-        _model(model, None), overrides, last=last, best=best, by=by
-    )
+    translator = _load(_models(model, None), weights, overrides, last, best, by)
     lib.serve(translator, overrides, api_key=api_key or "")
 
 

@@ -227,7 +227,7 @@ def decode(
     decode_cfg: DecodeConfig,
 ) -> list[list[Hypothesis]]:
     """The n-best of each source (ids, without EOS) by CTranslate2; `limits`: each output's
-    maximum length, its EOS included (translate.output_limits).
+    maximum length, its EOS included (decoding.output_limits).
 
     CTranslate2 takes one maximum length per call: the batch is decoded to its largest limit and
     each row is cut at its own. Greedy rows do not depend on each other, so this is exactly tmt's

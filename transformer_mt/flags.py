@@ -39,6 +39,19 @@ Model = Annotated[
         " checkpoint, else its newest).",
     ),
 ]
+Ensemble = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="A checkpoint, an averaged model, or a run directory (its average, else its best"
+        " checkpoint, else its newest); repeat it to decode with an ensemble.",
+    ),
+]
+Weights = Annotated[
+    str | None,
+    typer.Option("--weights", help="An ensemble's weight per -m, e.g. 0.6,0.4 (default: equal)."),
+]
 Models = Annotated[
     list[Path] | None,
     typer.Option("--model", "-m", help="A checkpoint or run directory (repeatable)."),

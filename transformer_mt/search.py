@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 # When beam search stops a sentence: see beam_search.
@@ -116,6 +117,14 @@ def sample(
         step_fn, state, max_lengths, bos_id=bos_id, eos_id=eos_id, banned=banned, alpha=alpha,
         form=form, device=device, choose=draw,
     )  # fmt: skip
+
+
+def line_uniforms(seed: int, line: int, sample_index: int, steps: int) -> torch.Tensor:
+    """(steps,) uniforms in [0, 1) that drive sample `sample_index` of input line `line`: a
+    function of these three numbers alone, whichever process or batch translates the line."""
+    key = np.random.SeedSequence([seed, line, sample_index]).generate_state(1, np.uint64)[0]
+    generator = torch.Generator().manual_seed(int(key))
+    return torch.rand(steps, generator=generator, dtype=torch.float64)
 
 
 def _one_path(

@@ -162,6 +162,7 @@ def model_card(translator: Translator) -> dict[str, Any]:
         "model": translator.origin,
         "languages": {"source": cfg.data.src_lang, "target": cfg.data.tgt_lang},
         "parameters": translator.parameters,
+        "weights": list(translator.weights) or None,  # an ensemble's, in the order of its models
         "step": translator.step,
         "run": str(translator.run_dir) if translator.run_dir else None,
         "validation": {"scores": scores, "of": scored} if scores else None,

@@ -63,6 +63,10 @@ class Tokenizer:
         except OSError as err:
             raise TmtError(f"{path}: cannot read tokenizer: {err.strerror or err}") from None
 
+    def pieces(self) -> list[str]:
+        """Every piece, by id."""
+        return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Subword ids of each text, without bos/eos."""
         if len(texts) < _POOLED:

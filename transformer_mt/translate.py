@@ -5,11 +5,9 @@ A `Translator` is a model loaded once onto a device in a precision, with its tok
 decoding settings, decoded by one of two engines (decode.engine): tmt's own search over the
 PyTorch model, or CTranslate2 over an export of it (ct2.py) that is made on first use beside the
 model, checked against tmt's greedy output, and reused after. Raw text in, detokenized text out:
-the sentencepiece model travels inside the checkpoint. Inputs are sorted by length and batched
-by tokens; outputs come back in input order, exactly one per input line. An empty line gives an
-empty output without running the model; a line longer than the model's positions is truncated
-with a warning. search.py knows nothing of the model: `_translate_batch` gives it the step
-function (one decoder step over the cache).
+the sentencepiece model travels inside the checkpoint. Several models that share a tokenizer
+decode as one (load_ensemble, ensemble.py). Lines become hypotheses in decoding.py (batched by
+length, output in input order); here they become text, exactly one output per input line.
 """
 
 from __future__ import annotations
@@ -23,22 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from transformer_mt import averaging, corpus, ct2, distributed, kernels, run, textio
+from transformer_mt import averaging, corpus, ct2, distributed, ensemble, kernels, run, textio
 from transformer_mt.config import MODEL_SECTIONS, Config, apply_overrides, changed_keys
-from transformer_mt.data import TokenBucketSampler
+from transformer_mt.decoding import check_engine, output_limits, source_ids, translate_lines
 from transformer_mt.exits import TmtError
 from transformer_mt.files import METRICS_FILE
-from transformer_mt.model import DecoderCache, Transformer, count_parameters, make_src_mask
-from transformer_mt.search import Hypothesis, beam_search, greedy, sample
+from transformer_mt.model import Transformer, count_parameters
+from transformer_mt.search import Hypothesis
 from transformer_mt.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-_SURROGATES = re.compile("[\ud800-\udfff]")
 _LINE_BREAKS = re.compile("[\r\n]")
 
 
@@ -61,7 +56,11 @@ class Translator:
     run_dir: Path | None = None  # the run directory it belongs to, when there is one
     engine: Any = None  # a ctranslate2.Translator when decode.engine=ctranslate2
     export: Path | None = None  # ... and the export directory it reads
-    parameters: int = 0  # the model's parameter count
+    parameters: int = 0  # the model's parameter count (the ensemble's: all of them)
+    # An ensemble: the other models (`model` is the first) and every model's weight, summing to 1
+    # (ensemble.py); () for one model.
+    ensemble: tuple[Transformer, ...] = ()
+    weights: tuple[float, ...] = ()
     # SHA-256 of what decodes (the export's files; the weights before int8); "" until a job asks
     # for it (fingerprint()): hashing every weight is not worth it on each load.
     fingerprint: str = ""
@@ -69,17 +68,20 @@ class Translator:
     @classmethod
     def load(
         cls,
-        path: str | Path,
+        path: str | Path | Sequence[str | Path],
         device: str = "auto",
         precision: str = "fp32",
         engine: str = "torch",
+        weights: Sequence[float] | None = None,
         **decode: Any,
     ) -> Translator:
         """A checkpoint, an averaged model or a run directory (its average, else its best, else its
-        newest checkpoint), or with engine="ctranslate2" also a CTranslate2 export of tmt;
-        `decode` sets DecodeConfig fields by name (beam_size=5, ...)."""
+        newest checkpoint), or with engine="ctranslate2" also a CTranslate2 export of tmt; a list
+        of them is an ensemble (`weights`: one per model, equal by default); `decode` sets
+        DecodeConfig fields by name (beam_size=5, ...)."""
         settings = {**decode, "device": device, "precision": precision, "engine": engine}
-        return load_translator(path, _keyword_overrides(settings))
+        paths = [path] if isinstance(path, str | Path) else list(path)
+        return load_ensemble(paths, _keyword_overrides(settings), weights)
 
     def translate(self, lines: Sequence[str], beam: int | None = None, **decode: Any) -> list[str]:
         """The best translation of each line, in order (one per line; "" for an empty line);
@@ -99,6 +101,16 @@ class Translator:
 def _keyword_overrides(settings: dict[str, Any]) -> list[tuple[str, str]]:
     """decode.* overrides from keyword arguments; an error quotes the keyword as it was given."""
     return [(f"decode.{k}={v}", f"{k}={v!r}") for k, v in settings.items()]
+
+
+def _override(overrides: Sequence[str | tuple[str, str]], key: str) -> str | None:
+    """The value the last of `overrides` gives `key`, if any."""
+    value = None
+    for item in overrides:
+        name, _, given = (item[0] if isinstance(item, tuple) else item).partition("=")
+        if name.strip() == key:
+            value = given.strip()
+    return value
 
 
 def load_translator(
@@ -152,21 +164,38 @@ def load_translator(
     return translator
 
 
-def check_engine(cfg: Config, device: torch.device) -> None:
-    """Refuse, naming the option, what an engine cannot do as tmt promises it."""
-    decode, engine = cfg.decode, cfg.decode.engine
-    if decode.precision == "fp16" and device.type != "cuda":
-        raise TmtError("decode.precision=fp16 needs a GPU (decode.device); use bf16 or fp32")
-    if engine == "torch" and decode.precision == "int8" and device.type != "cpu":
+def load_ensemble(
+    paths: Sequence[str | Path],
+    overrides: Sequence[str | tuple[str, str]] = (),
+    weights: Sequence[float] | None = None,
+    last: int = 0,
+    best: int = 0,
+    by: str | None = None,
+) -> Translator:
+    """Models that decode as one (ensemble.py), each read as load_translator reads one, `weights`
+    one per model (equal ones by default); one path without weights is load_translator's."""
+    if not paths:
+        raise TmtError("no model: name it with -m/--model (a checkpoint or a run directory)")
+    if len(paths) == 1 and weights is None:
+        return load_translator(paths[0], overrides, last=last, best=best, by=by)
+    normalized = ensemble.normalized_weights(weights, len(paths))
+    # Refused before anything loads: a model's first CTranslate2 decoding exports it.
+    exports = [p for p in paths if ct2.is_export(Path(p))]
+    if _override(overrides, "decode.engine") == "ctranslate2" or exports:
+        named = f" ({exports[0]} is a CTranslate2 export)" if exports else ""
         raise TmtError(
-            f"decode.precision=int8: the torch engine quantizes on CPU only (decode.device is"
-            f" {device}); use fp16 or bf16 there, or decode.engine=ctranslate2"
+            f"an ensemble decodes with decode.engine=torch: CTranslate2 runs one model{named}"
         )
-    if engine == "ctranslate2" and decode.sampling != "none":
-        raise TmtError(
-            f"decode.sampling={decode.sampling}: not with decode.engine=ctranslate2 (its random"
-            " streams depend on the batch, tmt's on the line alone); use decode.engine=torch"
-        )
+    members = [load_translator(p, overrides, last=last, best=best, by=by) for p in paths]
+    first = members[0]
+    ensemble.check_same_vocabulary([m.tokenizer for m in members], [m.origin for m in members])
+    return dataclasses.replace(
+        first, origin=f"ensemble of {', '.join(m.origin for m in members)}", weights=normalized,
+        ensemble=tuple(m.model for m in members[1:] if m.model is not None),
+        parameters=sum(m.parameters for m in members), fingerprint="",
+        # No one checkpoint's scores or curves describe it.
+        step=max(m.step for m in members), path=None, run_dir=None,
+    )  # fmt: skip
 
 
 def _load_export(directory: Path, overrides: Sequence[str | tuple[str, str]]) -> Translator:
@@ -254,150 +283,13 @@ def fingerprint(translator: Translator) -> str:
     if translator.fingerprint or translator.model is None:
         return translator.fingerprint
     digest = hashlib.sha256(translator.tokenizer.model_bytes)
-    for name, tensor in translator.model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    for i, model in enumerate((translator.model, *translator.ensemble)):
+        if i:  # an ensemble: every model, and its weight (one model hashes as it always has)
+            digest.update(f"model {i} weight {translator.weights[i]!r}".encode())
+        for name, tensor in model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
-
-
-# --- lines to hypotheses -----------------------------------------------------------------------
-
-
-class _DecodeState:
-    """What search.py needs from the model: the decoder cache and source mask, reorderable."""
-
-    def __init__(self, cache: DecoderCache, src_mask: torch.Tensor) -> None:
-        self.cache, self.src_mask = cache, src_mask
-
-    def reorder(self, index: torch.Tensor, beam: int) -> None:
-        sentences = self.cache.reorder(index.to(self.src_mask.device), beam)
-        if sentences is not None:  # the source mask is per sentence, like the cross K/V
-            self.src_mask = self.src_mask.index_select(0, sentences)
-
-
-def source_ids(translator: Translator, lines: Sequence[str]) -> list[list[int]]:
-    """The subword ids of each line as the model reads it: lone surrogates (possible in Python
-    strings, never in UTF-8, fatal to sentencepiece) replaced, and cut to the model's positions
-    (source tokens + EOS must fit them) with a warning."""
-    limit = translator.config.model.max_positions - 1
-    ids = translator.tokenizer.encode([_SURROGATES.sub("\ufffd", line) for line in lines])
-    for i, seq in enumerate(ids):
-        if len(seq) > limit:
-            logger.warning(
-                "line %d: %d tokens, truncated to %d (model.max_positions)", i + 1, len(seq), limit
-            )
-            ids[i] = seq[:limit]
-    return ids
-
-
-def output_limits(translator: Translator, sources: Sequence[Sequence[int]]) -> list[int]:
-    """§6.1: the maximum output length (the EOS included) of each source, a · |x| + b, within the
-    position table."""
-    decode, positions = translator.config.decode, translator.config.model.max_positions
-    return [min(int(decode.max_len_a * len(x) + decode.max_len_b), positions) for x in sources]
-
-
-@torch.inference_mode()
-def translate_lines(
-    translator: Translator, lines: Sequence[str], first_line: int = 0
-) -> list[list[Hypothesis]]:
-    """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line.
-    `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling)."""
-    if translator.engine is not None:  # decoding options may have changed since the load
-        check_engine(translator.config, translator.device)
-    ids = source_ids(translator, lines)
-    results: list[list[Hypothesis]] = [[] for _ in lines]
-    todo = [i for i, seq in enumerate(ids) if seq]  # empty input: empty output, no model call
-    if not todo:
-        return results
-    lengths = np.array([len(ids[i]) + 1 for i in todo])
-    budget = max(translator.config.decode.max_tokens, int(lengths.max()))
-    sampler = TokenBucketSampler(
-        src_lengths=lengths, tgt_lengths=lengths, max_tokens=budget, seed=0, shuffle=False
-    )
-    for batch in sampler.epoch_batches(0):
-        chosen = [todo[j] for j in batch]
-        sources = [ids[i] for i in chosen]
-        try:
-            hypotheses = _translate_batch(translator, sources, [first_line + i for i in chosen])
-        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as err:
-            if not distributed.is_out_of_memory(err):
-                raise
-            raise _out_of_memory(translator, sources) from None
-        for index, hyps in zip(chosen, hypotheses, strict=True):
-            results[index] = hyps
-    return results
-
-
-def _out_of_memory(translator: Translator, sources: list[list[int]]) -> TmtError:
-    decode = translator.config.decode
-    k = decode.nbest if decode.sampling != "none" else decode.beam_size
-    return TmtError(
-        f"decoding {len(sources)} sentences of up to {max(map(len, sources))} tokens, {k} rows"
-        f" each, ran out of memory on {translator.device}: lower decode.max_tokens"
-        f" ({decode.max_tokens}) or decode.beam_size ({decode.beam_size})"
-    )
-
-
-def _translate_batch(
-    translator: Translator, sources: list[list[int]], line_ids: Sequence[int]
-) -> list[list[Hypothesis]]:
-    """Encode a batch of sources once and search over the decoder: sampling, greedy or beam."""
-    model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
-    if translator.engine is not None:
-        limits = output_limits(translator, sources)
-        return ct2.decode(translator.engine, tok, sources, limits, decode)
-    assert model is not None
-    samples = decode.nbest if decode.sampling != "none" else 1
-    if samples > 1:  # N independent samples of a line are N rows of the same source
-        sources = [seq for seq in sources for _ in range(samples)]
-    src = torch.full((len(sources), max(map(len, sources)) + 1), tok.pad_id, dtype=torch.long)
-    for row, seq in enumerate(sources):
-        src[row, : len(seq)] = torch.tensor(seq)
-        src[row, len(seq)] = tok.eos_id
-    src = src.to(translator.device)
-    src_mask = make_src_mask(src, tok.pad_id)
-    memory = model.encode(src, src_mask)
-    # One decoder row per sentence; beam search makes k (B·k), the source stays (B, S, D).
-    state = _DecodeState(model.start_cache(memory), src_mask)
-
-    def step(tokens: torch.Tensor, s: _DecodeState) -> tuple[torch.Tensor, _DecodeState]:
-        logits = model.decode(tokens[:, None], None, s.src_mask, s.cache)  # (N, 1, V)
-        return F.log_softmax(logits[:, 0].float(), dim=-1), s
-
-    common = {
-        "bos_id": tok.bos_id,
-        "eos_id": tok.eos_id,
-        "banned": (tok.pad_id, tok.bos_id),
-        "alpha": decode.length_penalty,
-        "form": decode.length_penalty_form,
-        "device": translator.device,
-    }
-    limits = output_limits(translator, sources)
-    if decode.sampling != "none":
-        uniforms = torch.stack([
-            line_uniforms(decode.seed, line, j, model.cfg.max_positions)
-            for line in line_ids for j in range(samples)
-        ])  # fmt: skip
-        hypotheses = sample(
-            step, state, limits, uniforms=uniforms, method=decode.sampling,
-            temperature=decode.temperature, **common,
-        )  # fmt: skip
-        return [hypotheses[i : i + samples] for i in range(0, len(hypotheses), samples)]
-    if decode.beam_size == 1:
-        return [[h] for h in greedy(step, state, limits, **common)]
-    return beam_search(
-        step, state, limits, beam_size=decode.beam_size, nbest=decode.nbest,
-        early_stopping=decode.early_stopping, **common,
-    )  # fmt: skip
-
-
-def line_uniforms(seed: int, line: int, sample_index: int, steps: int) -> torch.Tensor:
-    """(steps,) uniforms in [0, 1) that drive sample `sample_index` of input line `line`: a
-    function of these three numbers alone, whichever process or batch translates the line."""
-    key = np.random.SeedSequence([seed, line, sample_index]).generate_state(1, np.uint64)[0]
-    generator = torch.Generator().manual_seed(int(key))
-    return torch.rand(steps, generator=generator, dtype=torch.float64)
 
 
 # --- hypotheses to text ------------------------------------------------------------------------

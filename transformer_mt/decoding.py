@@ -1,0 +1,213 @@
+"""A Translator's lines to hypotheses: token batches by length, one search per batch, the
+output in input order; or CTranslate2's decoding of the same batches (decode.engine).
+
+search.py knows nothing of the model: `_step_function` gives it one decoder step over each
+model's cache (an ensemble's mean of probabilities: ensemble.py). An empty line gives no
+hypotheses without running the model; a line longer than the model's positions is truncated with
+a warning. Out of memory is one line naming the settings that lower it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from transformer_mt import ct2, distributed, ensemble
+from transformer_mt.config import Config
+from transformer_mt.data import TokenBucketSampler
+from transformer_mt.ensemble import EnsembleState
+from transformer_mt.exits import TmtError
+from transformer_mt.model import DecoderCache, Transformer, make_src_mask
+from transformer_mt.search import (
+    Hypothesis,
+    SearchState,
+    StepFn,
+    beam_search,
+    greedy,
+    line_uniforms,
+    sample,
+)
+from transformer_mt.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+class Decodable(Protocol):
+    """What decoding reads of a Translator (translate.py)."""
+
+    model: Transformer | None
+    ensemble: tuple[Transformer, ...]
+    weights: tuple[float, ...]
+    tokenizer: Tokenizer
+    config: Config
+    device: torch.device
+    engine: Any
+
+
+def check_engine(cfg: Config, device: torch.device) -> None:
+    """Refuse, naming the option, what an engine cannot do as tmt promises it."""
+    decode, engine = cfg.decode, cfg.decode.engine
+    if decode.precision == "fp16" and device.type != "cuda":
+        raise TmtError("decode.precision=fp16 needs a GPU (decode.device); use bf16 or fp32")
+    if engine == "torch" and decode.precision == "int8" and device.type != "cpu":
+        raise TmtError(
+            f"decode.precision=int8: the torch engine quantizes on CPU only (decode.device is"
+            f" {device}); use fp16 or bf16 there, or decode.engine=ctranslate2"
+        )
+    if engine == "ctranslate2" and decode.sampling != "none":
+        raise TmtError(
+            f"decode.sampling={decode.sampling}: not with decode.engine=ctranslate2 (its random"
+            " streams depend on the batch, tmt's on the line alone); use decode.engine=torch"
+        )
+
+
+class _DecodeState:
+    """What search.py needs from the model: the decoder cache and source mask, reorderable."""
+
+    def __init__(self, cache: DecoderCache, src_mask: torch.Tensor) -> None:
+        self.cache, self.src_mask = cache, src_mask
+
+    def reorder(self, index: torch.Tensor, beam: int) -> None:
+        sentences = self.cache.reorder(index.to(self.src_mask.device), beam)
+        if sentences is not None:  # the source mask is per sentence, like the cross K/V
+            self.src_mask = self.src_mask.index_select(0, sentences)
+
+
+def source_ids(translator: Decodable, lines: Sequence[str]) -> list[list[int]]:
+    """The subword ids of each line as the model reads it: lone surrogates (possible in Python
+    strings, never in UTF-8, fatal to sentencepiece) replaced, and cut to the model's positions
+    (source tokens + EOS must fit them) with a warning."""
+    limit = _max_positions(translator) - 1
+    ids = translator.tokenizer.encode([_SURROGATES.sub("\ufffd", line) for line in lines])
+    for i, seq in enumerate(ids):
+        if len(seq) > limit:
+            logger.warning(
+                "line %d: %d tokens, truncated to %d (model.max_positions)", i + 1, len(seq), limit
+            )
+            ids[i] = seq[:limit]
+    return ids
+
+
+def _max_positions(translator: Decodable) -> int:
+    """The position table's size: an ensemble's smallest (its architectures may differ)."""
+    return min([translator.config.model.max_positions,
+                *(m.cfg.max_positions for m in translator.ensemble)])  # fmt: skip
+
+
+def output_limits(translator: Decodable, sources: Sequence[Sequence[int]]) -> list[int]:
+    """§6.1: the maximum output length (the EOS included) of each source, a · |x| + b, within the
+    position table."""
+    decode, positions = translator.config.decode, _max_positions(translator)
+    return [min(int(decode.max_len_a * len(x) + decode.max_len_b), positions) for x in sources]
+
+
+@torch.inference_mode()
+def translate_lines(
+    translator: Decodable, lines: Sequence[str], first_line: int = 0
+) -> list[list[Hypothesis]]:
+    """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line.
+    `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling)."""
+    if translator.engine is not None:  # decoding options may have changed since the load
+        check_engine(translator.config, translator.device)
+    ids = source_ids(translator, lines)
+    results: list[list[Hypothesis]] = [[] for _ in lines]
+    todo = [i for i, seq in enumerate(ids) if seq]  # empty input: empty output, no model call
+    if not todo:
+        return results
+    lengths = np.array([len(ids[i]) + 1 for i in todo])
+    budget = max(translator.config.decode.max_tokens, int(lengths.max()))
+    sampler = TokenBucketSampler(
+        src_lengths=lengths, tgt_lengths=lengths, max_tokens=budget, seed=0, shuffle=False
+    )
+    for batch in sampler.epoch_batches(0):
+        chosen = [todo[j] for j in batch]
+        sources = [ids[i] for i in chosen]
+        try:
+            hypotheses = _translate_batch(translator, sources, [first_line + i for i in chosen])
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as err:
+            if not distributed.is_out_of_memory(err):
+                raise
+            raise _out_of_memory(translator, sources) from None
+        for index, hyps in zip(chosen, hypotheses, strict=True):
+            results[index] = hyps
+    return results
+
+
+def _out_of_memory(translator: Decodable, sources: list[list[int]]) -> TmtError:
+    decode = translator.config.decode
+    k = decode.nbest if decode.sampling != "none" else decode.beam_size
+    return TmtError(
+        f"decoding {len(sources)} sentences of up to {max(map(len, sources))} tokens, {k} rows"
+        f" each, ran out of memory on {translator.device}: lower decode.max_tokens"
+        f" ({decode.max_tokens}) or decode.beam_size ({decode.beam_size})"
+    )
+
+
+def _translate_batch(
+    translator: Decodable, sources: list[list[int]], line_ids: Sequence[int]
+) -> list[list[Hypothesis]]:
+    """Encode a batch of sources once and search over the decoder: sampling, greedy or beam."""
+    model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
+    if translator.engine is not None:
+        limits = output_limits(translator, sources)
+        return ct2.decode(translator.engine, tok, sources, limits, decode)
+    assert model is not None
+    samples = decode.nbest if decode.sampling != "none" else 1
+    if samples > 1:  # N independent samples of a line are N rows of the same source
+        sources = [seq for seq in sources for _ in range(samples)]
+    src = torch.full((len(sources), max(map(len, sources)) + 1), tok.pad_id, dtype=torch.long)
+    for row, seq in enumerate(sources):
+        src[row, : len(seq)] = torch.tensor(seq)
+        src[row, len(seq)] = tok.eos_id
+    step, state = _step_function(translator, src.to(translator.device))
+    common = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "banned": (tok.pad_id, tok.bos_id),
+              "alpha": decode.length_penalty, "form": decode.length_penalty_form,
+              "device": translator.device}  # fmt: skip
+    limits = output_limits(translator, sources)
+    if decode.sampling != "none":
+        uniforms = torch.stack([
+            line_uniforms(decode.seed, line, j, model.cfg.max_positions)
+            for line in line_ids for j in range(samples)
+        ])  # fmt: skip
+        hypotheses = sample(
+            step, state, limits, uniforms=uniforms, method=decode.sampling,
+            temperature=decode.temperature, **common,
+        )  # fmt: skip
+        return [hypotheses[i : i + samples] for i in range(0, len(hypotheses), samples)]
+    if decode.beam_size == 1:
+        return [[h] for h in greedy(step, state, limits, **common)]
+    return beam_search(
+        step, state, limits, beam_size=decode.beam_size, nbest=decode.nbest,
+        early_stopping=decode.early_stopping, **common,
+    )  # fmt: skip
+
+
+def _step_function(translator: Decodable, src: torch.Tensor) -> tuple[StepFn, SearchState]:
+    """The search's step function and state over a batch of sources (B, S), encoded once by each
+    model: its log-probabilities, or an ensemble's mean of probabilities (ensemble.py)."""
+    src_mask = make_src_mask(src, translator.tokenizer.pad_id)
+    models = [m for m in (translator.model, *translator.ensemble) if m is not None]
+    # One decoder row per sentence; beam search makes k (B·k), the source stays (B, S, D).
+    states = [_DecodeState(m.start_cache(m.encode(src, src_mask)), src_mask) for m in models]
+
+    def log_probs(model: Transformer, tokens: torch.Tensor, s: _DecodeState) -> torch.Tensor:
+        logits = model.decode(tokens[:, None], None, s.src_mask, s.cache)  # (N, 1, V)
+        return F.log_softmax(logits[:, 0].float(), dim=-1)
+
+    if len(models) == 1:
+        return (lambda tokens, s: (log_probs(models[0], tokens, s), s)), states[0]
+    log_weights = torch.tensor(translator.weights, device=src.device).log()
+
+    def step(tokens: torch.Tensor, s: EnsembleState) -> tuple[torch.Tensor, EnsembleState]:
+        each = [log_probs(m, tokens, one) for m, one in zip(models, s.states, strict=True)]
+        return ensemble.mean_log_probs(each, log_weights), s
+
+    return step, EnsembleState(states)
