@@ -164,7 +164,7 @@ def test_a_failed_translation_keeps_the_old_output(
     source.write_text("kalo mi\n")
     output.write_text("yesterday's translations\n")
 
-    def fail(translator, lines, first_line=0):
+    def fail(translator, lines, first_line=0, prefixes=None):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(translate, "translate_lines", fail)

@@ -419,3 +419,78 @@ def test_a_sampled_row_depends_only_on_its_uniforms() -> None:
     alone = [sample_rows("topp:0.9", 1.0, [s], uniforms[s : s + 1])[0] for s in sentences]
     assert together == alone
     assert len({tuple(h.tokens) for h in together}) > 3  # not one path for all
+
+
+# --- target prefixes -----------------------------------------------------------------------------
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 4))
+def test_a_prefix_of_the_greedy_output_gives_the_greedy_output(seed: int, n: int) -> None:
+    limits = [6 + i for i in range(n)]
+    plain = greedy(toy_step(seed), ToyState(list(range(n))), limits, BOS, EOS, (PAD, BOS))
+    for k in range(max(len(h.tokens) for h in plain) + 1):
+        prefixes = [h.tokens[:k] for h in plain]
+        forced = greedy(toy_step(seed), ToyState(list(range(n))), limits, BOS, EOS, (PAD, BOS),
+                        prefixes=prefixes)  # fmt: skip
+        assert forced == plain
+        beam_one = beam_search(toy_step(seed), ToyState(list(range(n))), limits, BOS, EOS, 1,
+                               alpha=0.0, banned=(PAD, BOS), prefixes=prefixes)  # fmt: skip
+        assert [hyps[0].tokens for hyps in beam_one] == [h.tokens for h in plain]
+
+
+@pytest.mark.parametrize("prefix", [(), (5,), (5, 5), (4, 3, 5)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_beam_with_a_prefix_equals_exhaustive_search_over_its_completions(
+    prefix: tuple[int, ...], seed: int
+) -> None:
+    # The oracle: every output that starts with the prefix, within the limit, ranked by the
+    # toy model's normalised score (the prefix's log-probabilities count).
+    max_len = 4
+    outputs = [y for y in all_outputs(max_len) if y[: len(prefix)] == prefix]
+    scored = sorted(((sequence_score(0, y, seed) / length_penalty(len(y) + 1, 0.6), y)
+                     for y in outputs), reverse=True)  # fmt: skip
+    result = beam_search(toy_step(seed), ToyState([0]), [max_len], BOS, EOS, len(outputs), 0.6,
+                         nbest=4, banned=(PAD, BOS), prefixes=[prefix])[0]  # fmt: skip
+    assert [tuple(h.tokens) for h in result] == [y for _, y in scored[:4]]
+    for h in result:
+        assert h.log_prob == pytest.approx(sequence_score(0, tuple(h.tokens), seed), abs=1e-5)
+
+
+def test_an_unlikely_prefix_is_kept_and_the_limit_makes_room_for_it() -> None:
+    # The model wants EOS first and never token 5; a prefix of three 5s over a limit of 2.
+    table = {"default": torch.log_softmax(torch.tensor([0.0, 0.0, 9.0, 1.0, 0.5, -30.0]), dim=-1)}
+    for search in (
+        lambda **kw: [[h] for h in greedy(toy_step(table=table), ToyState([0, 1]), [2, 2], BOS,
+                                          EOS, (PAD, BOS), **kw)],
+        lambda **kw: beam_search(toy_step(table=table), ToyState([0, 1]), [2, 2], BOS, EOS, 3,
+                                 banned=(PAD, BOS), nbest=3, **kw),
+    ):  # fmt: skip
+        found = search(prefixes=[(5, 5, 5), ()])
+        assert [h.tokens for h in found[0]] == [[5, 5, 5]]  # the limit is the prefix + EOS
+        assert found[1][0].tokens == []  # the other sentence is unchanged: EOS
+        expected = 3 * float(table["default"][5]) + float(table["default"][EOS])
+        assert found[0][0].log_prob == pytest.approx(expected, abs=1e-4)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 4), n=st.integers(2, 5))
+def test_prefixes_batched_equal_one_by_one(seed: int, k: int, n: int) -> None:
+    limits = [4 + i % 3 for i in range(n)]
+    prefixes = [(WORDS[i % 3],) * (i % 3) for i in range(n)]  # (), (4,), (5, 5), ...
+    together = beam_search(toy_step(seed), ToyState(list(range(n))), limits, BOS, EOS, k, 0.6,
+                           nbest=k, banned=(PAD, BOS), prefixes=prefixes)  # fmt: skip
+    for i in range(n):
+        alone = beam_search(toy_step(seed), ToyState([i]), [limits[i]], BOS, EOS, k, 0.6,
+                            nbest=k, banned=(PAD, BOS), prefixes=[prefixes[i]])[0]  # fmt: skip
+        assert [h.tokens for h in together[i]] == [h.tokens for h in alone]
+        assert all(tuple(h.tokens[: len(prefixes[i])]) == prefixes[i] for h in alone)
+
+
+def test_samples_start_with_their_prefix() -> None:
+    uniforms = torch.rand(30, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    prefixes = [(5, 3)] * 30
+    found = sample(toy_step(), ToyState(list(range(30))), [6] * 30, uniforms, BOS, EOS,
+                   banned=(PAD, BOS), prefixes=prefixes)  # fmt: skip
+    assert all(h.tokens[:2] == [5, 3] for h in found)
+    assert len({tuple(h.tokens) for h in found}) > 3  # the rest is still sampled

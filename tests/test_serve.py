@@ -115,6 +115,27 @@ def test_the_endpoints_answer_and_translate_as_tmt_translate_does(
     assert "tmt_requests_total" in server.client.get("/metrics").text
 
 
+def test_target_prefixes_are_served_as_tmt_translate_keeps_them(
+    server: Server, multi30k_run: Path
+) -> None:
+    prefixes = ["Zebra", "", "Two men", ""]
+    model = translate.load_translator(multi30k_run)
+    expected = model.translate(SOURCES[:4], prefix=prefixes)
+    assert expected[0].startswith("Zebra") and expected[2].startswith("Two men")
+    body = {"text": SOURCES[:4], "prefix": prefixes}
+    assert server.client.post("/v1/translate", json=body).json()["translations"] == expected
+    one = server.client.post("/v1/translate", json={"text": SOURCES[0], "prefix": "Zebra"})
+    assert one.json()["translations"] == expected[:1]
+    for bad, named in [
+        ({"text": SOURCES[:2], "prefix": ["A"]}, "1 prefixes for 2 sentences"),
+        ({"text": SOURCES[:2], "prefix": "A"}, "prefix: a string for a text string"),
+        ({"text": SOURCES[0], "prefix": ["A" * 301]}, "prefix: a string for a text string"),
+        ({"text": [SOURCES[0]], "prefix": ["A" * 301]}, "at most 300"),
+    ]:
+        answer = server.client.post("/v1/translate", json=bad)
+        assert answer.status_code in (413, 422) and named in answer.json()["error"], answer.text
+
+
 def test_the_libretranslate_api_answers_its_clients(server: Server, expected: list[str]) -> None:
     client = server.client
     assert client.get("/languages").json()[0] == {"code": "de", "name": "German", "targets": ["en"]}
@@ -304,7 +325,7 @@ def test_a_client_that_has_gone_costs_nothing(
 
     decoded: list[str] = []
     monkeypatch.setattr(batching, "translate_lines",
-                        lambda translator, lines: decoded.extend(lines) or [[] for _ in lines])  # fmt: skip
+                        lambda translator, lines, prefixes=None: decoded.extend(lines) or [[] for _ in lines])  # fmt: skip
 
     class Quiet:
         def queued(self, n: int) -> None: ...
@@ -347,7 +368,7 @@ def test_the_batcher_gathers_a_burst_and_lets_a_lone_request_go(
 
     calls: list[list[str]] = []
     monkeypatch.setattr(batching, "translate_lines",
-                        lambda translator, lines: calls.append(lines) or [[] for _ in lines])  # fmt: skip
+                        lambda translator, lines, prefixes=None: calls.append(lines) or [[] for _ in lines])  # fmt: skip
 
     class Quiet:
         def queued(self, n: int) -> None: ...

@@ -58,7 +58,9 @@ def test_empty_lines_are_empty_outputs_without_the_model(
     monkeypatch.setattr(
         decoding,
         "_translate_batch",
-        lambda tr, sources, ids: seen.append(len(sources)) or real(tr, sources, ids),
+        lambda tr, sources, ids, forced: (
+            seen.append(len(sources)) or real(tr, sources, ids, forced)
+        ),
     )
     out = translate.translate_text(t, ["", SOURCES[0], "   ", "\t", SOURCES[1], ""])
     assert len(out) == 6 and out[0] == out[2] == out[3] == out[5] == ""

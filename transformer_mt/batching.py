@@ -44,6 +44,7 @@ class Job:
     translator: Translator  # the served model with this request's decoding options
     key: tuple[Any, ...]  # jobs with the same key may share a decoding call
     tokens: int  # source tokens (what max_tokens counts)
+    prefixes: list[str] | None = None  # a target prefix for each line, if any
     arrived: float = field(default_factory=time.monotonic)
     result: concurrent.futures.Future[list[list[Hypothesis]]] = field(
         default_factory=concurrent.futures.Future
@@ -171,9 +172,12 @@ class Batcher:
     def _decode(self, jobs: list[Job]) -> None:
         """One decoding call for jobs that share their options; each gets its own lines' results."""
         lines = [line for job in jobs for line in job.lines]
+        prefixes = None
+        if any(job.prefixes for job in jobs):
+            prefixes = [p for job in jobs for p in job.prefixes or [""] * len(job.lines)]
         start = time.monotonic()
         try:
-            results = translate_lines(jobs[0].translator, lines)
+            results = translate_lines(jobs[0].translator, lines, prefixes=prefixes)
         except Exception as err:
             logger.error(
                 "decoding %d lines failed: %s: %s", len(lines), type(err).__name__, first_line(err)

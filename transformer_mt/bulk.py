@@ -4,7 +4,8 @@
     torchrun --nproc_per_node=N -m transformer_mt translate -m MODEL -i BIG.txt -o OUT.txt
 
 The input is cut into chunks of decode.chunk_lines lines. Beside the output, OUT.txt.tmt-job/
-holds job.json (the input's SHA-256, the model's fingerprint, the decoding options) and, per
+holds job.json (the input's SHA-256, the model's fingerprint, the decoding options, the target
+prefix file's SHA-256 if there is one) and, per
 finished chunk, its text (NNNNNNNN.txt) and then its commit record (NNNNNNNN.json: its rows and
 SHA-256), each written atomically: a chunk is committed when its record exists and its text
 matches it. Committed chunks are verified, not trusted: the plan of a resume re-translates one
@@ -23,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -56,6 +58,8 @@ class Plan:
     offsets: list[int]  # byte offset of each chunk's first line
     lines: int  # lines in the input
     missing: list[int]  # chunks not yet committed
+    prefix: str | None = None  # the target prefix file (one line an input line), if any
+    prefix_offsets: list[int] = dataclasses.field(default_factory=list)  # ... its chunks' starts
 
 
 def is_bulk(input_path: str, output_path: str) -> bool:
@@ -67,15 +71,22 @@ def is_bulk(input_path: str, output_path: str) -> bool:
 
 
 def translate_job(
-    translator: Translator, input_path: str, output_path: str, overwrite: bool = False
+    translator: Translator,
+    input_path: str,
+    output_path: str,
+    overwrite: bool = False,
+    prefix_path: str | None = None,
 ) -> dict[str, Any]:
-    """Translate `input_path` into `output_path` as one resumable job on this process group."""
+    """Translate `input_path` into `output_path` as one resumable job on this process group;
+    `prefix_path`: a target prefix for each input line (translate.translate_lines)."""
     info = distributed.setup(str(translator.device), timeout_s=86_400.0)  # ranks finish unevenly
     output = Path(output_path)
     lock = run.RunLock(output.with_name(output.name + JOB_SUFFIX),
                        hint="or translate into another {output}", mentions=["output"])  # fmt: skip
     try:
-        plan = _agree(info, lambda: _plan(translator, input_path, output_path, overwrite, lock))
+        plan = _agree(
+            info, lambda: _plan(translator, input_path, output_path, overwrite, lock, prefix_path)
+        )
         mine = plan.missing[info.rank :: info.world_size]
         done = _translate_chunks(translator, input_path, plan, mine, info)
         distributed.barrier(info)
@@ -124,7 +135,12 @@ def _gather_count(done: int, info: DistInfo) -> int:
 
 
 def _plan(
-    translator: Translator, input_path: str, output_path: str, overwrite: bool, lock: run.RunLock
+    translator: Translator,
+    input_path: str,
+    output_path: str,
+    overwrite: bool,
+    lock: run.RunLock,
+    prefix_path: str | None,
 ) -> Plan:
     """Check the job against what is on disk, take the job directory (`lock`), find what is left."""
     source, output = Path(input_path), Path(output_path)
@@ -133,17 +149,8 @@ def _plan(
     job_dir = output.with_name(output.name + JOB_SUFFIX)
     chunk_lines = translator.config.decode.chunk_lines
     digest, offsets, lines = _scan(source, chunk_lines)
-    identity = {
-        "format": JOB_FORMAT,
-        "input": str(source.resolve()),
-        "input_sha256": digest,
-        "model_sha256": translate.fingerprint(translator),
-        "decode": {
-            k: v
-            for k, v in to_dict(translator.config)["decode"].items()
-            if k not in NOT_IN_IDENTITY
-        },
-    }
+    prefix = _scan_prefix(prefix_path, chunk_lines, lines, input_path)
+    identity = _identity(translator, source, digest, prefix[0] if prefix else None)
     previous = _read_job(job_dir)
     if previous is not None and previous != identity:
         if not overwrite:
@@ -179,7 +186,7 @@ def _plan(
     if previous is not None and len(missing) < len(offsets):
         logger.info("%s: resuming: %d of %d chunks already translated", output_path,
                     len(offsets) - len(missing), len(offsets))  # fmt: skip
-    return Plan(str(job_dir), offsets, lines, missing)
+    return Plan(str(job_dir), offsets, lines, missing, prefix_path, prefix[1] if prefix else [])
 
 
 def _scan(source: Path, chunk_lines: int) -> tuple[str, list[int], int]:
@@ -193,6 +200,41 @@ def _scan(source: Path, chunk_lines: int) -> tuple[str, list[int], int]:
             position += len(line)
             lines += 1
     return digest.hexdigest(), offsets, lines
+
+
+def _identity(
+    translator: Translator, source: Path, digest: str, prefix_digest: str | None
+) -> dict[str, Any]:
+    """What makes a job this job (job.json): its input, model, decoding options, prefixes."""
+    decode = to_dict(translator.config)["decode"]
+    identity = {
+        "format": JOB_FORMAT,
+        "input": str(source.resolve()),
+        "input_sha256": digest,
+        "model_sha256": translate.fingerprint(translator),
+        "decode": {k: v for k, v in decode.items() if k not in NOT_IN_IDENTITY},
+    }
+    if prefix_digest is not None:  # a job without one keeps the identity of earlier tmt's jobs
+        identity["prefix_sha256"] = prefix_digest
+    return identity
+
+
+def _scan_prefix(
+    prefix_path: str | None, chunk_lines: int, lines: int, input_path: str
+) -> tuple[str, list[int]] | None:
+    """The target prefix file's SHA-256 and chunk offsets, if there is one: a line an input line."""
+    if prefix_path is None:
+        return None
+    prefix = Path(prefix_path)
+    if not prefix.is_file():
+        raise TmtError(f"{prefix_path}: no such file", param="prefix")
+    digest, offsets, count = _scan(prefix, chunk_lines)
+    if count != lines:
+        raise TmtError(
+            f"{prefix_path}: {count} lines, but {input_path} has {lines}: one target prefix (maybe"
+            " empty) an input line", param="prefix",
+        )  # fmt: skip
+    return digest, offsets
 
 
 def _read_job(job_dir: Path) -> dict[str, Any] | None:
@@ -219,6 +261,8 @@ def _difference(previous: dict[str, Any], identity: dict[str, Any]) -> str:
         return "an unreadable job.json"
     if previous.get("input_sha256") != identity["input_sha256"]:
         return f"another input ({previous.get('input')}, changed since or different)"
+    if previous.get("prefix_sha256") != identity.get("prefix_sha256"):
+        return "another target prefix file (--prefix), or none where there was one"
     old, new = previous.get("decode", {}), identity["decode"]
     changed = [f"decode.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                if old.get(k) != new.get(k)]  # fmt: skip
@@ -312,14 +356,22 @@ def _translate_chunks(
     total = sum(_chunk_size(c, plan.lines, chunk_lines) for c in chunks)
     bar = tqdm(total=total, unit="line", disable=not info.is_main, dynamic_ncols=True,
                desc=f"rank 0 of {info.world_size}" if info.distributed else None)  # fmt: skip
-    with open(input_path, "rb") as source, bar:
+    with (
+        open(input_path, "rb") as source,
+        open(plan.prefix or os.devnull, "rb") as prefix_source,
+        bar,
+    ):
         for chunk in chunks:
             first = chunk * chunk_lines
             count = _chunk_size(chunk, plan.lines, chunk_lines)
             lines = list(
                 _read_chunk(source, input_path, plan.offsets[chunk], first=first, count=count)
             )
-            rows = list(_rows(translator, lines, first))
+            prefixes = None
+            if plan.prefix:
+                offset = plan.prefix_offsets[chunk]
+                prefixes = list(_read_chunk(prefix_source, plan.prefix, offset, first, count))
+            rows = list(_rows(translator, lines, first, prefixes))
             try:
                 _commit(plan.job_dir, chunk, "".join(rows).encode("utf-8"), len(rows))
             except OSError as err:
@@ -342,10 +394,13 @@ def _read_chunk(source: Any, where: str, offset: int, first: int, count: int) ->
         yield textio.decode_line(line, where, first + i + 1, "warn")[0]
 
 
-def _rows(translator: Translator, lines: list[str], first: int) -> Iterator[str]:
+def _rows(
+    translator: Translator, lines: list[str], first: int, prefixes: list[str] | None
+) -> Iterator[str]:
     """The output rows of these lines: one per line, or nbest tab-separated rows as translate's."""
     nbest = translator.config.decode.nbest
-    for i, hyps in enumerate(translate.translate_lines(translator, lines, first_line=first)):
+    hypotheses = translate.translate_lines(translator, lines, first_line=first, prefixes=prefixes)
+    for i, hyps in enumerate(hypotheses):
         yield from translate.output_rows(translator, hyps, index=first + i, nbest=nbest)
 
 

@@ -49,6 +49,10 @@ from transformer_mt.flags import (
     Overrides,
     Overwrite,
     Precision,
+    Prefix,
+    Sampling,
+    Seed,
+    Temperature,
     Weights,
     flag_overrides,
 )
@@ -222,16 +226,10 @@ def translate(
     device: Device = None,
     precision: Precision = None,
     engine: Engine = None,
-    sampling: Annotated[
-        str | None,
-        typer.Option("--sampling", help="Sample instead of search: full, topk:K or topp:P."),
-    ] = None,
-    temperature: Annotated[
-        float | None, typer.Option("--temperature", help="Sampling temperature (0 = greedy).")
-    ] = None,
-    seed: Annotated[
-        int | None, typer.Option("--seed", help="Sampling seed (each line's stream: seed, line).")
-    ] = None,
+    sampling: Sampling = None,
+    temperature: Temperature = None,
+    seed: Seed = None,
+    prefix: Prefix = None,
     last: Last = 0,
     best: Best = 0,
     by: By = None,
@@ -254,13 +252,13 @@ def translate(
     last = _renamed(last, old_last, "--last", "--average-last")
     translator = _load(_models(model, old_model), weights, overrides, last, best, by)
     if bulk.is_bulk(input_, output):
-        report = bulk.translate_job(translator, input_, output, overwrite=overwrite)
+        report = bulk.translate_job(translator, input_, output, overwrite, prefix)
         if "output" in report:  # rank 0
             typer.echo(f"tmt: {output}: {report['lines']} lines in {report['chunks']} chunks"
                        f" ({report['resumed_chunks']} translated before)", err=True)  # fmt: skip
         return
     try:
-        lib.translate_file(translator, input_, output, overwrite=overwrite)
+        lib.translate_file(translator, input_, output, overwrite=overwrite, prefix_path=prefix)
     except BrokenPipeError:  # the reader left (e.g. `| head -1`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 

@@ -225,9 +225,11 @@ def decode(
     sources: Sequence[Sequence[int]],
     limits: Sequence[int],
     decode_cfg: DecodeConfig,
+    prefixes: Sequence[Sequence[int]] = (),
 ) -> list[list[Hypothesis]]:
     """The n-best of each source (ids, without EOS) by CTranslate2; `limits`: each output's
-    maximum length, its EOS included (decoding.output_limits).
+    maximum length, its EOS included (decoding.output_limits); `prefixes`: target prefixes each
+    output starts with (CTranslate2's target_prefix), or none.
 
     CTranslate2 takes one maximum length per call: the batch is decoded to its largest limit and
     each row is cut at its own. Greedy rows do not depend on each other, so this is exactly tmt's
@@ -238,6 +240,7 @@ def decode(
     piece, index = tokenizer._sp.id_to_piece, tokenizer._sp.piece_to_id
     results = engine.translate_batch(
         [[piece(t) for t in seq] for seq in sources],
+        target_prefix=[[piece(t) for t in seq] for seq in prefixes] or None,
         max_batch_size=len(sources),
         max_decoding_length=max(max(limits) - 1, 1),
         beam_size=decode_cfg.beam_size,

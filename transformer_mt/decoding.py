@@ -3,8 +3,9 @@ output in input order; or CTranslate2's decoding of the same batches (decode.eng
 
 search.py knows nothing of the model: `_step_function` gives it one decoder step over each
 model's cache (an ensemble's mean of probabilities: ensemble.py). An empty line gives no
-hypotheses without running the model; a line longer than the model's positions is truncated with
-a warning. Out of memory is one line naming the settings that lower it.
+hypotheses without running the model (with a target prefix: the prefix alone, score 0); a line
+or prefix longer than the model's positions is truncated with a warning. Out of memory is one
+line naming the settings that lower it.
 """
 
 from __future__ import annotations
@@ -81,17 +82,18 @@ class _DecodeState:
             self.src_mask = self.src_mask.index_select(0, sentences)
 
 
-def source_ids(translator: Decodable, lines: Sequence[str]) -> list[list[int]]:
+def source_ids(translator: Decodable, lines: Sequence[str], what: str = "line") -> list[list[int]]:
     """The subword ids of each line as the model reads it: lone surrogates (possible in Python
     strings, never in UTF-8, fatal to sentencepiece) replaced, and cut to the model's positions
-    (source tokens + EOS must fit them) with a warning."""
+    (source tokens + EOS, or a target prefix + EOS, must fit them) with a warning."""
     limit = _max_positions(translator) - 1
     ids = translator.tokenizer.encode([_SURROGATES.sub("\ufffd", line) for line in lines])
     for i, seq in enumerate(ids):
         if len(seq) > limit:
             logger.warning(
-                "line %d: %d tokens, truncated to %d (model.max_positions)", i + 1, len(seq), limit
-            )
+                "%s %d: %d tokens, truncated to %d (model.max_positions)", what, i + 1, len(seq),
+                limit,
+            )  # fmt: skip
             ids[i] = seq[:limit]
     return ids
 
@@ -102,24 +104,40 @@ def _max_positions(translator: Decodable) -> int:
                 *(m.cfg.max_positions for m in translator.ensemble)])  # fmt: skip
 
 
-def output_limits(translator: Decodable, sources: Sequence[Sequence[int]]) -> list[int]:
-    """§6.1: the maximum output length (the EOS included) of each source, a · |x| + b, within the
-    position table."""
+def output_limits(
+    translator: Decodable,
+    sources: Sequence[Sequence[int]],
+    prefixes: Sequence[Sequence[int]] = (),
+) -> list[int]:
+    """§6.1: the maximum output length (the EOS included) of each source, a · |x| + b, at least
+    its target prefix and the EOS, within the position table."""
     decode, positions = translator.config.decode, _max_positions(translator)
-    return [min(int(decode.max_len_a * len(x) + decode.max_len_b), positions) for x in sources]
+    given = [len(p) for p in prefixes] or [0] * len(sources)
+    return [
+        min(max(int(decode.max_len_a * len(x) + decode.max_len_b), size + 1), positions)
+        for x, size in zip(sources, given, strict=True)
+    ]
 
 
 @torch.inference_mode()
 def translate_lines(
-    translator: Decodable, lines: Sequence[str], first_line: int = 0
+    translator: Decodable,
+    lines: Sequence[str],
+    first_line: int = 0,
+    prefixes: Sequence[str] | None = None,
 ) -> list[list[Hypothesis]]:
     """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line.
-    `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling)."""
+    `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling);
+    `prefixes`: a target prefix for each line ("" for none) that every output starts with."""
     if translator.engine is not None:  # decoding options may have changed since the load
         check_engine(translator.config, translator.device)
+    if prefixes is not None and len(prefixes) != len(lines):
+        raise TmtError(f"{len(prefixes)} target prefixes for {len(lines)} lines: give one a line")
     ids = source_ids(translator, lines)
-    results: list[list[Hypothesis]] = [[] for _ in lines]
-    todo = [i for i, seq in enumerate(ids) if seq]  # empty input: empty output, no model call
+    forced = source_ids(translator, prefixes, "prefix") if prefixes else [[] for _ in lines]
+    # empty input: empty output (or its prefix alone), no model call
+    results = [[Hypothesis(p, 0.0, 0.0)] if p else [] for p in forced]
+    todo = [i for i, seq in enumerate(ids) if seq]
     if not todo:
         return results
     lengths = np.array([len(ids[i]) + 1 for i in todo])
@@ -130,8 +148,9 @@ def translate_lines(
     for batch in sampler.epoch_batches(0):
         chosen = [todo[j] for j in batch]
         sources = [ids[i] for i in chosen]
+        line_ids, prefix = [first_line + i for i in chosen], [forced[i] for i in chosen]
         try:
-            hypotheses = _translate_batch(translator, sources, [first_line + i for i in chosen])
+            hypotheses = _translate_batch(translator, sources, line_ids, prefix)
         except (torch.OutOfMemoryError, RuntimeError, MemoryError) as err:
             if not distributed.is_out_of_memory(err):
                 raise
@@ -152,17 +171,22 @@ def _out_of_memory(translator: Decodable, sources: list[list[int]]) -> TmtError:
 
 
 def _translate_batch(
-    translator: Decodable, sources: list[list[int]], line_ids: Sequence[int]
+    translator: Decodable,
+    sources: list[list[int]],
+    line_ids: Sequence[int],
+    prefixes: list[list[int]],
 ) -> list[list[Hypothesis]]:
     """Encode a batch of sources once and search over the decoder: sampling, greedy or beam."""
     model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
+    prefixes = prefixes if any(prefixes) else []  # none: the search's plain path
     if translator.engine is not None:
-        limits = output_limits(translator, sources)
-        return ct2.decode(translator.engine, tok, sources, limits, decode)
+        limits = output_limits(translator, sources, prefixes)
+        return ct2.decode(translator.engine, tok, sources, limits, decode, prefixes)
     assert model is not None
     samples = decode.nbest if decode.sampling != "none" else 1
     if samples > 1:  # N independent samples of a line are N rows of the same source
         sources = [seq for seq in sources for _ in range(samples)]
+        prefixes = [seq for seq in prefixes for _ in range(samples)]
     src = torch.full((len(sources), max(map(len, sources)) + 1), tok.pad_id, dtype=torch.long)
     for row, seq in enumerate(sources):
         src[row, : len(seq)] = torch.tensor(seq)
@@ -170,8 +194,8 @@ def _translate_batch(
     step, state = _step_function(translator, src.to(translator.device))
     common = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "banned": (tok.pad_id, tok.bos_id),
               "alpha": decode.length_penalty, "form": decode.length_penalty_form,
-              "device": translator.device}  # fmt: skip
-    limits = output_limits(translator, sources)
+              "device": translator.device, "prefixes": prefixes}  # fmt: skip
+    limits = output_limits(translator, sources, prefixes)
     if decode.sampling != "none":
         uniforms = torch.stack([
             line_uniforms(decode.seed, line, j, model.cfg.max_positions)

@@ -101,6 +101,23 @@ Engine = Annotated[
     str | None,
     typer.Option("--engine", help="torch, or ctranslate2: an export of the model (decode.engine)."),
 ]
+Sampling = Annotated[
+    str | None,
+    typer.Option("--sampling", help="Sample instead of search: full, topk:K or topp:P."),
+]
+Temperature = Annotated[
+    float | None, typer.Option("--temperature", help="Sampling temperature (0 = greedy).")
+]
+Seed = Annotated[
+    int | None, typer.Option("--seed", help="Sampling seed (each line's stream: seed, line).")
+]
+Prefix = Annotated[
+    str | None,
+    typer.Option(
+        "--prefix",
+        help="A target prefix for each input line (may be empty): outputs start with it.",
+    ),
+]
 # Each flag is one override of decode.NAME (serve.NAME for host and port) unless named here.
 _KEYS = {"beam": "decode.beam_size", "lenpen": "decode.length_penalty"}
 

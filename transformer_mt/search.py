@@ -9,6 +9,12 @@ nothing afterwards. All bookkeeping stays in tensors on the device of the tokens
 model's): no log-probabilities are copied to the host; one small check per step decides which
 sentences leave the batch.
 
+A row may be given a target prefix (`prefixes`, token ids per sentence): its first tokens are
+forced, whatever the model prefers, and the search goes on from them (fairseq's prefix_tokens,
+CTranslate2's target_prefix); their log-probabilities count in the score, and a sentence's maximum
+length is at least its prefix and the EOS. Forcing is one mask (_Forcing): the prefix's token at
+its steps, EOS at the maximum length.
+
 Scores are sums of log-probabilities; a finished hypothesis is ranked by score / lp(|Y|), |Y|
 counting the EOS. lp is the GNMT penalty ((5 + |Y|) / 6)^α (Wu et al. 2016, used by the paper, §6.1)
 or the plain |Y|^α of fairseq, HF and CTranslate2 ("power"). Sums and ranks are kept in float64, so
@@ -62,6 +68,7 @@ def greedy(
     alpha: float = 0.0,
     form: str = "gnmt",
     device: torch.device | str = "cpu",
+    prefixes: Sequence[Sequence[int]] = (),
 ) -> list[Hypothesis]:
     """The argmax token at every step until EOS or the sentence's maximum length (EOS forced)."""
 
@@ -70,7 +77,7 @@ def greedy(
 
     return _one_path(
         step_fn, state, max_lengths, bos_id=bos_id, eos_id=eos_id, banned=banned, alpha=alpha,
-        form=form, device=device, choose=argmax,
+        form=form, device=device, choose=argmax, prefixes=prefixes,
     )  # fmt: skip
 
 
@@ -87,6 +94,7 @@ def sample(
     alpha: float = 0.0,
     form: str = "gnmt",
     device: torch.device | str = "cpu",
+    prefixes: Sequence[Sequence[int]] = (),
 ) -> list[Hypothesis]:
     """One sampled output per row: at step t, row r draws from the model's distribution at
     `temperature`, truncated by `method` ("full", "topk:K": the K likeliest tokens, "topp:P": the
@@ -115,7 +123,7 @@ def sample(
 
     return _one_path(
         step_fn, state, max_lengths, bos_id=bos_id, eos_id=eos_id, banned=banned, alpha=alpha,
-        form=form, device=device, choose=draw,
+        form=form, device=device, choose=draw, prefixes=prefixes,
     )  # fmt: skip
 
 
@@ -138,11 +146,12 @@ def _one_path(
     form: str,
     device: torch.device | str,
     choose: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]],
+    prefixes: Sequence[Sequence[int]],
 ) -> list[Hypothesis]:
     """One token per row and step, picked by choose(log_probs (N, V), live rows (N,), t) ->
     (its log-probability (N,), token (N,)), until EOS or the row's maximum length (EOS forced)."""
-    n, steps = len(max_lengths), int(max(max_lengths))
-    limits = torch.as_tensor(list(max_lengths), device=device)
+    forcing = _Forcing(max_lengths, prefixes, eos_id, device)
+    n, steps = len(max_lengths), forcing.steps
     live = torch.arange(n, device=device)  # sentence index of each row
     tokens = torch.full((n,), bos_id, dtype=torch.long, device=device)
     outputs = torch.empty(n, steps, dtype=torch.long, device=device)  # (n, T), by sentence
@@ -150,7 +159,7 @@ def _one_path(
     ends = torch.zeros(n, dtype=torch.long, device=device)  # the step that chose EOS
     for t in range(1, steps + 1):
         log_probs, state = step_fn(tokens, state)  # (N, V)
-        log_probs = _mask(log_probs, banned, eos_id, force_eos=limits[live] <= t)
+        log_probs = _mask(log_probs, banned, forcing.tokens(live, t, width=1))
         best, choice = choose(log_probs, live, t)  # (N,)
         sums[live] += best.double()
         outputs[live, t - 1] = choice
@@ -184,6 +193,7 @@ def beam_search(
     banned: Sequence[int] = (),
     early_stopping: str = "bound",
     device: torch.device | str = "cpu",
+    prefixes: Sequence[Sequence[int]] = (),
 ) -> list[list[Hypothesis]]:
     """Batched beam search; returns the `nbest` best hypotheses of each sentence, best first.
 
@@ -197,7 +207,8 @@ def beam_search(
     tensor2tensor's: the paper's "terminate early when possible"), or under lp(current length)
     (early_stopping "current", HF generate's default heuristic); or as soon as it has k finished
     hypotheses (early_stopping "k_finished": fairseq's rule, CTranslate2's and HF's
-    early_stopping=True).
+    early_stopping=True). While a prefix is forced, a sentence has one live hypothesis (the
+    others score -inf), which the first free step expands to k.
 
     Longer than 60 lines because one step is one indivisible algorithm over shared tensors
     (expand, rank, finish, keep alive, drop finished sentences, reorder the state); its separable
@@ -205,10 +216,10 @@ def beam_search(
     """
     if early_stopping not in STOPPING_RULES:
         raise ValueError(f"early_stopping {early_stopping!r}: expected one of {STOPPING_RULES}")
-    n, k, steps = len(max_lengths), beam_size, int(max(max_lengths))
-    limits = torch.as_tensor(list(max_lengths), device=device)
+    forcing = _Forcing(max_lengths, prefixes, eos_id, device)
+    n, k, steps, limits = len(max_lengths), beam_size, forcing.steps, forcing.limits
     # lp(max length) of each sentence, computed as Python computes it (the "bound" horizon).
-    bound_lp = [float(length_penalty(length, alpha, form)) for length in max_lengths]
+    bound_lp = [float(length_penalty(length, alpha, form)) for length in limits.tolist()]
     bound_lp = torch.tensor(bound_lp, dtype=torch.float64, device=device)
     live = torch.arange(n, device=device)  # sentence index of each live sentence
     width = 1  # rows per live sentence: 1 before the first step, k after it
@@ -219,9 +230,7 @@ def beam_search(
     beams = torch.arange(k, device=device)
     for t in range(1, steps + 1):
         log_probs, state = step_fn(tokens, state)  # (N·width, V)
-        log_probs = _mask(
-            log_probs, banned, eos_id, force_eos=(limits[live] <= t).repeat_interleave(width)
-        )
+        log_probs = _mask(log_probs, banned, forcing.tokens(live, t, width))
         m, vocab = len(live), log_probs.size(-1)
         top_scores, top_index = _best_continuations(log_probs, beam_scores, 2 * k)  # (m, 2k)
         top_beam, top_token = top_index // vocab, top_index % vocab
@@ -293,17 +302,46 @@ def _ranked(values: torch.Tensor, count: int) -> torch.Tensor:
     return (key * (1 << 32) + reverse).topk(count, dim=-1).indices
 
 
-def _mask(
-    log_probs: torch.Tensor, banned: Sequence[int], eos_id: int, force_eos: torch.Tensor
-) -> torch.Tensor:
-    """Never emit `banned` ids (pad, bos); rows at their maximum length may only emit EOS."""
+class _Forcing:
+    """The token each row must emit at step t: its prefix's t-th, EOS at its maximum length (at
+    least the prefix and the EOS), none (-1) otherwise."""
+
+    def __init__(
+        self,
+        max_lengths: Sequence[int],
+        prefixes: Sequence[Sequence[int]],
+        eos_id: int,
+        device: torch.device | str,
+    ) -> None:
+        if prefixes and len(prefixes) != len(max_lengths):
+            raise ValueError(f"{len(prefixes)} prefixes for {len(max_lengths)} sentences")
+        given = [len(p) for p in prefixes] or [0] * len(max_lengths)
+        lengths = [max(limit, size + 1) for limit, size in zip(max_lengths, given, strict=True)]
+        self.limits = torch.as_tensor(lengths, device=device)
+        self.steps, self.eos_id, self.longest = max(lengths), eos_id, max(given)
+        self.prefix = torch.full((len(lengths), self.longest), -1, dtype=torch.long)  # (n, P)
+        for row, prefix in enumerate(prefixes):
+            self.prefix[row, : len(prefix)] = torch.as_tensor(list(prefix), dtype=torch.long)
+        self.prefix = self.prefix.to(device)
+
+    def tokens(self, live: torch.Tensor, t: int, width: int) -> torch.Tensor:
+        """(len(live) · width,) the forced token of each row of the live sentences at step t."""
+        forced = torch.where(self.limits[live] <= t, self.eos_id, -1)  # (m,)
+        if t <= self.longest:
+            forced = torch.where(self.prefix[live, t - 1] >= 0, self.prefix[live, t - 1], forced)
+        return forced.repeat_interleave(width) if width > 1 else forced
+
+
+def _mask(log_probs: torch.Tensor, banned: Sequence[int], forced: torch.Tensor) -> torch.Tensor:
+    """Never emit `banned` ids (pad, bos); a row with a forced token (>= 0) may emit it only."""
     log_probs = log_probs.float()
     if banned:
         log_probs[:, list(banned)] = -math.inf
-    if force_eos.any():
-        eos = log_probs[force_eos, eos_id].clone()
-        log_probs[force_eos] = -math.inf
-        log_probs[force_eos, eos_id] = eos
+    rows = forced >= 0
+    if rows.any():
+        kept = log_probs[rows].gather(1, forced[rows, None])  # (r, 1)
+        log_probs[rows] = -math.inf
+        log_probs[rows] = log_probs[rows].scatter(1, forced[rows, None], kept)
     return log_probs
 
 

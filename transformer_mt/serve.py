@@ -62,6 +62,7 @@ class TranslateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     text: str | list[str]
+    prefix: str | list[str] | None = None  # target prefixes, in the shape of text
     beam_size: int | None = None
     length_penalty: float | None = None
     nbest: int | None = None
@@ -132,10 +133,13 @@ def _add_endpoints(app: FastAPI, service: Service) -> None:
     async def v1_translate(body: TranslateRequest, request: Request) -> dict[str, Any]:
         start = time.monotonic()
         lines = [body.text] if isinstance(body.text, str) else body.text
-        options = body.model_dump(exclude={"text"}, exclude_none=True)
+        prefixes = [body.prefix] if isinstance(body.prefix, str) else body.prefix
+        if prefixes is not None and isinstance(body.text, str) != isinstance(body.prefix, str):
+            raise ServeError(422, "prefix: a string for a text string, a list for a list")
+        options = body.model_dump(exclude={"text", "prefix"}, exclude_none=True)
         overrides = [(f"decode.{k}={v}", f"{k}={v!r}") for k, v in options.items()]
         chosen = service.translator_for(overrides)
-        hyps = await service.translate(request, lines, chosen)
+        hyps = await service.translate(request, lines, chosen, prefixes)
         texts = [detokenize(chosen, [h.tokens for h in line]) for line in hyps]  # best first
         answer: dict[str, Any] = {
             "translations": [line[0] if line else "" for line in texts],

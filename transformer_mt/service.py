@@ -60,15 +60,25 @@ class Service:
             self.options[key] = dataclasses.replace(self.translator, config=config)
         return self.options[key]
 
-    async def translate(self, request: Request, lines: list[str], translator: Translator) -> Any:
-        """The hypotheses of `lines`, decoded in a batch with other requests' lines."""
+    async def translate(
+        self,
+        request: Request,
+        lines: list[str],
+        translator: Translator,
+        prefixes: list[str] | None = None,
+    ) -> Any:
+        """The hypotheses of `lines` (starting with their target `prefixes`, if given), decoded in
+        a batch with other requests' lines."""
         cfg = self.cfg
         if not lines:
             raise ServeError(422, "no text: send at least one sentence")
+        if prefixes is not None and len(prefixes) != len(lines):
+            raise ServeError(422, f"{len(prefixes)} prefixes for {len(lines)} sentences: give"
+                                  " one a sentence (maybe empty)")  # fmt: skip
         if len(lines) > cfg.max_sentences:
             raise ServeError(413, f"{len(lines)} sentences; at most {cfg.max_sentences} a request"
                                   " (serve.max_sentences)")  # fmt: skip
-        longest = max(map(len, lines))
+        longest = max(map(len, [*lines, *(prefixes or [])]))
         if longest > cfg.max_chars:
             raise ServeError(413, f"a sentence of {longest} characters; at most {cfg.max_chars}"
                                   " (serve.max_chars)")  # fmt: skip
@@ -81,7 +91,7 @@ class Service:
         # as the model reads them: lone surrogates replaced, cut to its positions
         tokens = sum(len(ids) + 1 for ids in source_ids(translator, lines))
         key = (id(translator), id(lines) if sampled else None)
-        job = Job(lines=lines, translator=translator, key=key, tokens=tokens)
+        job = Job(lines=lines, translator=translator, key=key, tokens=tokens, prefixes=prefixes)
         try:
             future = self.batcher.submit(job)
         except QueueFull as err:

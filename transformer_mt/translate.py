@@ -83,8 +83,15 @@ class Translator:
         paths = [path] if isinstance(path, str | Path) else list(path)
         return load_ensemble(paths, _keyword_overrides(settings), weights)
 
-    def translate(self, lines: Sequence[str], beam: int | None = None, **decode: Any) -> list[str]:
+    def translate(
+        self,
+        lines: Sequence[str],
+        beam: int | None = None,
+        prefix: Sequence[str] | None = None,
+        **decode: Any,
+    ) -> list[str]:
         """The best translation of each line, in order (one per line; "" for an empty line);
+        `prefix`: a target prefix for each line ("" for none) that its translation starts with;
         `beam` and `decode` (DecodeConfig fields by name) apply to this call only."""
         if beam is not None:
             decode["beam_size"] = beam
@@ -95,7 +102,7 @@ class Translator:
         if decode:
             config = apply_overrides(self.config, _keyword_overrides(decode))
             translator = dataclasses.replace(self, config=config)
-        return translate_text(translator, list(lines))
+        return translate_text(translator, list(lines), prefix)
 
 
 def _keyword_overrides(settings: dict[str, Any]) -> list[tuple[str, str]]:
@@ -295,10 +302,13 @@ def fingerprint(translator: Translator) -> str:
 # --- hypotheses to text ------------------------------------------------------------------------
 
 
-def translate_text(translator: Translator, lines: Sequence[str]) -> list[str]:
-    """Detokenized best translation of each line, in input order."""
-    best = [hyps[0].tokens if hyps else [] for hyps in translate_lines(translator, lines)]
-    return detokenize(translator, best)
+def translate_text(
+    translator: Translator, lines: Sequence[str], prefixes: Sequence[str] | None = None
+) -> list[str]:
+    """Detokenized best translation of each line, in input order (each starting with its target
+    prefix, if given)."""
+    hypotheses = translate_lines(translator, lines, prefixes=prefixes)
+    return detokenize(translator, [hyps[0].tokens if hyps else [] for hyps in hypotheses])
 
 
 def detokenize(translator: Translator, outputs: Sequence[Sequence[int]]) -> list[str]:
@@ -323,33 +333,75 @@ def output_rows(
 
 
 def translate_stream(
-    translator: Translator, source: BinaryIO, sink: TextIO, where: str = "input"
+    translator: Translator,
+    source: BinaryIO,
+    sink: TextIO,
+    where: str = "input",
+    prefixes: Prefixes | None = None,
 ) -> int:
     """Translate lines from `source` to `sink` as they arrive: a chunk is whatever is already
     waiting (up to decode.buffer_lines), so a pipe is translated in batches and an interactive
     line right away. Returns the number of lines. Bytes split on b"\\n" only; invalid UTF-8 is
-    replaced (and reported, naming `where`) so every input line gets its output line."""
+    replaced (and reported, naming `where`) so every input line gets its output line.
+    `prefixes`: the target prefix of each line, in step with the input."""
     decode = translator.config.decode
     count = 0
     for chunk in textio.waiting_chunks(textio.stream_lines(source, where), decode.buffer_lines):
-        for i, hyps in enumerate(translate_lines(translator, chunk, first_line=count)):
+        forced = prefixes.take(len(chunk), count) if prefixes else None
+        for i, hyps in enumerate(translate_lines(translator, chunk, count, forced)):
             rows = output_rows(translator, hyps, index=count + i, nbest=decode.nbest)
             sink.write("".join(rows))
         sink.flush()
         count += len(chunk)
+    if prefixes:
+        prefixes.check_end(count)
     return count
 
 
+class Prefixes:
+    """A target prefix file read in step with the input (translate --prefix): one line (maybe
+    empty) for each input line; a file with another line count is refused, naming it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lines = textio.read_text_file(path, "prefix", allow_empty=True)
+
+    def take(self, count: int, first: int) -> list[str]:
+        """The prefixes of input lines first+1 .. first+count."""
+        if first + count > len(self.lines):
+            raise TmtError(self._mismatch(f"more than {len(self.lines)}"), param="prefix")
+        return self.lines[first : first + count]
+
+    def check_end(self, count: int) -> None:
+        if count != len(self.lines):
+            raise TmtError(self._mismatch(str(count)), param="prefix")
+
+    def _mismatch(self, input_lines: str) -> str:
+        return (
+            f"{self.path}: {len(self.lines)} lines, but the input has {input_lines}: one target"
+            " prefix (maybe empty) an input line"
+        )
+
+
 def translate_file(
-    translator: Translator, input_path: str, output_path: str, overwrite: bool = False
+    translator: Translator,
+    input_path: str,
+    output_path: str,
+    overwrite: bool = False,
+    prefix_path: str | None = None,
 ) -> int:
     """Translate `input_path` ("-": stdin, streamed) into `output_path` ("-": stdout). A file
     output appears complete or not at all (an interrupted or failed translation leaves the old
-    content); textio.check_output says what it may be. Returns the line count."""
-    textio.check_output(output_path, inputs=[input_path], overwrite=overwrite)
+    content); textio.check_output says what it may be. Returns the line count. `prefix_path`: a
+    target prefix for each input line; a file's line counts are compared before anything runs."""
+    inputs = [input_path] + ([prefix_path] if prefix_path else [])
+    textio.check_output(output_path, inputs=inputs, overwrite=overwrite)
+    prefixes = Prefixes(prefix_path) if prefix_path else None
+    if prefixes and input_path != textio.STDIO and Path(input_path).is_file():
+        prefixes.check_end(textio.count_lines(input_path))
     where = "stdin" if input_path == textio.STDIO else input_path
     with (
         textio.open_input(input_path) as source,
         textio.open_output(output_path) as sink,
     ):
-        return translate_stream(translator, source, sink, where=where)
+        return translate_stream(translator, source, sink, where=where, prefixes=prefixes)
