@@ -33,8 +33,9 @@ LAYERS: list[tuple[str, set[str]]] = [
             "kernels",
         },
     ),
-    # several models decoding as one: their search states and probabilities combined
-    ("ensembles", {"ensemble"}),
+    # what decoding adds over the models: several decoding as one (their search states and
+    # probabilities combined), alignments from the cross-attention
+    ("ensembles", {"ensemble", "alignment"}),
     # what tmt keeps on disk: one checkpoint, a run directory, averages of checkpoints
     # ... and a CTranslate2 export of a model, the engine that decodes it
     ("stores", {"checkpoint", "run", "averaging", "ct2"}),

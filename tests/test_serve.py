@@ -20,7 +20,7 @@ import httpx
 import pytest
 from conftest import multi30k_sentences
 
-from transformer_mt import translate
+from transformer_mt import alignment, translate
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = multi30k_sentences(16)
@@ -115,7 +115,7 @@ def test_the_endpoints_answer_and_translate_as_tmt_translate_does(
     assert "tmt_requests_total" in server.client.get("/metrics").text
 
 
-def test_target_prefixes_are_served_as_tmt_translate_keeps_them(
+def test_prefixes_and_alignments_are_served_as_tmt_translate_gives_them(
     server: Server, multi30k_run: Path
 ) -> None:
     prefixes = ["Zebra", "", "Two men", ""]
@@ -126,7 +126,14 @@ def test_target_prefixes_are_served_as_tmt_translate_keeps_them(
     assert server.client.post("/v1/translate", json=body).json()["translations"] == expected
     one = server.client.post("/v1/translate", json={"text": SOURCES[0], "prefix": "Zebra"})
     assert one.json()["translations"] == expected[:1]
+    aligned = translate.load_translator(multi30k_run, ["decode.alignment=word"])
+    pairs = [h[0].alignment for h in translate.translate_lines(aligned, SOURCES[:2])]
+    body = {"text": SOURCES[:2], "alignment": "word", "nbest": 2}
+    answer = server.client.post("/v1/translate", json=body).json()
+    assert answer["alignments"] == [alignment.pharaoh(p) for p in pairs]
+    assert answer["nbest"][0][0]["alignment"] == answer["alignments"][0]
     for bad, named in [
+        ({"text": SOURCES[0], "alignment": "phrase"}, "decode.alignment"),
         ({"text": SOURCES[:2], "prefix": ["A"]}, "1 prefixes for 2 sentences"),
         ({"text": SOURCES[:2], "prefix": "A"}, "prefix: a string for a text string"),
         ({"text": SOURCES[0], "prefix": ["A" * 301]}, "prefix: a string for a text string"),

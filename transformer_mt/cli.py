@@ -28,6 +28,7 @@ from transformer_mt import exits
 from transformer_mt.config import load_config
 from transformer_mt.exits import TmtError
 from transformer_mt.flags import (
+    Alignment,
     AsJson,
     Beam,
     Best,
@@ -230,6 +231,7 @@ def translate(
     temperature: Temperature = None,
     seed: Seed = None,
     prefix: Prefix = None,
+    alignment: Alignment = None,
     last: Last = 0,
     best: Best = 0,
     by: By = None,
@@ -247,7 +249,7 @@ def translate(
     overrides = flag_overrides(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
         precision=precision, engine=engine, sampling=sampling, temperature=temperature,
-        seed=seed,
+        seed=seed, alignment=alignment,
     )  # fmt: skip
     last = _renamed(last, old_last, "--last", "--average-last")
     translator = _load(_models(model, old_model), weights, overrides, last, best, by)

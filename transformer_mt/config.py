@@ -303,6 +303,12 @@ class DecodeConfig:
     sampling: Annotated[str, SamplingMethod()] = "none"
     temperature: Amount = 1.0
     seed: Number = 0
+    # Alignments written after each translation (tmt translate --alignment; Marian's "text |||
+    # i-j ..."): "subword" or "word" pairs in the Pharaoh format, source index first, from the
+    # cross-attention of decoder layer `alignment_layer` (-2, the penultimate: Garg et al. 2019),
+    # heads averaged, each target token to the source token it attends to most (alignment.py).
+    alignment: Literal["none", "subword", "word"] = "none"
+    alignment_layer: Annotated[int, Interval(-128, 127)] = -2  # within the decoder: at load
     # tmt translate -i FILE -o FILE: lines per committed chunk (the unit of resuming and of
     # sharing the work among processes).
     chunk_lines: Count = 2000

@@ -10,6 +10,7 @@ line naming the settings that lower it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_mt import ct2, distributed, ensemble
+from transformer_mt import alignment, ct2, distributed, ensemble
 from transformer_mt.config import Config
 from transformer_mt.data import TokenBucketSampler
 from transformer_mt.ensemble import EnsembleState
@@ -62,6 +63,11 @@ def check_engine(cfg: Config, device: torch.device) -> None:
         raise TmtError(
             f"decode.precision=int8: the torch engine quantizes on CPU only (decode.device is"
             f" {device}); use fp16 or bf16 there, or decode.engine=ctranslate2"
+        )
+    if engine == "ctranslate2" and decode.alignment != "none":
+        raise TmtError(
+            f"decode.alignment={decode.alignment}: not with decode.engine=ctranslate2 (tmt aligns"
+            " with the PyTorch model's cross-attention); use decode.engine=torch"
         )
     if engine == "ctranslate2" and decode.sampling != "none":
         raise TmtError(
@@ -155,9 +161,35 @@ def translate_lines(
             if not distributed.is_out_of_memory(err):
                 raise
             raise _out_of_memory(translator, sources) from None
+        if translator.config.decode.alignment != "none":
+            hypotheses = _aligned(translator, sources, hypotheses)
         for index, hyps in zip(chosen, hypotheses, strict=True):
             results[index] = hyps
     return results
+
+
+def _aligned(
+    translator: Decodable, sources: list[list[int]], hypotheses: list[list[Hypothesis]]
+) -> list[list[Hypothesis]]:
+    """The hypotheses with their alignments to their sources (alignment.py), in subwords or
+    words (decode.alignment), by the first model of an ensemble."""
+    decode, tok = translator.config.decode, translator.tokenizer
+    assert translator.model is not None  # check_engine: alignments need the PyTorch model
+    each_source = [x for x, hyps in zip(sources, hypotheses, strict=True) for _ in hyps]
+    pairs = iter(alignment.align(
+        translator.model, tok, each_source, [h.tokens for hyps in hypotheses for h in hyps],
+        decode.alignment_layer, translator.device,
+    ))  # fmt: skip
+    aligned = []
+    for source, hyps in zip(sources, hypotheses, strict=True):
+        found = []
+        for h in hyps:
+            pairs_of_h = next(pairs)
+            if decode.alignment == "word":
+                pairs_of_h = alignment.to_words(tok, source, h.tokens, pairs_of_h)
+            found.append(dataclasses.replace(h, alignment=pairs_of_h))
+        aligned.append(found)
+    return aligned
 
 
 def _out_of_memory(translator: Decodable, sources: list[list[int]]) -> TmtError:

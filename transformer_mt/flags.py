@@ -118,6 +118,12 @@ Prefix = Annotated[
         help="A target prefix for each input line (may be empty): outputs start with it.",
     ),
 ]
+Alignment = Annotated[
+    str | None,
+    typer.Option(
+        "--alignment", help="subword or word: i-j pairs after each output (decode.alignment)."
+    ),
+]
 # Each flag is one override of decode.NAME (serve.NAME for host and port) unless named here.
 _KEYS = {"beam": "decode.beam_size", "lenpen": "decode.length_penalty"}
 

@@ -47,6 +47,8 @@ class Hypothesis:
     tokens: list[int]  # the output, EOS excluded
     score: float  # length-normalised: log_prob / lp(len(tokens) + 1)
     log_prob: float  # sum of token log-probabilities, EOS included
+    # (source, output) index pairs, when decode.alignment asks for them (alignment.py)
+    alignment: tuple[tuple[int, int], ...] | None = None
 
 
 def length_penalty(length: int | torch.Tensor, alpha: float, form: str = "gnmt") -> Any:

@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from transformer_mt import libretranslate
+from transformer_mt.alignment import pharaoh
 from transformer_mt.batching import Batcher
 from transformer_mt.config import ServeConfig, apply_overrides
 from transformer_mt.exits import TmtError, first_line
@@ -63,6 +64,7 @@ class TranslateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     text: str | list[str]
     prefix: str | list[str] | None = None  # target prefixes, in the shape of text
+    alignment: str | None = None  # "subword" or "word": Pharaoh pairs with each translation
     beam_size: int | None = None
     length_penalty: float | None = None
     nbest: int | None = None
@@ -145,9 +147,15 @@ def _add_endpoints(app: FastAPI, service: Service) -> None:
             "translations": [line[0] if line else "" for line in texts],
             "model": translator.origin,
         }
+        aligned = chosen.config.decode.alignment != "none"
+        if aligned:
+            answer["alignments"] = [
+                pharaoh(line[0].alignment or ()) if line else "" for line in hyps
+            ]
         if chosen.config.decode.nbest > 1:
             answer["nbest"] = [
                 [{"translation": t, "score": round(h.score, 4)}
+                 | ({"alignment": pharaoh(h.alignment or ())} if aligned else {})
                  for h, t in zip(line, line_texts, strict=True)]
                 for line, line_texts in zip(hyps, texts, strict=True)
             ]  # fmt: skip

@@ -67,6 +67,9 @@ class Tokenizer:
         """Every piece, by id."""
         return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
 
+    def id_to_piece(self, token: int) -> str:
+        return self._sp.id_to_piece(token)
+
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Subword ids of each text, without bos/eos."""
         if len(texts) < _POOLED:

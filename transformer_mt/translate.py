@@ -24,6 +24,7 @@ from typing import Any, BinaryIO, TextIO
 import torch
 
 from transformer_mt import averaging, corpus, ct2, distributed, ensemble, kernels, run, textio
+from transformer_mt.alignment import check_layer, pharaoh
 from transformer_mt.config import MODEL_SECTIONS, Config, apply_overrides, changed_keys
 from transformer_mt.decoding import check_engine, output_limits, source_ids, translate_lines
 from transformer_mt.exits import TmtError
@@ -147,6 +148,8 @@ def load_translator(
         raise TmtError(f"{', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
     target = distributed.resolve_device(cfg.decode.device, key="decode.device")
     check_engine(cfg, target)
+    if cfg.decode.alignment != "none":  # before a job starts on it
+        check_layer(saved.model, cfg.decode.alignment_layer)
     nbytes = sum(t.numel() * 4 for t in saved.state_dict.values())
     torch_engine = cfg.decode.engine == "torch"
     with distributed.allocating(f"the model in {cfg.decode.precision}", nbytes, target):
@@ -321,12 +324,19 @@ def output_rows(
     translator: Translator, hyps: Sequence[Hypothesis], index: int, nbest: int
 ) -> list[str]:
     """What translate writes for input line `index` (from 0): its best translation, or with
-    nbest > 1 that many rows "index<TAB>score<TAB>text" (rows of zeros for an empty line)."""
+    nbest > 1 that many rows "index<TAB>score<TAB>text" (rows of zeros for an empty line).
+    With decode.alignment, each ends with its alignment: "text ||| i-j ..." (Marian's form), or
+    a fourth column of n-best rows."""
+    aligned = translator.config.decode.alignment != "none"
     if nbest == 1:
-        return [detokenize(translator, [hyps[0].tokens if hyps else []])[0] + "\n"]
+        best = hyps[0] if hyps else Hypothesis([], 0.0, 0.0, ())
+        text = detokenize(translator, [best.tokens])[0]
+        return [f"{text} ||| {pharaoh(best.alignment or ())}\n" if aligned else text + "\n"]
     texts = detokenize(translator, [h.tokens for h in hyps])
-    rows = [f"{index}\t{h.score:.4f}\t{t}\n" for h, t in zip(hyps, texts, strict=True)]
-    return rows or [f"{index}\t0.0000\t\n"] * nbest
+    rows = [f"{index}\t{h.score:.4f}\t{t}" + (f"\t{pharaoh(h.alignment or ())}" if aligned else "")
+            for h, t in zip(hyps, texts, strict=True)]  # fmt: skip
+    empty = f"{index}\t0.0000\t" + ("\t" if aligned else "")
+    return [row + "\n" for row in rows or [empty] * nbest]
 
 
 # --- streams and files -------------------------------------------------------------------------
