@@ -137,3 +137,31 @@ def test_a_job_resumed_with_another_prefix_file_is_refused(
     assert done.exit_code == 0 and "(1 translated before)" in done.stderr, done.output
     assert all(line.startswith("A") for line in out.read_text().splitlines())
     assert not (tmp_path / f"out.en{bulk.JOB_SUFFIX}").exists()
+
+
+def test_a_prefix_file_is_read_as_the_input_is_and_never_overwritten(
+    multi30k_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = write(tmp_path / "in.de", SOURCES[:3])
+    prefix = tmp_path / "prefix.en"
+    prefix.write_bytes(b"A \xff man\n\nTwo")  # invalid UTF-8 and no final newline
+    args = ["translate", "-m", str(multi30k_run), "--prefix", str(prefix)]
+    streamed = runner.invoke(app, args, input=source.read_text())
+    assert streamed.exit_code == 0 and "prefix.en:1: invalid UTF-8" in caplog.text
+    out = tmp_path / "out.en"
+    assert runner.invoke(app, [*args, "-i", str(source), "-o", str(out)]).exit_code == 0
+    assert out.read_bytes() == streamed.stdout_bytes  # the job reads it as the stream does
+    expected = translate.load_translator(multi30k_run).translate(
+        SOURCES[:3], prefix=["A \ufffd man", "", "Two"]
+    )
+    assert out.read_text().splitlines() == expected
+    before = prefix.read_bytes()
+    for extra in (["-i", str(source)], []):  # the file job, and stdin into a file
+        same = runner.invoke(app, [*args, *extra, "-o", str(prefix), "--overwrite"],
+                             input=source.read_text())  # fmt: skip
+        assert same.exit_code == 2 and "is the input file" in same.stderr, same.output
+    assert prefix.read_bytes() == before
+    for bad in (tmp_path, tmp_path / "missing.en"):
+        refused = runner.invoke(app, [*args[:-1], str(bad)], input=source.read_text())
+        assert refused.exit_code == 2 and str(bad) in refused.stderr, refused.output
+        assert len(refused.stderr.strip().splitlines()) == 1

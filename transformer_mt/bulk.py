@@ -162,7 +162,8 @@ def _plan(
             )  # fmt: skip
         previous = None
     # An output of an earlier session of this job (not yet assembled) is its own to replace.
-    textio.check_output(output_path, [input_path], overwrite=overwrite or previous is not None)
+    inputs = [input_path, *([prefix_path] if prefix_path else [])]
+    textio.check_output(output_path, inputs, overwrite=overwrite or previous is not None)
     if not output.parent.is_dir():
         raise TmtError(
             f"{output_path}: cannot write in {output.parent} (no such directory)", param="output"

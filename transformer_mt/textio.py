@@ -73,9 +73,9 @@ def decode_line(
         return ("" if errors == "skip" else line.decode("utf-8", "replace")), True
 
 
-def read_text_file(path: str | Path, param: str, allow_empty: bool = False) -> list[str]:
-    """Lines of a plain or .gz text file (strict UTF-8), which the caller's parameter `param`
-    names; an empty file is an error (there would be nothing to score) unless `allow_empty`."""
+def read_text_file(path: str | Path, param: str) -> list[str]:
+    """Lines of a plain or .gz text file to score (strict UTF-8), which the caller's parameter
+    `param` names; an empty file is an error: there would be nothing to score."""
     file = Path(path)
     if file.is_dir():
         raise TmtError(f"{path}: is a directory, expected a text file", param=param)
@@ -85,15 +85,18 @@ def read_text_file(path: str | Path, param: str, allow_empty: bool = False) -> l
         decode_line(raw, str(file), n, "strict", hint=" (the file must be UTF-8)")[0]
         for n, raw in enumerate(read_lines(file), 1)
     ]
-    if not lines and not allow_empty:
+    if not lines:
         raise TmtError(f"{path}: empty file: nothing to score", param=param)
     return lines
 
 
-def count_lines(path: str | Path) -> int:
+def count_lines(path: str | Path, param: str = "input") -> int:
     """The lines of a file as stream_lines splits them (the last one without b"\\n" counts)."""
-    with open(path, "rb") as handle:
-        return sum(1 for _ in files.split_lines(handle))
+    try:
+        with open(path, "rb") as handle:
+            return sum(1 for _ in files.split_lines(handle))
+    except OSError as err:
+        raise TmtError(f"{path}: {err.strerror or err}", param=param) from None
 
 
 @contextlib.contextmanager

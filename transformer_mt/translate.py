@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
 import re
 from collections.abc import Sequence
@@ -357,7 +358,7 @@ def translate_stream(
     decode = translator.config.decode
     count = 0
     for chunk in textio.waiting_chunks(textio.stream_lines(source, where), decode.buffer_lines):
-        forced = prefixes.take(len(chunk), count) if prefixes else None
+        forced = prefixes.take(len(chunk)) if prefixes else None
         for i, hyps in enumerate(translate_lines(translator, chunk, count, forced)):
             rows = output_rows(translator, hyps, index=count + i, nbest=decode.nbest)
             sink.write("".join(rows))
@@ -369,27 +370,40 @@ def translate_stream(
 
 
 class Prefixes:
-    """A target prefix file read in step with the input (translate --prefix): one line (maybe
-    empty) for each input line; a file with another line count is refused, naming it."""
+    """A target prefix file read in step with the input (translate --prefix), line by line and as
+    the input is read (bytes split on b"\\n", invalid UTF-8 replaced and reported): one line
+    (maybe empty) for each input line; a file with another line count is refused, naming it."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.lines = textio.read_text_file(path, "prefix", allow_empty=True)
+        try:
+            self._handle = open(path, "rb")  # noqa: SIM115  (closed by close())
+        except OSError as err:
+            raise TmtError(f"{path}: {err.strerror or err}", param="prefix") from None
+        self._lines = textio.stream_lines(self._handle, path)
+        self._read = 0
 
-    def take(self, count: int, first: int) -> list[str]:
-        """The prefixes of input lines first+1 .. first+count."""
-        if first + count > len(self.lines):
-            raise TmtError(self._mismatch(f"more than {len(self.lines)}"), param="prefix")
-        return self.lines[first : first + count]
+    def take(self, count: int) -> list[str]:
+        """The prefixes of the next `count` input lines."""
+        lines = list(itertools.islice(self._lines, count))
+        self._read += len(lines)
+        if len(lines) < count:
+            raise TmtError(self._mismatch(self._read, "more"), param="prefix")
+        return lines
 
-    def check_end(self, count: int) -> None:
-        if count != len(self.lines):
-            raise TmtError(self._mismatch(str(count)), param="prefix")
+    def check_end(self, input_lines: int) -> None:
+        """Refuse a file with lines left once the input (`input_lines` lines) has ended."""
+        extra = sum(1 for _ in self._lines)
+        if extra:
+            raise TmtError(self._mismatch(self._read + extra, str(input_lines)), param="prefix")
 
-    def _mismatch(self, input_lines: str) -> str:
+    def close(self) -> None:
+        self._handle.close()
+
+    def _mismatch(self, prefixes: int, input_lines: str) -> str:
         return (
-            f"{self.path}: {len(self.lines)} lines, but the input has {input_lines}: one target"
-            " prefix (maybe empty) an input line"
+            f"{self.path}: {prefixes} lines, but the input has {input_lines}: one target prefix"
+            " (maybe empty) an input line"
         )
 
 
@@ -406,12 +420,21 @@ def translate_file(
     target prefix for each input line; a file's line counts are compared before anything runs."""
     inputs = [input_path] + ([prefix_path] if prefix_path else [])
     textio.check_output(output_path, inputs=inputs, overwrite=overwrite)
+    if prefix_path and input_path != textio.STDIO and Path(input_path).is_file():
+        counts = textio.count_lines(prefix_path, "prefix"), textio.count_lines(input_path)
+        if counts[0] != counts[1]:  # refused before anything is written
+            raise TmtError(
+                f"{prefix_path}: {counts[0]} lines, but the input has {counts[1]}: one target"
+                " prefix (maybe empty) an input line", param="prefix",
+            )  # fmt: skip
     prefixes = Prefixes(prefix_path) if prefix_path else None
-    if prefixes and input_path != textio.STDIO and Path(input_path).is_file():
-        prefixes.check_end(textio.count_lines(input_path))
     where = "stdin" if input_path == textio.STDIO else input_path
-    with (
-        textio.open_input(input_path) as source,
-        textio.open_output(output_path) as sink,
-    ):
-        return translate_stream(translator, source, sink, where=where, prefixes=prefixes)
+    try:
+        with (
+            textio.open_input(input_path) as source,
+            textio.open_output(output_path) as sink,
+        ):
+            return translate_stream(translator, source, sink, where=where, prefixes=prefixes)
+    finally:
+        if prefixes:
+            prefixes.close()
