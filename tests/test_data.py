@@ -1,4 +1,5 @@
-"""Batches: sampler properties, collate shift and padding, filter counts, the encoded cache."""
+"""Batches: sampler properties, collate shift and padding, filter counts, the encoded cache, and
+subword regularization (BPE-dropout) of training batches."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from hypothesis import strategies as st
 
 from transformer_mt import corpus
 from transformer_mt.config import Config
-from transformer_mt.data import TokenBucketSampler, collate, padding_efficiency, prepare_data
+from transformer_mt.data import (
+    SubwordSampling,
+    TokenBucketSampler,
+    collate,
+    padding_efficiency,
+    prepare_data,
+)
 from transformer_mt.exits import TmtError
 
 # --- TokenBucketSampler ------------------------------------------------------------------------
@@ -308,3 +315,92 @@ def test_leftovers_of_killed_runs_are_removed(tiny_cfg: Config, tmp_path: Path) 
     prepare_data(cfg)
     assert not any(p.exists() for p in stale)
     assert fresh.exists()  # a build that may still be running is left alone
+
+
+# --- subword regularization: BPE-dropout of training batches ----------------------------------
+
+
+def sampled_cfg(cfg: Config, alpha: float = 0.3, **train: object) -> Config:
+    cfg = with_data(cfg, subword_alpha=alpha, subword_sides="both")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+
+
+def test_bpe_dropout_without_dropout_is_sentencepieces_own_segmentation(
+    multi30k_cfg_data: tuple[Config, object],
+) -> None:
+    # A 500-piece model of the bundled Multi30k, 2,000 pairs: merging each word again from its
+    # characters, best score first, gives exactly what sentencepiece's encoder gave.
+    _, data = multi30k_cfg_data
+    src, tgt = data.train.ids(np.arange(2000))
+    for ids in src + tgt:
+        assert data.tokenizer.bpe_dropout(ids, 0.0, seed=1) == ids.tolist()
+
+
+@pytest.fixture(scope="module")
+def multi30k_cfg_data() -> tuple[Config, object]:
+    from transformer_mt.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
+    return cfg, prepare_data(cfg)  # the data of conftest's multi30k_run: one cache entry
+
+
+def test_sampled_batches_keep_the_text_vary_by_epoch_and_repeat_by_seed(
+    multi30k_cfg_data: tuple[Config, object],
+) -> None:
+    cfg, data = multi30k_cfg_data
+    tokenizer, positions = data.tokenizer, np.arange(100, 400)
+    sampling = SubwordSampling.of(sampled_cfg(cfg, 0.1), tokenizer)
+    src, _ = data.train.ids(positions)
+    epoch0 = sampling.resegment(src, positions, tokenizer, epoch=0, side=0)
+    again = sampling.resegment(src, positions, tokenizer, epoch=0, side=0)
+    epoch1 = sampling.resegment(src, positions, tokenizer, epoch=1, side=0)
+    assert all(np.array_equal(a, b) for a, b in zip(epoch0, again, strict=True))
+    assert tokenizer.decode(epoch0) == tokenizer.decode(epoch1) == tokenizer.decode(src)
+    changed = sum(not np.array_equal(a, b) for a, b in zip(epoch0, src, strict=True))
+    assert changed > 150  # most sentences of ~12 words lose a merge or more at 0.1
+    assert sum(map(len, epoch0)) > sum(map(len, src))  # dropped merges: more, shorter pieces
+    assert sum(not np.array_equal(a, b) for a, b in zip(epoch0, epoch1, strict=True)) > 150
+    # The pair, not its place in a batch, fixes its draw: a batch of one draws the same.
+    alone = sampling.resegment([src[7]], positions[7:8], tokenizer, epoch=0, side=0)
+    assert np.array_equal(alone[0], epoch0[7])
+
+
+def test_validation_batches_and_the_defaults_are_never_sampled(tiny_cfg: Config) -> None:
+    data = prepare_data(tiny_cfg)
+    assert SubwordSampling.of(tiny_cfg, data.tokenizer) is None  # §5.1: one segmentation
+    sampling = SubwordSampling.of(sampled_cfg(tiny_cfg, 0.5), data.tokenizer)
+    positions = np.arange(30)
+    plain = data.train.batch(positions, data.tokenizer)
+    drawn = data.train.batch(positions, data.tokenizer, sampling, epoch=0)
+    assert (
+        drawn.src.shape[1] > plain.src.shape[1] and drawn.tgt_out.shape[1] > plain.tgt_out.shape[1]
+    )
+    # a draw longer than data.max_len keeps the cached segmentation
+    short = dataclasses.replace(sampling, max_len=int(data.train.src_lengths[:30].max()))
+    capped = data.train.batch(positions, data.tokenizer, short, epoch=0)
+    assert capped.src.shape[1] <= short.max_len + 1
+
+
+def test_tags_stay_whole_under_dropout(tiny_cfg: Config, tmp_path: Path) -> None:
+    from transformer_mt.config import Corpus
+
+    cfg = with_data(
+        tiny_cfg, train=(Corpus(split=tiny_cfg.data.train, tag="<bt>"),), cache_dir=str(tmp_path)
+    )
+    data = prepare_data(cfg)
+    tag = data.tokenizer.tag_ids("<bt>")[-1]
+    src, _ = data.train.ids(np.arange(50))
+    for i, ids in enumerate(src):
+        drawn = data.tokenizer.bpe_dropout(ids, 0.9, seed=i)
+        assert tag in drawn and data.tokenizer.decode([drawn]) == data.tokenizer.decode([ids])
+
+
+def test_a_unigram_tokenizer_is_refused_in_one_line(tiny_cfg: Config, tmp_path: Path) -> None:
+    cfg = dataclasses.replace(
+        sampled_cfg(tiny_cfg),
+        tokenizer=dataclasses.replace(tiny_cfg.tokenizer, model_type="unigram"),
+    )
+    data = prepare_data(with_data(cfg, cache_dir=str(tmp_path)))
+    assert data.tokenizer.model_type == "unigram"
+    with pytest.raises(TmtError, match=r"data.subword_alpha=0.3: BPE-dropout needs a bpe"):
+        SubwordSampling.of(cfg, data.tokenizer)

@@ -59,8 +59,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     # the server: one worker batching requests, the service that knows the model, the two
     # APIs (tmt's own and LibreTranslate's) and the HTTP app around them
     ("serving", {"batching", "service", "libretranslate", "serve"}),
-    # the training loop: the only module that knows a whole run
-    ("training", {"train"}),
+    # the training loop: the only module that knows a whole run; where it stands, why it stops
+    ("training", {"train", "progress"}),
     # the command line's options: spellings, help, decoding flags as overrides (typer only)
     ("options", {"flags"}),
     # the faces: the command line, `python -m transformer_mt`, the Python API
@@ -89,6 +89,7 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("serve", "service"): "the HTTP app answers with the service",
     ("serve", "libretranslate"): "... and mounts the LibreTranslate API",
     ("serve", "batching"): "... and starts and drains the batching worker",
+    ("train", "progress"): "where the run stands and why it stops",
     ("__main__", "cli"): "python -m transformer_mt is the command line",
     ("__init__", "translate"): "the Python API is the Translator (imported lazily)",
 }

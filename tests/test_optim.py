@@ -1,6 +1,9 @@
-"""Adam + Noam: the paper's formula at a few steps, the peak, the shape, the scheduler wiring."""
+"""Adam + Noam: the paper's formula at a few steps, the peak, the shape, the scheduler wiring; the
+schedule planned for a budget: its shape, a plan made mid-warmup, its state through a resume."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from transformer_mt.config import ModelConfig, OptimConfig
-from transformer_mt.optim import build_optimizer, noam_lr, peak_lr
+from transformer_mt.optim import BudgetSchedule, build_optimizer, noam_lr, peak_lr, time_plan
 
 
 @pytest.mark.parametrize(
@@ -57,3 +60,73 @@ def test_update_k_uses_noam_k_and_adam_hyperparameters() -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+
+
+def budget(fraction: float = 0.1, total: int = 0) -> BudgetSchedule:
+    schedule = BudgetSchedule(
+        ModelConfig(d_model=128),
+        OptimConfig(lr_scale=2.0, warmup_steps=800, warmup_fraction=fraction),
+    )
+    if total:
+        schedule.plan(total, after=0)
+    return schedule
+
+
+def test_budget_schedule_warms_up_to_the_papers_peak_then_decays_to_zero_at_the_end() -> None:
+    schedule = budget(total=630)
+    peak = 2 * 128**-0.5 * 800**-0.5  # the preset's Noam peak, ≈ 0.0063
+    assert schedule.warmup == 63
+    rates = [schedule.lr(k) for k in range(1, 640)]
+    assert rates[0] == pytest.approx(peak / 63) and rates[62] == pytest.approx(peak)
+    assert max(rates) == pytest.approx(peak)
+    assert all(a < b for a, b in itertools.pairwise(rates[:63]))  # linear warmup
+    steps = [b - a for a, b in itertools.pairwise(rates[62:630])]
+    assert all(s < 0 for s in steps) and max(steps) == pytest.approx(min(steps))  # linear decay
+    assert rates[629] == pytest.approx(peak / (631 - 63))  # the last update still learns a little
+    assert rates[630:] == [0.0] * 9  # past the plan: nothing
+
+
+@given(after=st.integers(1, 400), more=st.integers(1, 5000), fraction=st.floats(0.01, 0.5))
+def test_a_plan_made_mid_run_continues_from_the_rate_in_use(
+    after: int, more: int, fraction: float
+) -> None:
+    # A time budget is planned once its rate is measured: until then the paper's ramp; the plan
+    # starts from the rate of the update it is made at, so nothing jumps.
+    schedule = budget(fraction)
+    before = [schedule.lr(k) for k in range(1, after + 1)]
+    assert before == [noam_lr(k, 128, 800, 2.0) for k in range(1, after + 1)]
+    total = after + more
+    schedule.plan(total, after=after)
+    assert schedule.lr(after) == before[-1]
+    rates = [schedule.lr(k) for k in range(after, total + 2)]
+    rising = schedule.warmup > after
+    top = max(rates)
+    if rising:
+        assert top == pytest.approx(schedule.peak)
+        assert rates[1] - rates[0] < schedule.peak / (schedule.warmup - after) + 1e-12
+    else:  # a plan made after its warmup would have ended decays from the rate in use
+        assert top == before[-1]
+    assert rates[-1] == 0.0 and all(r >= 0 for r in rates)
+
+
+def test_the_plan_travels_in_the_schedulers_state() -> None:
+    model = torch.nn.Linear(3, 3)
+    cfg = OptimConfig(schedule="budget", warmup_steps=10)
+    scheduler = build_optimizer(model, ModelConfig(d_model=64), cfg)[1]
+    schedule = scheduler.lr_lambdas[0]
+    schedule.plan(50, after=3)
+    schedule.timed, schedule.steps_budget = True, 80
+    state = scheduler.state_dict()
+    restored = build_optimizer(model, ModelConfig(d_model=64), cfg)[1]
+    restored.load_state_dict(state)
+    plan = restored.lr_lambdas[0]
+    assert vars(plan) == vars(schedule) and plan.lr(20) == schedule.lr(20)
+    # ... plain values only: train_state.pt is read with weights_only=True
+    assert all(isinstance(v, int | float | bool) for v in state["lr_lambdas"][0].values())
+
+
+def test_a_time_plan_is_the_measured_rate_times_the_time_left_within_the_step_budget() -> None:
+    schedule = budget()
+    assert time_plan(schedule, budget_s=600, elapsed_s=30, steps=60, rate=2.0) == 60 + 1140
+    schedule.steps_budget = 1000
+    assert time_plan(schedule, budget_s=600, elapsed_s=30, steps=60, rate=2.0) == 1000

@@ -30,8 +30,13 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def numbers(run_dir: Path) -> list[dict]:
-    """metrics.jsonl without wall-clock figures: what must be identical between two runs."""
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records(run_dir)]
+    """metrics.jsonl without wall-clock figures: what must be identical between two runs. The
+    records of why a session stopped are left out: a resumed run has one more of them."""
+    return [
+        {k: v for k, v in r.items() if k != "tokens_per_s"}
+        for r in records(run_dir)
+        if "stop" not in r
+    ]
 
 
 def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -191,8 +196,8 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
     one = train(with_train(cfg, out_dir=str(tmp_path / "one"), update_freq=2))
     two = run_tmt(cli_args(cfg, tmp_path / "two"), ranks=2)
     assert two.returncode == 0, two.stderr
-    loss_one = [r.get("loss", r.get("val_loss")) for r in records(tmp_path / "one")]
-    loss_two = [r.get("loss", r.get("val_loss")) for r in records(tmp_path / "two")]
+    loss_one = [r.get("loss", r.get("val_loss")) for r in numbers(tmp_path / "one")]
+    loss_two = [r.get("loss", r.get("val_loss")) for r in numbers(tmp_path / "two")]
     assert loss_one == pytest.approx(loss_two, rel=1e-5)
     a, b = final_weights(tmp_path / "one", one["step"]), final_weights(tmp_path / "two", 6)
     d = cfg.model.d_model
@@ -318,3 +323,94 @@ def test_best_by_bleu_and_average_at_the_end(train_cfg: Config, tmp_path: Path) 
     t = translate.load_translator(Path(average["path"]), ["decode.beam_size=1"])
     report = evaluate.evaluate(t, split="valid")
     assert (report["bleu"], report["chrf"]) == (average["val_bleu"], average["val_chrf"])
+
+
+# --- the last records of a run, the budget schedule, subword regularization ----------------------
+
+
+def test_the_last_updates_are_logged_and_the_last_record_says_why_the_run_stopped(
+    train_cfg: Config, tmp_path: Path
+) -> None:
+    # 7 updates, a record every 5: updates 6 and 7 make a partial record at step 7.
+    train(with_train(train_cfg, out_dir=str(tmp_path), max_steps=7, log_every=5, valid_every=0))
+    rows = records(tmp_path)
+    logged = [r for r in rows if "loss" in r]
+    assert [(r["step"], r.get("partial"), r.get("updates")) for r in logged] == [
+        (5, None, None),
+        (7, True, 2),
+    ]
+    assert rows[-1] == {"step": 7, "epoch": logged[-1]["epoch"], "stop": "max_steps"}
+    # Early stopping too: the record of the stop comes last, and the curves reach it.
+    frozen = dataclasses.replace(
+        train_cfg, optim=dataclasses.replace(train_cfg.optim, lr_scale=0.0)
+    )
+    cfg = with_train(frozen, out_dir=str(tmp_path / "p"), max_steps=50, log_every=4)
+    train(with_train(cfg, valid_every=2, patience=2))
+    rows = records(tmp_path / "p")
+    assert rows[-1]["stop"] == "patience" and rows[-2]["step"] == rows[-1]["step"] == 6
+    from transformer_mt import plot
+
+    assert plot.read_curves(tmp_path / "p")["loss"][-1][0] == 6
+
+
+def both_options(cfg: Config) -> Config:
+    """The budget schedule and subword regularization on both sides."""
+    return dataclasses.replace(
+        cfg,
+        optim=dataclasses.replace(cfg.optim, schedule="budget", warmup_fraction=0.25),
+        data=dataclasses.replace(cfg.data, subword_alpha=0.2, subword_sides="both"),
+    )
+
+
+def test_exact_resume_after_kill_with_the_budget_schedule_and_subword_sampling(
+    train_cfg: Config, tmp_path: Path
+) -> None:
+    cfg = both_options(train_cfg)
+    train(with_train(cfg, out_dir=str(tmp_path / "straight")))
+    args = cli_args(cfg, tmp_path / "resumed")
+    killed = run_tmt(args, fault="after_save@4:kill")
+    assert killed.returncode == -9, killed.stderr
+    again = run_tmt(args)
+    assert again.returncode == 0, again.stderr
+    rows = numbers(tmp_path / "resumed")
+    assert rows == numbers(tmp_path / "straight")  # every loss and learning rate, bit for bit
+    lrs = [r["lr"] for r in rows if "lr" in r]  # planned for 8 updates: warmup 2, then down
+    assert lrs[1] == max(lrs) and lrs == sorted(lrs[:2]) + sorted(lrs[2:], reverse=True)
+    a, b = final_weights(tmp_path / "straight", 8), final_weights(tmp_path / "resumed", 8)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # Neither option is the default (the paper's recipe): the runs differ from it.
+    plain = train(with_train(train_cfg, out_dir=str(tmp_path / "plain")))
+    assert plain["step"] == 8 and numbers(tmp_path / "plain") != rows
+
+
+def test_a_time_budget_is_planned_once_and_a_resume_keeps_the_plan(
+    train_cfg: Config, tmp_path: Path
+) -> None:
+    # A minute's budget, its rate measured over the first 3 seconds; SIGTERM once it is planned
+    # (the run saves and stops), then 3 more updates of the resumed run.
+    cfg = with_train(
+        both_options(train_cfg), max_steps=0, max_minutes=1.0, log_every=1, valid_every=0,
+        save_every=0,
+    )  # fmt: skip
+    args = cli_args(cfg, tmp_path)
+    stopped = run_tmt(args, fault="plan@1:sigterm")
+    assert stopped.returncode == 143, stopped.stderr
+    plans = [r for r in records(tmp_path) if "planned_updates" in r]
+    assert len(plans) == 1 and plans[0]["step"] >= 5  # at least 5 updates measured
+    saved = run.latest_valid(tmp_path)
+    state = torch.load(saved / checkpoint.STATE_FILE, weights_only=True)
+    saved_plan = state["scheduler"]["lr_lambdas"][0]
+    assert saved_plan["total"] == plans[0]["planned_updates"] and saved_plan["timed"]
+    step = checkpoint.read_manifest(saved)["step"]
+    again = run_tmt(args, fault=f"step@{step + 3}:sigterm")
+    assert again.returncode == 143, again.stderr
+    rows = records(tmp_path)
+    assert [r for r in rows if "planned_updates" in r] == plans  # not planned again
+    from transformer_mt.optim import BudgetSchedule
+
+    schedule = BudgetSchedule(cfg.model, cfg.optim)
+    vars(schedule).update(saved_plan)
+    resumed = [r for r in rows if "lr" in r and r["step"] > step]
+    assert [r["step"] for r in resumed] == [step + 1, step + 2, step + 3]
+    assert all(r["lr"] == schedule.lr(r["step"]) for r in resumed)
+    assert rows[-1] == {"step": step + 3, "epoch": resumed[-1]["epoch"], "stop": "sigterm"}

@@ -213,6 +213,13 @@ class DataConfig:
     max_len_ratio: Annotated[float, Interval(1.0)] = 3.0
     max_tokens: Count = 4096  # batch budget per rank: sentences × padded length of the longer side
     num_proc: Count = 1  # processes that encode the corpus (datasets.map)
+    # Subword regularization (departure): BPE-dropout (Provilkov et al., 2020), Kudo's (2018)
+    # idea for a bpe model: each training pair's words are merged afresh, every candidate merge
+    # skipped with probability subword_alpha, the same draw per (train.seed, epoch, pair). 0 =
+    # off: one segmentation (§5.1). Validation and translation are never sampled. Batches are
+    # packed by the unsampled lengths (data.max_tokens); a draw over data.max_len is not used.
+    subword_alpha: Fraction = 0.0
+    subword_sides: Literal["source", "both"] = "source"  # which sides are sampled
     cache_dir: str = ""  # tokenized-corpus cache; "" = $TMT_CACHE or ~/.cache/transformer_mt
 
 
@@ -225,6 +232,13 @@ class OptimConfig:
     eps: Positive = 1e-9  # §5.3 Adam ε
     label_smoothing: Fraction = 0.1  # §5.4 ε_ls
     clip_norm: Amount = 0.0  # departure: clip the global gradient norm to this value (0 = off)
+    # "noam": §5.3, the rate peaks at warmup_steps and decays as step^-0.5, whatever the budget.
+    # "budget" (departure): the run's budget in updates is planned (train.max_steps, max_epochs,
+    # or train.max_minutes × the update rate measured over its first 5 %): a linear warmup over
+    # warmup_fraction of it to the same peak (lr_scale · d_model^-0.5 · warmup_steps^-0.5), then
+    # a linear decay to zero at its end (optim.py BudgetSchedule). For runs that a budget stops.
+    schedule: Literal["noam", "budget"] = "noam"
+    warmup_fraction: Annotated[float, Interval(0.0, 1.0, low_open=True, high_open=True)] = 0.1
 
 
 @dataclass(frozen=True)

@@ -403,8 +403,18 @@ class EncodedSplit:
         take = pa.Array.from_buffers(pa.int64(), len(rows), [None, pa.py_buffer(rows)])
         return _split_lists(self._src.take(take)), _split_lists(self._tgt.take(take))
 
-    def batch(self, positions: Sequence[int] | np.ndarray, tokenizer: Tokenizer) -> Batch:
+    def batch(
+        self,
+        positions: Sequence[int] | np.ndarray,
+        tokenizer: Tokenizer,
+        sampling: SubwordSampling | None = None,
+        epoch: int = 0,
+    ) -> Batch:
         src, tgt = self.ids(positions)
+        if sampling is not None:  # data.subword_alpha: this epoch's segmentation of each pair
+            src = sampling.resegment(src, positions, tokenizer, epoch, side=0)
+            if sampling.both_sides:
+                tgt = sampling.resegment(tgt, positions, tokenizer, epoch, side=1)
         return collate(
             src, tgt, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id
         )
@@ -418,6 +428,48 @@ class EncodedSplit:
             max_tokens=max_tokens, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle,
             groups=self.groups if shuffle else None, weights=self.weights,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SubwordSampling:
+    """data.subword_alpha: the words of training pairs merged afresh by BPE-dropout, each draw
+    seeded by (train.seed, epoch, pair, side), so a resume or another rank draws the same."""
+
+    alpha: float
+    both_sides: bool
+    seed: int
+    max_len: int  # data.max_len: a longer draw keeps the cached segmentation
+
+    @classmethod
+    def of(cls, cfg: Config, tokenizer: Tokenizer) -> SubwordSampling | None:
+        data = cfg.data
+        if not data.subword_alpha:
+            return None
+        if tokenizer.model_type != "bpe":
+            raise TmtError(
+                f"data.subword_alpha={data.subword_alpha:g}: BPE-dropout needs a bpe tokenizer;"
+                f" this one is {tokenizer.model_type} (tokenizer.model_type=bpe, or"
+                " data.subword_alpha=0)"
+            )
+        both = data.subword_sides == "both"
+        return cls(data.subword_alpha, both, seed=cfg.train.seed, max_len=data.max_len)
+
+    def resegment(
+        self,
+        sequences: list[np.ndarray],
+        positions: Sequence[int] | np.ndarray,
+        tokenizer: Tokenizer,
+        epoch: int,
+        side: int,
+    ) -> list[np.ndarray]:
+        """This epoch's segmentation of each pair's side (`positions`: the pairs' indices)."""
+        drawn = []
+        for ids, position in zip(sequences, np.asarray(positions).tolist(), strict=True):
+            key = f"{self.seed}/{epoch}/{position}/{side}".encode()
+            seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+            sample = tokenizer.bpe_dropout(ids, self.alpha, seed)
+            drawn.append(np.asarray(sample, dtype=np.int64) if len(sample) <= self.max_len else ids)
+        return drawn
 
 
 def _split_lists(column: pa.ChunkedArray) -> list[np.ndarray]:

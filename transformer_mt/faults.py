@@ -11,6 +11,7 @@ Points:
                 runs out of memory
     saveS_bytes while writing checkpoint S (e.g. save8_bytes), once N bytes of it are written
     chunk       after translation chunk N (from 1) is committed (tmt translate -i FILE -o FILE)
+    plan        once a time budget is planned (optim.schedule=budget); N is 1
 
 Actions:
     kill    SIGKILL this process: a crash or power loss, no cleanup, no flush

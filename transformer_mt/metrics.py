@@ -23,11 +23,14 @@ METRICS_FILE = files.METRICS_FILE  # OUT_DIR/metrics.jsonl
 
 def trim(run_dir: Path, step: int) -> None:
     """Drop the records past `step` from a run's metrics log: a resume trains those steps again.
-    A line that does not read as a record of a step (torn by a kill, or damaged) is dropped."""
+    The partial record a session wrote when it stopped at `step` goes too: the checkpoint holds
+    its sums, so the resumed run's next record covers those updates as an uninterrupted run's
+    does (the record of why it stopped stays). A line that does not read as a record of a step
+    (torn by a kill, or damaged) is dropped."""
     path = run_dir / METRICS_FILE
     if path.exists() or path.is_symlink():
         lines = read_log(path)
-        kept = [line for line in lines if _record_step(line) <= step]
+        kept = [line for line in lines if _record_step(line) < step or _kept_at(line, step)]
         files.atomic_write(path, "".join(line + "\n" for line in kept).encode())
 
 
@@ -40,6 +43,14 @@ def read_log(path: Path) -> list[str]:
         raise TmtError(
             f"{path}: {err.strerror}; tmt writes its metrics log as a plain file"
         ) from None
+
+
+def _kept_at(line: str, step: int) -> bool:
+    try:
+        record = json.loads(line)
+        return int(record["step"]) == step and record.get("partial") is not True
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
+        return False
 
 
 def _record_step(line: str) -> int:
@@ -82,6 +93,7 @@ class MetricsLog:
         self.loss = self.nll = 0.0  # sums over this rank's target tokens
         self.tokens = self.real_tokens = self.padded_tokens = 0
         self.lr = 0.0
+        self.updates = 0  # applied updates since the last record
         self.start = time.monotonic()
 
     def update(
@@ -94,10 +106,12 @@ class MetricsLog:
         self.real_tokens += real
         self.padded_tokens += padded
         self.lr = lr
+        self.updates += 1
         self.bar.update(1)
 
-    def flush(self, step: int, epoch: int) -> dict[str, Any]:
-        """The record of the updates since the last one (all ranks), written and shown."""
+    def flush(self, step: int, epoch: int, partial: bool = False) -> dict[str, Any]:
+        """The record of the updates since the last one (all ranks), written and shown; a
+        `partial` one, of fewer than train.log_every updates, is the last of a session."""
         sums = [self.loss, self.nll, self.tokens]
         totals = torch.tensor(sums, dtype=torch.float64, device=self.info.device)
         loss, nll, tokens = distributed.all_reduce_sum(totals, self.info).tolist()
@@ -110,6 +124,7 @@ class MetricsLog:
             "lr": self.lr,
             "tokens_per_s": tokens / max(time.monotonic() - self.start, 1e-9),
             "padding_efficiency": self.real_tokens / self.padded_tokens,
+            **({"partial": True, "updates": self.updates} if partial else {}),
         }
         self._reset()
         self.write(record)
@@ -141,6 +156,7 @@ class MetricsLog:
         """This rank's sums since the last record: saved with each checkpoint, so the first
         record after a resume covers the same updates as in an uninterrupted run."""
         sums = {"loss": self.loss, "nll": self.nll, "tokens": self.tokens, "lr": self.lr}
+        sums["updates"] = self.updates
         counts = {"real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens}
         return {**sums, **counts, "seconds": time.monotonic() - self.start}
 
@@ -148,6 +164,7 @@ class MetricsLog:
         self.loss, self.nll, self.tokens = window["loss"], window["nll"], window["tokens"]
         self.real_tokens, self.padded_tokens = window["real_tokens"], window["padded_tokens"]
         self.lr, self.start = window["lr"], time.monotonic() - window["seconds"]
+        self.updates = window.get("updates", 1 if window["tokens"] else 0)  # older tmt: unsaved
 
     def show(self, message: str) -> None:
         """A line on stderr past the bar (which is hidden off a terminal), from rank 0."""

@@ -101,6 +101,9 @@ def render_curves(run_dirs: Sequence[Path], fmt: str = "png") -> tuple[bytes, di
     figure = Figure(figsize=(11, 7.5), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     names = _labels([run_dir for run_dir, _ in runs])
+    # Every panel spans the whole run, from 0 to its last update: a validation BLEU point or two
+    # at the end sits where it was measured, not on an axis of their own.
+    last = max(step for _, points in runs for series in points.values() for step, _ in series)
     counts = {}
     for axes, (title, ylabel, series) in zip(figure.subplots(2, 2).flat, PANELS, strict=True):
         drawn = 0
@@ -115,6 +118,7 @@ def render_curves(run_dirs: Sequence[Path], fmt: str = "png") -> tuple[bytes, di
         counts[title] = drawn
         axes.set_title(title)
         axes.set_xlabel("updates")
+        axes.set_xlim(0, max(last, 1))
         axes.set_ylabel(ylabel)
         axes.grid(alpha=0.3)
         if drawn:

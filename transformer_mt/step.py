@@ -42,6 +42,7 @@ class Requests:
 
     stop: str | None = None  # "sigterm", "sigint" (a signal), "max_minutes" (the time budget)
     save: bool = False  # rank 0's clock: a time-based checkpoint is due
+    plan: int = 0  # rank 0's clock: the updates the time budget allows (optim.schedule=budget)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class StepStats:
     skipped: str | None  # why no update was applied: "oom", "overflow", "non_finite", "stopped"
     stop: str | None  # a stop every rank agreed on: "sigterm", "sigint", "max_minutes"
     save: bool  # rank 0's clock asked for a checkpoint after this step
+    plan: int = 0  # the updates rank 0 planned for the time budget, agreed at this step; 0: none
 
 
 def train_step(
@@ -77,7 +79,7 @@ def train_step(
     schedule changes.
     """
     tokens = sum(b.n_tokens for b in micro)
-    global_tokens, stop, save = _agree(tokens, requests, info)
+    global_tokens, stop, save, plan = _agree(tokens, requests, info)
     lr = opt.optimizer.param_groups[0]["lr"]
     if stop is not None:  # agreed by every rank: stop before this update, its batches unused
         return StepStats(
@@ -94,20 +96,21 @@ def train_step(
     return StepStats(
         loss_sum=loss_sum, nll_sum=nll_sum, tokens=tokens, global_tokens=global_tokens,
         real_tokens=real, padded_tokens=padded, lr=lr, grad_norm=norm, skipped=skipped, stop=None,
-        save=save,
+        save=save, plan=plan,
     )  # fmt: skip
 
 
-def _agree(tokens: int, requests: Requests, info: DistInfo) -> tuple[int, str | None, bool]:
-    """The update's first collective: its global token count, and whether any rank asks to stop
-    (a signal, the time budget) or to save, so that every rank decides the same at this step."""
+def _agree(tokens: int, requests: Requests, info: DistInfo) -> tuple[int, str | None, bool, int]:
+    """The update's first collective: its global token count, whether any rank asks to stop
+    (a signal, the time budget) or to save, and rank 0's plan of the time budget, so that every
+    rank decides the same at this step."""
     wanted = [tokens, requests.stop == "max_minutes", requests.stop == "sigterm"]
-    wanted += [requests.stop == "sigint", requests.save]
+    wanted += [requests.stop == "sigint", requests.save, requests.plan]
     control = torch.tensor(wanted, dtype=torch.float64, device=info.device)
     distributed.all_reduce_sum(control, info)
     stop = "sigterm" if control[2] > 0 else "sigint" if control[3] > 0 else None
     stop = stop or ("max_minutes" if control[1] > 0 else None)
-    return int(control[0].item()), stop, control[4].item() > 0
+    return int(control[0].item()), stop, control[4].item() > 0, int(control[5].item())
 
 
 def _accumulate(

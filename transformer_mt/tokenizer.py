@@ -12,8 +12,11 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
+import random
 import re
+import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +58,7 @@ class Tokenizer:
                 )
                 raise TmtError(f"{origin}: {missing}")
         self.sha256: str = hashlib.sha256(self.model_bytes).hexdigest()
+        self._merge_scores: dict[str, float] | None = None  # bpe_dropout's, built on first use
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -75,6 +79,36 @@ class Tokenizer:
         if len(texts) < _POOLED:
             return [self._sp.encode(text) for text in texts]
         return self._sp.encode(list(texts))
+
+    @property
+    def model_type(self) -> str:
+        """ "unigram", "bpe", "word" or "char": the algorithm the model was trained with."""
+        spec = dict(_proto_fields(self.model_bytes)).get(2, b"")  # ModelProto.trainer_spec
+        kind = dict(_proto_fields(spec)).get(3, 1)  # TrainerSpec.model_type, UNIGRAM by default
+        return {1: "unigram", 2: "bpe", 3: "word", 4: "char"}.get(kind, "unknown")
+
+    def bpe_dropout(self, ids: Sequence[int], alpha: float, seed: int) -> list[int]:
+        """BPE-dropout (Provilkov et al., 2020) of one encoded text: each word is merged again
+        from its characters, the highest-scoring merge first as sentencepiece's bpe encoder
+        does, each candidate merge skipped with probability alpha; alpha 0 gives back `ids`.
+        Drawn with Python's generator seeded by `seed`: sentencepiece's own sampling cannot be
+        seeded reproducibly across processes (0.2.3: the same seed draws differently)."""
+        if self._merge_scores is None:
+            self._merge_scores = _merge_scores(self.model_bytes)
+        scores, draw = self._merge_scores, random.Random(seed).random
+        out: list[int] = []
+        word: list[str] = []
+        for token in [*map(int, ids), -1]:  # -1 ends the last word
+            piece = self._sp.id_to_piece(token) if token >= 0 else ""
+            mergeable = token >= 0 and piece in scores
+            if word and (not mergeable or piece.startswith("\u2581")):
+                out += [self._sp.piece_to_id(p) for p in _drop_merges(word, scores, alpha, draw)]
+                word = []
+            if mergeable:
+                word += list(piece)
+            elif token >= 0:
+                out.append(token)  # unknown, byte, control and user-defined pieces stay whole
+        return out
 
     def tag_ids(self, tag: str) -> list[int] | None:
         """The ids `encode` gives a line that is just `tag` (a word-start piece, then the tag),
@@ -100,6 +134,76 @@ class Tokenizer:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__(state["model_bytes"])  # type: ignore[misc, arg-type]
+
+
+def _merge_scores(model_bytes: bytes) -> dict[str, float]:
+    """The score of each normal piece of a sentencepiece model (bpe: its merge order, the higher
+    first); unknown, control, user-defined (tags), unused and byte pieces never merge."""
+    return {piece: score for piece, score, kind in _model_pieces(model_bytes) if kind == 1}
+
+
+def _model_pieces(model_bytes: bytes) -> list[tuple[str, float, int]]:
+    """(piece, score, type) of each piece: ModelProto field 1, read from the protobuf wire format
+    (sentencepiece's Python API does not tell user-defined pieces apart; protobuf is optional)."""
+    pieces = []
+    for field, value in _proto_fields(model_bytes):
+        if field == 1:
+            entry = dict(_proto_fields(value))
+            text = entry.get(1, b"").decode("utf-8")
+            score = struct.unpack("<f", entry[2])[0] if 2 in entry else 0.0
+            pieces.append((text, score, entry.get(3, 1)))
+    return pieces
+
+
+def _proto_fields(data: bytes) -> Iterator[tuple[int, Any]]:
+    """(field number, value) of a protobuf message: varints as ints, 32-bit values as 4 bytes,
+    length-delimited ones as bytes (64-bit ones skipped: ModelProto's pieces have none)."""
+    at = 0
+
+    def varint() -> int:
+        nonlocal at
+        value = shift = 0
+        while True:
+            byte = data[at]
+            at += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    while at < len(data):
+        key = varint()
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            yield field, varint()
+        elif wire == 1:
+            at += 8
+        elif wire == 2:
+            size = varint()
+            yield field, data[at : at + size]
+            at += size
+        elif wire == 5:
+            yield field, data[at : at + 4]
+            at += 4
+        else:
+            raise ValueError(f"protobuf wire type {wire}")
+
+
+def _drop_merges(
+    chars: list[str], scores: dict[str, float], alpha: float, draw: Callable[[], float]
+) -> list[str]:
+    """One word's pieces: merge the best-scoring adjacent pair that is a piece, each candidate
+    skipped with probability alpha, until none is left (a character that is no piece stays)."""
+    symbols = list(chars)
+    while True:
+        best, at = -math.inf, -1
+        for i in range(len(symbols) - 1):
+            score = scores.get(symbols[i] + symbols[i + 1])
+            if score is not None and score > best and draw() >= alpha:
+                best, at = score, i
+        if at < 0:
+            return symbols
+        symbols[at : at + 2] = [symbols[at] + symbols[at + 1]]
 
 
 def train_tokenizer(

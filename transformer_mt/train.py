@@ -1,12 +1,13 @@
 """The training procedure of §5, and the fault handling that makes it trustworthy.
 
 train(cfg) reads as a story: resume point (or the model to fine-tune) -> tokenizer and data ->
-model, Adam and the Noam schedule -> restore -> run directory -> DDP -> loop (update, log, validate,
-save) -> final save and average.
+model, Adam and the learning-rate schedule (planned for the budget, optim.schedule=budget) ->
+restore -> run directory -> DDP -> loop (update, log, validate, save) -> final save, last records
+and average.
 Only rank 0 writes files and logs; every rank takes the same decisions at the same steps, because
 each update begins and ends with a small collective that carries them. One update is step.py's
-business; where the run directory is laid out, resumed and saved, run.py's; how a run stops and
-what it exits with, exits.py's.
+business; where the run stands and why it stops, progress.py's; where the run directory is laid
+out, resumed and saved, run.py's; what a run exits with, exits.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,38 +30,24 @@ from transformer_mt import (
     evaluate,
     exits,
     metrics,
+    optim,
     plot,
     run,
     train_state,
 )
 from transformer_mt.checkpoint import Checkpoint
 from transformer_mt.config import Config
-from transformer_mt.data import Batch, PreparedData, prepare_data
+from transformer_mt.data import Batch, PreparedData, SubwordSampling, prepare_data
 from transformer_mt.distributed import DistInfo
 from transformer_mt.exits import StopSignals, TmtError
 from transformer_mt.faults import fault_point
 from transformer_mt.model import Transformer, count_parameters, parameter_count
 from transformer_mt.optim import build_optimizer, peak_lr
+from transformer_mt.progress import Progress, budget_spent, record_skip, stop_reason, track_best
 from transformer_mt.step import Optimization, Requests, StepStats, train_step, validate
 from transformer_mt.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Progress:
-    """Where training stands; everything here goes into train_state.pt."""
-
-    step: int = 0  # optimizer updates done
-    epoch: int = 0
-    batch_index: int = 0  # next batch of `epoch` on this rank
-    elapsed_s: float = 0.0  # training time of earlier sessions of this run
-    best_value: float | None = None  # best train.best_metric so far (loss: lowest, BLEU: highest)
-    best_step: int = 0
-    stale_validations: int = 0  # validations since best_value last improved (train.patience)
-    skipped: int = 0  # updates skipped (non-finite, fp16 overflow, out of memory)
-    nonfinite_run: int = 0  # consecutive non-finite updates (train.nonfinite_patience)
-    oom_run: int = 0  # consecutive updates out of memory (train.oom_patience)
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -164,12 +150,7 @@ class _Session:
         if info.is_main:
             size = _checkpoint_bytes(self.model, self.data)
             run.start(self.run_dir, cfg, self.data.tokenizer, step=self.step, checkpoint_bytes=size)
-            logger.info(
-                "model: %s parameters; peak lr %.3g at step %d; %d/%d train/valid pairs; %s × %d",
-                f"{count_parameters(self.model):,}", peak_lr(cfg.model, cfg.optim),
-                cfg.optim.warmup_steps, len(self.data.train), len(self.data.valid),
-                info.device.type, info.world_size,
-            )  # fmt: skip
+            _announce(cfg, self.model, self.data, info)
         # The training view of the model, compiled and/or DDP-wrapped; the raw one saves.
         if info.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -180,6 +161,10 @@ class _Session:
             cfg.data.max_tokens, cfg.train.seed, info.rank, info.world_size
         )
         self.epoch_batches: tuple[int, list[np.ndarray]] = (-1, [])
+        self.sampling = SubwordSampling.of(cfg, self.data.tokenizer)  # data.subword_alpha
+        self.schedule = optim.budget_schedule(self.opt.scheduler)  # None: the paper's schedule
+        self.rate_from: tuple[int, float] | None = None  # (step, time) a time budget is timed from
+        self._plan_steps(fresh=saved is None)
         self.valid_batches = _valid_batches(self.data, cfg, info)
         heartbeat.beat(self.step)
         # Validation BLEU reads the raw validation text: scored exactly as tmt evaluate scores it.
@@ -203,6 +188,7 @@ class _Session:
             self.metrics.write({"step": self.step, "config_changed": changed})
         self.last_save_time = time.monotonic()
         self.last_saved_step = self.step if saved is not None else -1
+        self.first_attempt = self.step + self.progress.skipped  # update attempts before this one
 
     @property
     def step(self) -> int:
@@ -211,7 +197,7 @@ class _Session:
     def loop(self) -> str:
         """Updates until a budget, a signal, patience or divergence stops training; why it did."""
         cfg, progress = self.cfg.train, self.progress
-        stop = _budget_spent(progress, self.cfg)  # a finished run, run again, stays finished
+        stop = budget_spent(progress, self.cfg, self.planned)  # a finished run stays finished
         while stop is None:
             group = self._next_group()
             if group is None:  # this rank's batches of the epoch ran out: the next epoch
@@ -220,7 +206,7 @@ class _Session:
                     stop = "max_epochs"
                 continue
             stats, is_best = self._update(group)
-            stop = _stop_reason(progress, stats, self.cfg)
+            stop = stop_reason(progress, stats, self.cfg, self.planned)
             if stop in ("non_finite", "out_of_memory"):
                 break  # nothing to save: the newest checkpoint is the last good state
             applied = stats.skipped is None
@@ -228,6 +214,53 @@ class _Session:
             if periodic or stats.save or is_best or (stop and self.last_saved_step != self.step):
                 self._save(is_best)
         return stop
+
+    @property
+    def planned(self) -> int:
+        """The updates the time budget was planned to allow (optim.schedule=budget), or 0."""
+        return self.schedule.total if self.schedule and self.schedule.timed else 0
+
+    def _plan_steps(self, fresh: bool) -> None:
+        """optim.schedule=budget: plan the updates of the step and epoch budgets, again when a
+        resume changed them (a resume with the same budgets keeps its plan). A time budget is
+        planned once its update rate is measured (_time_plan)."""
+        schedule, train_cfg = self.schedule, self.cfg.train
+        if schedule is None:
+            return
+        self.epoch_batches = (self.progress.epoch, self.sampler.epoch_batches(self.progress.epoch))
+        per_epoch = -(-len(self.epoch_batches[1]) // train_cfg.update_freq)
+        budget = optim.step_budget(train_cfg.max_steps, train_cfg.max_epochs, per_epoch)
+        if not budget or budget == schedule.steps_budget:
+            return
+        scheduler = self.opt.scheduler
+        schedule.steps_budget = budget
+        schedule.plan(
+            min(budget, schedule.total) if schedule.timed else budget,
+            after=0 if fresh else scheduler.last_epoch + 1,
+        )
+        if fresh:  # the first update's rate was set before the plan existed
+            for group in self.opt.optimizer.param_groups:
+                group["lr"] = schedule(scheduler.last_epoch)
+        if self.info.is_main:
+            logger.info(
+                "learning rate planned for %d updates: warmup %d, peak %.3g, then down to zero",
+                schedule.total, schedule.warmup, schedule.peak,
+            )  # fmt: skip
+
+    def _time_plan(self, now: float) -> int:
+        """Rank 0's plan of a time budget (optim.schedule=budget), made once the update rate of
+        this session is measured; 0 before, after, and on the other ranks."""
+        schedule, budget_s = self.schedule, self.cfg.train.max_minutes * 60
+        if schedule is None or schedule.timed or not budget_s or not self.info.is_main:
+            return 0
+        if self.rate_from is None:
+            self.rate_from = (self.step, now)
+        elapsed = self.progress.elapsed_s + now - self.session_start
+        done = self.step - self.rate_from[0]
+        if done < 5 or optim.measuring(schedule, budget_s, elapsed):
+            return 0
+        rate = done / max(now - self.rate_from[1], 1e-9)
+        return optim.time_plan(schedule, budget_s, elapsed, self.step, rate)
 
     def _next_group(self) -> list[np.ndarray] | None:
         """The batches of the next update (train.update_freq of them), None at the epoch's end."""
@@ -240,7 +273,11 @@ class _Session:
     def _update(self, group: list[np.ndarray]) -> tuple[StepStats, bool]:
         """One update attempt over `group`, then its logging and validation; (stats, new best)."""
         cfg, progress, info = self.cfg, self.progress, self.info
-        micro = [self.data.train.batch(b, self.data.tokenizer).to(info.device) for b in group]
+        micro = [
+            self.data.train.batch(b, self.data.tokenizer, self.sampling, progress.epoch)
+            for b in group
+        ]
+        micro = [batch.to(info.device) for batch in micro]
         # Stop and save requests (signals, rank 0's clock) are agreed on inside the step.
         now = time.monotonic()
         out_of_time = (
@@ -250,16 +287,26 @@ class _Session:
         requests = Requests(
             stop=self.signals.received or ("max_minutes" if out_of_time else None),
             save=info.is_main and save_due,
+            plan=self._time_plan(now),
         )
         attempt = progress.step + progress.skipped + 1  # skipped updates count
         stats = train_step(
             self.trained, micro, self.opt, cfg, info, attempt=attempt, requests=requests
         )
+        if stats.plan:  # every rank continues the schedule with rank 0's plan of the time
+            self.schedule.plan(stats.plan, after=self.opt.scheduler.last_epoch + 1)
+            self.schedule.timed = True
+            self.metrics.write({"step": progress.step, "planned_updates": stats.plan})
+            fault_point("plan", 1)
+            self.metrics.show(
+                f"learning rate planned for {stats.plan} updates (the time budget at the rate"
+                f" measured): warmup {self.schedule.warmup}, then down to zero"
+            )
         if stats.skipped == "stopped":  # a stopped step used none of its batches
             return stats, False
         progress.batch_index += len(group)
         if stats.skipped is not None:
-            _record_skip(progress, stats, self.metrics, micro)
+            record_skip(progress, stats, self.metrics, micro)
             return stats, False
         progress.step += 1
         progress.nonfinite_run = progress.oom_run = 0
@@ -271,7 +318,7 @@ class _Session:
         fault_point("step", progress.step)
         if progress.step % cfg.train.log_every == 0:
             self.metrics.flush(progress.step, progress.epoch)
-        return stats, _track_best(progress, self._validate(), cfg)
+        return stats, track_best(progress, self._validate(), cfg)
 
     def _validate(self) -> dict[str, float]:
         """Validation loss and BLEU when due at this step ({} otherwise), logged and shown."""
@@ -329,6 +376,9 @@ class _Session:
         """The final save (a stop at an epoch's end), the final average, and the summary."""
         saved = self.last_saved_step >= 0
         newest = run.checkpoint_dir(self.run_dir, self.last_saved_step) if saved else "none"
+        if stop not in ("non_finite", "out_of_memory") and self.last_saved_step != self.step:
+            self._save(is_best=False)  # before the last record: its sums are in the checkpoint
+        self._last_records(stop)
         if stop == "non_finite":
             raise TmtError(
                 f"training diverged: {self.progress.nonfinite_run} consecutive non-finite updates"
@@ -344,8 +394,6 @@ class _Session:
                 f"{data.max_tokens} × train.update_freq={train_cfg.update_freq} do not fit on"
                 f" {self.info.device}; lower data.max_tokens; newest checkpoint: {newest}"
             )
-        if self.last_saved_step != self.step:
-            self._save(is_best=False)
         self.metrics.close()
         self._draw_curves()  # the last records too
         averaged = None if stop in exits.SIGNAL_EXIT else self._average()
@@ -364,6 +412,16 @@ class _Session:
             **({"average": averaged} if averaged else {}),
             "rank": self.info.rank,
         }
+
+    def _last_records(self, stop: str) -> None:
+        """The record of the updates since the last one (a run seldom stops on a log step), then
+        the last record of a session that trained: why it stopped (a run run again after its end
+        writes nothing). Every rank calls this: flush all-reduces."""
+        progress = self.progress
+        if self.metrics.updates:
+            self.metrics.flush(progress.step, progress.epoch, partial=True)
+        if progress.step + progress.skipped > self.first_attempt:  # a session that trained
+            self.metrics.write({"step": progress.step, "epoch": progress.epoch, "stop": stop})
 
     def _average(self) -> dict[str, Any] | None:
         """§6.1: average the newest train.average_last checkpoints into OUT_DIR/average and report
@@ -385,72 +443,6 @@ class _Session:
         if n:
             distributed.barrier(self.info)
         return result
-
-
-def _track_best(progress: Progress, scores: dict[str, float], cfg: Config) -> bool:
-    """Update the best value of train.best_metric; True when this validation is the new best."""
-    value = scores.get(cfg.train.best_metric)
-    if value is None:
-        return False
-    higher_is_better = cfg.train.best_metric == "val_bleu"
-    best = progress.best_value
-    if best is None or (value > best if higher_is_better else value < best):
-        progress.best_value, progress.best_step = value, progress.step
-        progress.stale_validations = 0
-        return True
-    progress.stale_validations += 1
-    return False
-
-
-# --- the loop's small decisions ----------------------------------------------------------------
-
-
-def _budget_spent(progress: Progress, cfg: Config) -> str | None:
-    """Why a resumed run has nothing left to do, or None: checked before the first update, so
-    the same command run again after a run ended (or after a kill following its final save)
-    trains nothing more."""
-    train_cfg = cfg.train
-    if train_cfg.max_steps and progress.step >= train_cfg.max_steps:
-        return "max_steps"
-    if train_cfg.max_epochs and progress.epoch >= train_cfg.max_epochs:
-        return "max_epochs"
-    if train_cfg.max_minutes and progress.elapsed_s >= train_cfg.max_minutes * 60:
-        return "max_minutes"
-    if train_cfg.patience and progress.stale_validations >= train_cfg.patience:
-        return "patience"
-    return None
-
-
-def _stop_reason(progress: Progress, stats: StepStats, cfg: Config) -> str | None:
-    if progress.nonfinite_run >= cfg.train.nonfinite_patience:
-        return "non_finite"
-    if progress.oom_run >= cfg.train.oom_patience:
-        return "out_of_memory"
-    if stats.stop in ("sigterm", "sigint"):
-        return stats.stop
-    if cfg.train.max_steps and progress.step >= cfg.train.max_steps:
-        return "max_steps"
-    if stats.stop:
-        return stats.stop
-    if cfg.train.patience and progress.stale_validations >= cfg.train.patience:
-        return "patience"
-    return None
-
-
-def _record_skip(
-    progress: Progress, stats: StepStats, log: metrics.MetricsLog, micro: list[Batch]
-) -> None:
-    progress.skipped += 1
-    if stats.skipped == "non_finite":
-        progress.nonfinite_run += 1
-    if stats.skipped == "oom":
-        progress.oom_run += 1
-    logger.warning(
-        "update after step %d skipped on every rank (%s); batches %s",
-        progress.step, stats.skipped, [tuple(b.src.shape) for b in micro],
-    )  # fmt: skip
-    record = {"step": progress.step, "skipped": stats.skipped, "epoch": progress.epoch}
-    log.write({**record, "batch_index": progress.batch_index})
 
 
 def _prepare_data_rank0_first(
@@ -484,6 +476,19 @@ def _valid_batches(data: PreparedData, cfg: Config, info: DistInfo) -> list[Batc
         cfg.data.max_tokens, cfg.train.seed, info.rank, info.world_size, shuffle=False
     )
     return [data.valid.batch(b, data.tokenizer).to(info.device) for b in sampler.epoch_batches(0)]
+
+
+def _announce(cfg: Config, model: Transformer, data: PreparedData, info: DistInfo) -> None:
+    """The run's size, peak learning rate and data at start (rank 0): schedules confuse."""
+    optim_cfg = cfg.optim
+    when = f"at step {optim_cfg.warmup_steps}"
+    if optim_cfg.schedule == "budget":
+        when = f"after {optim_cfg.warmup_fraction:g} of the budget"
+    logger.info(
+        "model: %s parameters; peak lr %.3g %s; %d/%d train/valid pairs; %s × %d",
+        f"{count_parameters(model):,}", peak_lr(cfg.model, optim_cfg), when, len(data.train),
+        len(data.valid), info.device.type, info.world_size,
+    )  # fmt: skip
 
 
 def _checkpoint_bytes(model: Transformer, data: PreparedData) -> int:
