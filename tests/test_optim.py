@@ -62,28 +62,33 @@ def test_update_k_uses_noam_k_and_adam_hyperparameters() -> None:
         optimizer.zero_grad()
 
 
-def budget(fraction: float = 0.1, total: int = 0) -> BudgetSchedule:
+def budget(fraction: float = 0.1, total: int = 0, decay: float = 0.2) -> BudgetSchedule:
     schedule = BudgetSchedule(
         ModelConfig(d_model=128),
-        OptimConfig(lr_scale=2.0, warmup_steps=800, warmup_fraction=fraction),
+        OptimConfig(lr_scale=2.0, warmup_steps=800, warmup_fraction=fraction, decay_fraction=decay),
     )
     if total:
         schedule.plan(total, after=0)
     return schedule
 
 
-def test_budget_schedule_warms_up_to_the_papers_peak_then_decays_to_zero_at_the_end() -> None:
+def test_budget_schedule_warms_up_to_the_papers_peak_holds_it_then_decays_to_zero() -> None:
     schedule = budget(total=630)
     peak = 2 * 128**-0.5 * 800**-0.5  # the preset's Noam peak, ≈ 0.0063
     assert schedule.warmup == 63
     rates = [schedule.lr(k) for k in range(1, 640)]
     assert rates[0] == pytest.approx(peak / 63) and rates[62] == pytest.approx(peak)
-    assert max(rates) == pytest.approx(peak)
     assert all(a < b for a, b in itertools.pairwise(rates[:63]))  # linear warmup
-    steps = [b - a for a, b in itertools.pairwise(rates[62:630])]
+    assert rates[62:504] == [rates[62]] * 442  # the peak, held up to 630 - 126
+    steps = [b - a for a, b in itertools.pairwise(rates[503:630])]
     assert all(s < 0 for s in steps) and max(steps) == pytest.approx(min(steps))  # linear decay
-    assert rates[629] == pytest.approx(peak / (631 - 63))  # the last update still learns a little
+    assert rates[629] == pytest.approx(peak / 127)  # the last update still learns a little
     assert rates[630:] == [0.0] * 9  # past the plan: nothing
+    # decay_fraction 1 - warmup_fraction: a linear decay all the way from the peak
+    linear = [budget(total=630, decay=0.9).lr(k) for k in range(63, 631)]
+    steps = [b - a for a, b in itertools.pairwise(linear)]
+    assert linear[0] == pytest.approx(peak) and max(steps) == pytest.approx(min(steps))
+    assert max(steps) < 0
 
 
 @given(after=st.integers(1, 400), more=st.integers(1, 5000), fraction=st.floats(0.01, 0.5))

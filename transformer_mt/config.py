@@ -235,10 +235,12 @@ class OptimConfig:
     # "noam": §5.3, the rate peaks at warmup_steps and decays as step^-0.5, whatever the budget.
     # "budget" (departure): the run's budget in updates is planned (train.max_steps, max_epochs,
     # or train.max_minutes × the update rate measured over its first 5 %): a linear warmup over
-    # warmup_fraction of it to the same peak (lr_scale · d_model^-0.5 · warmup_steps^-0.5), then
-    # a linear decay to zero at its end (optim.py BudgetSchedule). For runs that a budget stops.
+    # warmup_fraction of it to the same peak (lr_scale · d_model^-0.5 · warmup_steps^-0.5), the
+    # peak held, and a linear decay to zero over its last decay_fraction (optim.py BudgetSchedule).
+    # For runs that a budget stops.
     schedule: Literal["noam", "budget"] = "noam"
     warmup_fraction: Annotated[float, Interval(0.0, 1.0, low_open=True, high_open=True)] = 0.1
+    decay_fraction: Annotated[float, Interval(0.0, 1.0, low_open=True)] = 0.2
 
 
 @dataclass(frozen=True)

@@ -25,19 +25,19 @@ def peak_lr(model_cfg: ModelConfig, cfg: OptimConfig) -> float:
 
 class BudgetSchedule:
     """optim.schedule=budget: a linear warmup over optim.warmup_fraction of the run's planned
-    updates to the paper schedule's peak (lr_scale · d_model^-0.5 · warmup_steps^-0.5), then a
-    linear decay to zero at the last planned update (fairseq's polynomial_decay, the linear
-    schedule of HF; Bergsma et al. 2025: decaying to zero beats inverse square root and cosine
-    when the budget is known). Before a plan exists (a time budget whose update rate is being
-    measured), the ramp is the paper's; a plan made at update k0 continues from the rate of k0
-    to the peak, so the learning rate never jumps during warmup.
+    updates to the paper schedule's peak (lr_scale · d_model^-0.5 · warmup_steps^-0.5), the peak
+    held, and a linear decay to zero over the last optim.decay_fraction of them: warmup-stable-
+    decay (Hägele et al., 2024; MiniCPM's WSD). decay_fraction 1 - warmup_fraction is a linear
+    decay from the peak (fairseq's polynomial_decay, HF's linear). Before a plan exists (a time
+    budget whose update rate is being measured), the ramp is the paper's; a plan made at update
+    k0 continues from the rate of k0 to the peak, so the learning rate never jumps in warmup.
 
     Its attributes are plain values: LambdaLR saves them in the scheduler's state (train_state.pt),
     so a resume continues the same plan bit for bit."""
 
     def __init__(self, model_cfg: ModelConfig, cfg: OptimConfig) -> None:
         self.peak = peak_lr(model_cfg, cfg)
-        self.fraction = cfg.warmup_fraction
+        self.fraction, self.decay_fraction = cfg.warmup_fraction, cfg.decay_fraction
         self.d_model, self.warmup_steps = model_cfg.d_model, cfg.warmup_steps
         self.scale = cfg.lr_scale
         self.total = 0  # planned updates; 0 = no plan yet
@@ -64,10 +64,13 @@ class BudgetSchedule:
         if step <= warmup:  # from (start, start_lr) up to (warmup, peak)
             rise = (self.peak - self.start_lr) * (step - self.start) / (warmup - self.start)
             return self.start_lr + rise
-        # Down to zero after the last planned update, from the peak (or, for a plan made after
-        # its warmup would have ended, from the rate it was made at).
+        # The peak (or, for a plan made after its warmup would have ended, the rate it was made
+        # at) until the last decay_fraction of the plan, then down to zero after its last update.
         top_step, top = (warmup, self.peak) if warmup > self.start else (self.start, self.start_lr)
-        return top * max(self.total + 1 - step, 0) / (self.total + 1 - top_step)
+        decay_from = max(self.total - round(self.decay_fraction * self.total), top_step)
+        if step <= decay_from:
+            return top
+        return top * max(self.total + 1 - step, 0) / (self.total + 1 - decay_from)
 
     def __call__(self, epoch: int) -> float:  # LambdaLR's argument: updates done so far
         return self.lr(epoch + 1)
