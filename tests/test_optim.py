@@ -11,7 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from transformer_mt.config import ModelConfig, OptimConfig
-from transformer_mt.optim import BudgetSchedule, build_optimizer, noam_lr, peak_lr, time_plan
+from transformer_mt.optim import (
+    BudgetSchedule,
+    build_optimizer,
+    measuring,
+    noam_lr,
+    peak_lr,
+    time_plan,
+)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +98,39 @@ def test_budget_schedule_warms_up_to_the_papers_peak_holds_it_then_decays_to_zer
     assert max(steps) < 0
 
 
-@given(after=st.integers(1, 400), more=st.integers(1, 5000), fraction=st.floats(0.01, 0.5))
+def test_by_default_the_budget_schedule_warms_up_as_the_paper_and_fits_its_decay() -> None:
+    peak = 2 * 128**-0.5 * 800**-0.5
+    # A long budget: the paper's ramp to its peak at warmup_steps, held to 2,100 - 420, then down.
+    long = budget(fraction=0.0, total=2100)
+    rates = [long.lr(k) for k in range(1, 2102)]
+    assert long.warmup == 800
+    assert rates[:800] == pytest.approx([noam_lr(k, 128, 800, 2.0) for k in range(1, 801)])
+    assert rates[799:1680] == [peak] * 881 and rates[1680] < peak and rates[2100] == 0.0
+    # A budget shorter than the paper's warmup: the same peak, reached at 630 - 126 so that the
+    # decay keeps its fifth of the plan.
+    short = budget(fraction=0.0, total=630)
+    rates = [short.lr(k) for k in range(1, 632)]
+    assert short.warmup == 504 and rates[503] == pytest.approx(peak) and max(rates) == rates[503]
+    assert all(a < b for a, b in itertools.pairwise(rates[:504]))
+    assert all(a > b for a, b in itertools.pairwise(rates[503:631])) and rates[630] == 0.0
+    assert budget(fraction=0.0, total=1).lr(1) > 0  # the smallest plan still learns
+
+
+def test_a_time_budget_is_planned_within_half_the_warmup() -> None:
+    paper = budget(fraction=0.0)  # warmup_steps 800: measured over 5 % and under 400 updates
+    assert measuring(paper, budget_s=600, elapsed_s=29, step=399)
+    assert not measuring(paper, budget_s=600, elapsed_s=29, step=400)
+    assert not measuring(paper, budget_s=600, elapsed_s=30, step=10)
+    tenth = budget(fraction=0.04)  # warmup over 4 % of the time: measured over its first half
+    assert measuring(tenth, budget_s=600, elapsed_s=11, step=10_000)
+    assert not measuring(tenth, budget_s=600, elapsed_s=12, step=1)
+
+
+@given(
+    after=st.integers(1, 400),
+    more=st.integers(1, 5000),
+    fraction=st.one_of(st.just(0.0), st.floats(0.01, 0.5)),
+)
 def test_a_plan_made_mid_run_continues_from_the_rate_in_use(
     after: int, more: int, fraction: float
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import socket
@@ -357,7 +358,7 @@ def both_options(cfg: Config) -> Config:
     """The budget schedule and subword regularization on both sides."""
     return dataclasses.replace(
         cfg,
-        optim=dataclasses.replace(cfg.optim, schedule="budget", warmup_fraction=0.25),
+        optim=dataclasses.replace(cfg.optim, schedule="budget"),
         data=dataclasses.replace(cfg.data, subword_alpha=0.2, subword_sides="both"),
     )
 
@@ -374,13 +375,57 @@ def test_exact_resume_after_kill_with_the_budget_schedule_and_subword_sampling(
     assert again.returncode == 0, again.stderr
     rows = numbers(tmp_path / "resumed")
     assert rows == numbers(tmp_path / "straight")  # every loss and learning rate, bit for bit
-    lrs = [r["lr"] for r in rows if "lr" in r]  # planned for 8 updates: warmup 2, then down
-    assert lrs[1] == max(lrs) and lrs == sorted(lrs[:2]) + sorted(lrs[2:], reverse=True)
+    lrs = [r["lr"] for r in rows if "lr" in r]  # planned for 8 updates: warmup 6, then down
+    assert lrs[5] == max(lrs) and lrs == sorted(lrs[:6]) + sorted(lrs[6:], reverse=True)
     a, b = final_weights(tmp_path / "straight", 8), final_weights(tmp_path / "resumed", 8)
     assert all(torch.equal(a[k], b[k]) for k in a)
     # Neither option is the default (the paper's recipe): the runs differ from it.
     plain = train(with_train(train_cfg, out_dir=str(tmp_path / "plain")))
     assert plain["step"] == 8 and numbers(tmp_path / "plain") != rows
+
+
+def test_a_time_budget_is_planned_again_before_its_decay_so_that_the_decay_fits(
+    train_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A clock that updates move: 1 s each while the rate is measured, 1.1 s after (validations
+    # and checkpoints that the first measure did not see). Planned at 1/s for 60 updates, the
+    # decay would start after update 48 and the clock would stop the run at 55, at half the
+    # peak; checked again two updates before the decay, the plan is what the clock allows, 55,
+    # and the decay fits.
+    from transformer_mt import train as train_module
+
+    clock = {"now": 0.0, "planned": False}
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            return clock["now"]
+
+    real_step = train_module.train_step
+
+    def timed_step(*args: object, **kwargs: object) -> object:
+        clock["now"] += 1.1 if clock["planned"] else 1.0
+        stats = real_step(*args, **kwargs)
+        clock["planned"] = clock["planned"] or stats.plan > 0
+        return stats
+
+    monkeypatch.setattr(train_module, "time", Clock)
+    monkeypatch.setattr(train_module, "train_step", timed_step)
+    cfg = with_train(
+        both_options(train_cfg), max_steps=0, max_minutes=1.0, log_every=1, valid_every=0,
+        save_every=0,
+    )  # fmt: skip
+    summary = train(with_train(cfg, out_dir=str(tmp_path)))
+    rows = records(tmp_path)
+    plans = [r for r in rows if "planned_updates" in r]
+    assert [p["step"] for p in plans] == [5, 46]  # measured over 3 s and 5 updates; 48 - 2
+    assert [p["planned_updates"] for p in plans] == [5 + 55, 46 + 9]
+    assert summary["step"] == 55 and summary["stop"] == "max_minutes"
+    lrs = [r["lr"] for r in rows if "lr" in r]  # lrs[k - 1]: the rate of update k
+    peak = max(lrs)
+    assert lrs[47] == peak and lrs[-1] == pytest.approx(peak / 8)  # down to zero at 56
+    steps = [b - a for a, b in itertools.pairwise(lrs[47:])]
+    assert max(steps) == pytest.approx(min(steps)) and max(steps) < 0  # one linear decay
 
 
 def test_a_time_budget_is_planned_once_and_a_resume_keeps_the_plan(
@@ -412,5 +457,5 @@ def test_a_time_budget_is_planned_once_and_a_resume_keeps_the_plan(
     vars(schedule).update(saved_plan)
     resumed = [r for r in rows if "lr" in r and r["step"] > step]
     assert [r["step"] for r in resumed] == [step + 1, step + 2, step + 3]
-    assert all(r["lr"] == schedule.lr(r["step"]) for r in resumed)
-    assert rows[-1] == {"step": step + 3, "epoch": resumed[-1]["epoch"], "stop": "sigterm"}
+    assert [r["lr"] for r in resumed] == [schedule.lr(r["step"]) for r in resumed]
+    assert (rows[-1]["step"], rows[-1]["stop"]) == (step + 3, "sigterm")

@@ -234,12 +234,13 @@ class OptimConfig:
     clip_norm: Amount = 0.0  # departure: clip the global gradient norm to this value (0 = off)
     # "noam": §5.3, the rate peaks at warmup_steps and decays as step^-0.5, whatever the budget.
     # "budget" (departure): the run's budget in updates is planned (train.max_steps, max_epochs,
-    # or train.max_minutes × the update rate measured over its first 5 %): a linear warmup over
-    # warmup_fraction of it to the same peak (lr_scale · d_model^-0.5 · warmup_steps^-0.5), the
-    # peak held, and a linear decay to zero over its last decay_fraction (optim.py BudgetSchedule).
-    # For runs that a budget stops.
+    # or train.max_minutes × the update rate measured early in the run): the paper's warmup to
+    # its peak (lr_scale · d_model^-0.5 · warmup_steps^-0.5), sooner when the budget is short so
+    # that the decay fits, the peak held, and a linear decay to zero over the budget's last
+    # decay_fraction (warmup-stable-decay; optim.py BudgetSchedule). For runs a budget stops.
     schedule: Literal["noam", "budget"] = "noam"
-    warmup_fraction: Annotated[float, Interval(0.0, 1.0, low_open=True, high_open=True)] = 0.1
+    # budget: > 0 warms up over this fraction of the budget instead of warmup_steps
+    warmup_fraction: Annotated[float, Interval(0.0, 1.0, high_open=True)] = 0.0
     decay_fraction: Annotated[float, Interval(0.0, 1.0, low_open=True)] = 0.2
 
 

@@ -24,13 +24,15 @@ def peak_lr(model_cfg: ModelConfig, cfg: OptimConfig) -> float:
 
 
 class BudgetSchedule:
-    """optim.schedule=budget: a linear warmup over optim.warmup_fraction of the run's planned
-    updates to the paper schedule's peak (lr_scale · d_model^-0.5 · warmup_steps^-0.5), the peak
-    held, and a linear decay to zero over the last optim.decay_fraction of them: warmup-stable-
-    decay (Hägele et al., 2024; MiniCPM's WSD). decay_fraction 1 - warmup_fraction is a linear
-    decay from the peak (fairseq's polynomial_decay, HF's linear). Before a plan exists (a time
-    budget whose update rate is being measured), the ramp is the paper's; a plan made at update
-    k0 continues from the rate of k0 to the peak, so the learning rate never jumps in warmup.
+    """optim.schedule=budget: warmup-stable-decay (Hägele et al., 2024; MiniCPM's WSD) fitted to
+    the run's planned updates. The paper's linear warmup to its peak (lr_scale · d_model^-0.5 ·
+    warmup_steps^-0.5) over warmup_steps, or over the first 1 - decay_fraction of a shorter plan
+    (the same peak, reached sooner), the peak held, and a linear decay to zero over the last
+    decay_fraction of the plan. optim.warmup_fraction > 0 warms up over that fraction of the plan
+    instead; decay_fraction 1 - warmup_fraction is a linear decay from the peak (fairseq's
+    polynomial_decay, HF's linear). Before a plan exists (a time budget whose update rate is
+    being measured), the ramp is the paper's; a plan made at update k0 continues from the rate
+    of k0 to the peak, so the learning rate never jumps in warmup.
 
     Its attributes are plain values: LambdaLR saves them in the scheduler's state (train_state.pt),
     so a resume continues the same plan bit for bit."""
@@ -44,6 +46,7 @@ class BudgetSchedule:
         self.start, self.start_lr = 0, 0.0  # the update the plan starts from, and its rate
         self.steps_budget = 0  # the step budget (max_steps, max_epochs) the plan was made from
         self.timed = False  # the plan includes the measured time budget
+        self.retimed = False  # ... checked again where its decay starts
 
     def plan(self, total: int, after: int) -> None:
         """Plan `total` updates; updates up to `after` keep the rates they had."""
@@ -52,7 +55,21 @@ class BudgetSchedule:
 
     @property
     def warmup(self) -> int:
-        return max(round(self.fraction * self.total), 1)
+        """The update the peak is reached at. Measured at 630 updates of the Multi30k preset
+        (docs/benchmarks.md): a fast warmup to that peak (a tenth of the plan) leaves the run
+        behind the paper's schedule; the paper's ramp, with room kept for the decay, ahead."""
+        if self.fraction:
+            return max(round(self.fraction * self.total), 1)
+        return max(min(self.warmup_steps, self._decay_from_plan()), 1)
+
+    def _decay_from_plan(self) -> int:
+        return self.total - round(self.decay_fraction * self.total)
+
+    @property
+    def decay_start(self) -> int:
+        """The last update at the peak (or at the rate the plan was made at); the decay follows."""
+        top_step = self.warmup if self.warmup > self.start else self.start
+        return max(self._decay_from_plan(), top_step)
 
     def lr(self, step: int) -> float:
         """The learning rate of update `step` (counted from 1)."""
@@ -66,14 +83,48 @@ class BudgetSchedule:
             return self.start_lr + rise
         # The peak (or, for a plan made after its warmup would have ended, the rate it was made
         # at) until the last decay_fraction of the plan, then down to zero after its last update.
-        top_step, top = (warmup, self.peak) if warmup > self.start else (self.start, self.start_lr)
-        decay_from = max(self.total - round(self.decay_fraction * self.total), top_step)
+        top = self.peak if warmup > self.start else self.start_lr
+        decay_from = self.decay_start
         if step <= decay_from:
             return top
         return top * max(self.total + 1 - step, 0) / (self.total + 1 - decay_from)
 
     def __call__(self, epoch: int) -> float:  # LambdaLR's argument: updates done so far
         return self.lr(epoch + 1)
+
+    def fit_steps(self, budget: int, after: int) -> bool:
+        """Plan the updates of the step and epoch budgets (`step_budget`), again when a resume
+        changed them; False when there is none or it is the one planned (a resume keeps its
+        plan). A time budget's plan stays within them."""
+        if not budget or budget == self.steps_budget:
+            return False
+        self.steps_budget = budget
+        self.plan(min(budget, self.total) if self.timed else budget, after=after)
+        return True
+
+    def time_plan_due(
+        self, budget_s: float, elapsed_s: float, step: int, since: tuple[int, float], now: float
+    ) -> int:
+        """A time budget's plan, or 0 when none is due: made once the rate since `since` (step,
+        time) is measured, then once more two updates before its decay (agreed during the
+        first, applied from the second, still at the peak) at the rate since that plan, which
+        includes the validations and checkpoints the first measure did not see."""
+        done = step - since[0]
+        if self.retimed or done < 5:
+            return 0
+        if self.timed and step + 2 < self.decay_start:
+            return 0
+        if not self.timed and measuring(self, budget_s, elapsed_s, step):
+            return 0
+        return time_plan(self, budget_s, elapsed_s, step, done / max(now - since[1], 1e-9))
+
+    def continue_with(self, planned: int, after: int) -> bool:
+        """Continue with rank 0's plan of the time budget from update `after`; True for the
+        first plan, False for the check before the decay."""
+        first = not self.timed
+        self.plan(planned, after=after)
+        self.timed, self.retimed = True, not first
+        return first
 
 
 def build_optimizer(
@@ -118,13 +169,16 @@ def time_plan(
     schedule: BudgetSchedule, budget_s: float, elapsed_s: float, steps: int, rate: float
 ) -> int:
     """The updates of a time budget: those done plus the measured rate × the time left, within
-    the step budget. Validation and checkpoints take part of the time left; a run the clock stops
-    first ends in the last few percent of its decay, where the rate is near zero."""
+    the step budget. Made early in the run, then once more where its decay would start, at the
+    rate since (validation and checkpoints included), so that the decay fits the time left."""
     planned = steps + max(int(rate * (budget_s - elapsed_s)), 1)
     return min(planned, schedule.steps_budget) if schedule.steps_budget else planned
 
 
-def measuring(schedule: BudgetSchedule, budget_s: float, elapsed_s: float) -> bool:
-    """Whether a time budget's rate is still being measured: over its first 5 % (half the warmup
-    when that is shorter), so that the plan is made during the warmup."""
-    return elapsed_s < min(0.05, schedule.fraction / 2) * budget_s
+def measuring(schedule: BudgetSchedule, budget_s: float, elapsed_s: float, step: int) -> bool:
+    """Whether a time budget's rate is still being measured: over its first 5 %, and no longer
+    than half the warmup (of warmup_fraction of the time, or of warmup_steps updates), so that
+    the plan is made during the warmup."""
+    if schedule.fraction:
+        return elapsed_s < min(0.05, schedule.fraction / 2) * budget_s
+    return elapsed_s < 0.05 * budget_s and step < schedule.warmup_steps // 2

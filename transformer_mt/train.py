@@ -222,22 +222,16 @@ class _Session:
 
     def _plan_steps(self, fresh: bool) -> None:
         """optim.schedule=budget: plan the updates of the step and epoch budgets, again when a
-        resume changed them (a resume with the same budgets keeps its plan). A time budget is
-        planned once its update rate is measured (_time_plan)."""
+        resume changed them. A time budget is planned once its update rate is measured."""
         schedule, train_cfg = self.schedule, self.cfg.train
         if schedule is None:
             return
         self.epoch_batches = (self.progress.epoch, self.sampler.epoch_batches(self.progress.epoch))
         per_epoch = -(-len(self.epoch_batches[1]) // train_cfg.update_freq)
         budget = optim.step_budget(train_cfg.max_steps, train_cfg.max_epochs, per_epoch)
-        if not budget or budget == schedule.steps_budget:
-            return
         scheduler = self.opt.scheduler
-        schedule.steps_budget = budget
-        schedule.plan(
-            min(budget, schedule.total) if schedule.timed else budget,
-            after=0 if fresh else scheduler.last_epoch + 1,
-        )
+        if not schedule.fit_steps(budget, after=0 if fresh else scheduler.last_epoch + 1):
+            return
         if fresh:  # the first update's rate was set before the plan existed
             for group in self.opt.optimizer.param_groups:
                 group["lr"] = schedule(scheduler.last_epoch)
@@ -248,19 +242,26 @@ class _Session:
             )  # fmt: skip
 
     def _time_plan(self, now: float) -> int:
-        """Rank 0's plan of a time budget (optim.schedule=budget), made once the update rate of
-        this session is measured; 0 before, after, and on the other ranks."""
-        schedule, budget_s = self.schedule, self.cfg.train.max_minutes * 60
-        if schedule is None or schedule.timed or not budget_s or not self.info.is_main:
+        """Rank 0's plan of a time budget when one is due (BudgetSchedule.time_plan_due), timed
+        from this session's start or the last plan; 0 otherwise and on the other ranks."""
+        budget_s = self.cfg.train.max_minutes * 60
+        if self.schedule is None or not budget_s or not self.info.is_main:
             return 0
-        if self.rate_from is None:
-            self.rate_from = (self.step, now)
+        self.rate_from = self.rate_from or (self.step, now)
         elapsed = self.progress.elapsed_s + now - self.session_start
-        done = self.step - self.rate_from[0]
-        if done < 5 or optim.measuring(schedule, budget_s, elapsed):
-            return 0
-        rate = done / max(now - self.rate_from[1], 1e-9)
-        return optim.time_plan(schedule, budget_s, elapsed, self.step, rate)
+        return self.schedule.time_plan_due(budget_s, elapsed, self.step, self.rate_from, now)
+
+    def _replan(self, planned: int) -> None:
+        """Continue the schedule with rank 0's plan of the time budget, agreed at this update."""
+        first = self.schedule.continue_with(planned, after=self.opt.scheduler.last_epoch + 1)
+        self.rate_from = (self.step, time.monotonic())  # the next plan's rate is timed from here
+        self.metrics.write({"step": self.step, "planned_updates": planned})
+        fault_point("plan", 1 if first else 2)
+        what = "at the rate measured" if first else "at the rate since, checked before the decay"
+        self.metrics.show(
+            f"learning rate planned for {planned} updates (the time budget {what}):"
+            f" warmup {self.schedule.warmup}, decay from {self.schedule.decay_start}"
+        )
 
     def _next_group(self) -> list[np.ndarray] | None:
         """The batches of the next update (train.update_freq of them), None at the epoch's end."""
@@ -294,14 +295,7 @@ class _Session:
             self.trained, micro, self.opt, cfg, info, attempt=attempt, requests=requests
         )
         if stats.plan:  # every rank continues the schedule with rank 0's plan of the time
-            self.schedule.plan(stats.plan, after=self.opt.scheduler.last_epoch + 1)
-            self.schedule.timed = True
-            self.metrics.write({"step": progress.step, "planned_updates": stats.plan})
-            fault_point("plan", 1)
-            self.metrics.show(
-                f"learning rate planned for {stats.plan} updates (the time budget at the rate"
-                f" measured): warmup {self.schedule.warmup}, then down to zero"
-            )
+            self._replan(stats.plan)
         if stats.skipped == "stopped":  # a stopped step used none of its batches
             return stats, False
         progress.batch_index += len(group)
@@ -483,7 +477,11 @@ def _announce(cfg: Config, model: Transformer, data: PreparedData, info: DistInf
     optim_cfg = cfg.optim
     when = f"at step {optim_cfg.warmup_steps}"
     if optim_cfg.schedule == "budget":
-        when = f"after {optim_cfg.warmup_fraction:g} of the budget"
+        when = (
+            f"after {optim_cfg.warmup_fraction:g} of the budget"
+            if optim_cfg.warmup_fraction
+            else f"at step {optim_cfg.warmup_steps} (or sooner, to fit the budget)"
+        )
     logger.info(
         "model: %s parameters; peak lr %.3g %s; %d/%d train/valid pairs; %s × %d",
         f"{count_parameters(model):,}", peak_lr(cfg.model, optim_cfg), when, len(data.train),
