@@ -311,6 +311,24 @@ def test_every_shipped_config_loads() -> None:
                 assert getattr(getattr(cfg, section), key) == value, f"{path}: {section}.{key}"
 
 
+def test_every_set_in_the_shipped_scripts_is_a_real_key_and_value() -> None:
+    # The demo, the recipes and the Makefile pass their departures as --set: a renamed key must fail here, not
+    # ten minutes into `make demo`. Values from shell variables are checked by name only.
+    import re
+
+    pattern = re.compile(r'--set\s+"?([a-z_]+)\.([a-z_]+)=("?\$?[^\s")]*)')
+    found = []
+    for path in [*sorted((REPO / "scripts").glob("*.sh")), REPO / "Makefile"]:
+        for section, key, value in pattern.findall(path.read_text()):
+            found.append(f"{section}.{key}")
+            assert key in {f.name for f in dataclasses.fields(getattr(Config(), section))}, (
+                f"{path.name}: {section}.{key}"
+            )
+            if "$" not in value and value:
+                load_config("multi30k", [f"{section}.{key}={value.strip(chr(34))}"])
+    assert "optim.schedule" in found and "train.max_minutes" in found
+
+
 def test_presets_are_the_shipped_files() -> None:
     shipped = presets()
     assert set(shipped) == {f.stem for f in (REPO / "configs").glob("*.yaml")}

@@ -352,6 +352,16 @@ def test_the_last_updates_are_logged_and_the_last_record_says_why_the_run_stoppe
     from transformer_mt import plot
 
     assert plot.read_curves(tmp_path / "p")["loss"][-1][0] == 6
+    # And a signal: SIGTERM after update 6, a record every 4, so updates 5 and 6 are partial.
+    signalled = run_tmt(
+        cli_args(with_train(train_cfg, log_every=4, valid_every=0), tmp_path / "s"),
+        fault="step@6:sigterm",
+    )
+    assert signalled.returncode == 143, signalled.stderr
+    rows = records(tmp_path / "s")
+    logged = [(r["step"], r.get("partial"), r.get("updates")) for r in rows if "loss" in r]
+    assert logged == [(4, None, None), (6, True, 2)]
+    assert rows[-1] == {"step": 6, "epoch": rows[-2]["epoch"], "stop": "sigterm"}
 
 
 def both_options(cfg: Config) -> Config:
