@@ -8,8 +8,8 @@
 #   PAIR=en-de STEPS=2100 VARIANTS=budget bash scripts/budget_matrix.sh
 #   LENPENS="0.6 1.0" VARIANTS=budget_dropout1 bash scripts/budget_matrix.sh
 # Results: runs/budget/<pair>_<variant>_<steps>/: train.json; valid_last{1,3,8}.json (α 0.6);
-# valid_last<n>_lp<α>.json; test.json (α 0.6) or test_lp<α>.json; chosen_last, chosen_lenpen;
-# a table on stdout.
+# valid_last<n>_lp<α>.json; the choices, chosen_last and chosen_lenpen; test.json (α 0.6) or
+# test_lp<α>.json; a table on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TMT=${TMT:-.venv/bin/tmt}
@@ -77,12 +77,12 @@ print(max(scores, key=lambda n: (scores[n], -n)))' "$run")
 run, n, lps = sys.argv[1], sys.argv[2], sys.argv[3:]
 name = lambda lp: f"{run}/valid_last{n}.json" if lp == "0.6" else f"{run}/valid_last{n}_lp{lp}.json"
 print(max(lps, key=lambda lp: (json.load(open(name(lp)))["bleu"], -lps.index(lp))))' "$run" "$best" $LENPENS)
+    echo "$best" > "$run/chosen_last"
+    echo "$lenpen" > "$run/chosen_lenpen"
     test_json=$run/test.json
     [ "$lenpen" = 0.6 ] || test_json=$run/test_lp$lenpen.json
     if [ "$TEST" = 1 ] && [ ! -f "$test_json" ]; then
       "$TMT" evaluate -m "$run" --last "$best" --lenpen "$lenpen" --split test --json > "$test_json"
-      echo "$best" > "$run/chosen_last"
-      echo "$lenpen" > "$run/chosen_lenpen"
     fi
   done
 done
@@ -90,20 +90,18 @@ printf 'pair\tupdates\tvariant\tvalid BLEU (last 1/3/8, α 0.6)\taveraged\tα\tv
 for steps in $STEPS; do
   for variant in $VARIANTS; do
     run=runs/budget/${PAIR}_${variant}_${steps}
-    # shellcheck disable=SC2086
     python3 -c 'import json, sys
-run, lps, row = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
+run, row = sys.argv[1], sys.argv[2:]
+best, lenpen = (open(f"{run}/chosen_{what}").read().strip() for what in ("last", "lenpen"))
+name = lambda split: f"{run}/{split}.json" if lenpen == "0.6" else f"{run}/{split}_lp{lenpen}.json"
 valid = [json.load(open(f"{run}/valid_last{n}.json"))["bleu"] for n in (1, 3, 8)]
-best = max((1, 3, 8), key=lambda n: (valid[(1, 3, 8).index(n)], -n))
-name = lambda lp, split: (f"{run}/{split}.json" if lp == "0.6" else f"{run}/{split}_lp{lp}.json")
-scores = {lp: json.load(open(name(lp, f"valid_last{best}")))["bleu"] for lp in lps}
-lenpen = max(lps, key=lambda lp: (scores[lp], -lps.index(lp)))
 try:
-    test = json.load(open(name(lenpen, "test")))
+    test = json.load(open(name("test")))
     tested = ["%.2f" % test["bleu"], "%.2f" % test["chrf"]]
 except FileNotFoundError:  # TEST=0
     tested = ["-", "-"]
-print("\t".join([*row, "/".join("%.2f" % v for v in valid), str(best), lenpen,
-                 "%.2f" % scores[lenpen], *tested]))' "$run" "$LENPENS" "$PAIR" "$steps" "$variant"
+print("\t".join([*row, "/".join("%.2f" % v for v in valid), best, lenpen,
+                 "%.2f" % json.load(open(name(f"valid_last{best}")))["bleu"], *tested]))' \
+      "$run" "$PAIR" "$steps" "$variant"
   done
 done
