@@ -44,6 +44,16 @@ settings() {
     *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
 }
+# Every variant is checked before any work: settings' exit inside $(...) would not stop the run.
+for variant in $VARIANTS; do settings "$variant" > /dev/null; done
+# score FILE ARGS...: tmt evaluate ARGS into FILE unless it is there; written whole or not at all,
+# so a kill mid-decode leaves nothing that the next call would trust
+score() {
+  local out=$1; shift
+  [ -f "$out" ] && return
+  "$TMT" evaluate -m "$run" "$@" --json > "$out.tmp"
+  mv "$out.tmp" "$out"
+}
 for steps in $STEPS; do
   for variant in $VARIANTS; do
     run=runs/budget/${PAIR}_${variant}_${steps}
@@ -62,15 +72,13 @@ for steps in $STEPS; do
     # on the validation split (at α 0.6); then α, chosen on it with that average; the test set is
     # decoded once, with both choices.
     for n in 1 3 8; do
-      [ -f "$run/valid_last$n.json" ] || "$TMT" evaluate -m "$run" --last "$n" --split valid \
-        --lenpen 0.6 --json > "$run/valid_last$n.json"
+      score "$run/valid_last$n.json" --last "$n" --split valid --lenpen 0.6
     done
     best=$(python3 -c 'import json, sys
 scores = {n: json.load(open(f"{sys.argv[1]}/valid_last{n}.json"))["bleu"] for n in (1, 3, 8)}
 print(max(scores, key=lambda n: (scores[n], -n)))' "$run")
     for lp in $LENPENS; do
-      [ "$lp" = 0.6 ] || [ -f "$run/valid_last${best}_lp$lp.json" ] || "$TMT" evaluate -m "$run" \
-        --last "$best" --split valid --lenpen "$lp" --json > "$run/valid_last${best}_lp$lp.json"
+      [ "$lp" = 0.6 ] || score "$run/valid_last${best}_lp$lp.json" --last "$best" --split valid --lenpen "$lp"
     done
     # shellcheck disable=SC2086
     lenpen=$(python3 -c 'import json, sys
@@ -81,9 +89,7 @@ print(max(lps, key=lambda lp: (json.load(open(name(lp)))["bleu"], -lps.index(lp)
     echo "$lenpen" > "$run/chosen_lenpen"
     test_json=$run/test.json
     [ "$lenpen" = 0.6 ] || test_json=$run/test_lp$lenpen.json
-    if [ "$TEST" = 1 ] && [ ! -f "$test_json" ]; then
-      "$TMT" evaluate -m "$run" --last "$best" --lenpen "$lenpen" --split test --json > "$test_json"
-    fi
+    [ "$TEST" = 1 ] && score "$test_json" --last "$best" --lenpen "$lenpen" --split test
   done
 done
 printf 'pair\tupdates\tvariant\tvalid BLEU (last 1/3/8, α 0.6)\taveraged\tα\tvalid BLEU\ttest BLEU\ttest chrF\n'
