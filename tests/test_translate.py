@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import reverse_pairs
 
-from transformer_mt import decoding, run, translate
+from transformer_mt import checkpoint, decoding, run, translate
+from transformer_mt.config import Config, apply_overrides
 from transformer_mt.exits import TmtError
 
 SOURCES = [s for s, _ in reverse_pairs(12, seed=7)]
@@ -135,6 +136,31 @@ def test_early_stopping_setting_reaches_the_search(
     assert len(bound) == len(current) == 3
     with pytest.raises(TmtError, match="early_stopping"):
         translator(trained_run, "decode.early_stopping=never")
+
+
+def test_decode_settings_given_to_train_are_what_the_run_decodes_with(
+    tiny_cfg: Config, tmp_path: Path
+) -> None:
+    # make demo trains with --set decode.length_penalty=1.0, then translates and scores the run
+    # without saying it again. Decode settings leave training alone (the same weights), and the
+    # run trained with them decodes as the other run does when it is given them at translation.
+    from transformer_mt.train import train
+
+    decode = ["decode.length_penalty=1.0", "decode.beam_size=3"]
+    plain = apply_overrides(tiny_cfg, [f"train.out_dir={tmp_path / 'plain'}", "train.max_steps=4"])
+    train(plain)
+    train(apply_overrides(plain, [f"train.out_dir={tmp_path / 'set'}", *decode]))
+    a, b = (run.checkpoint_dir(tmp_path / name, 4) for name in ("plain", "set"))
+    weights_a, weights_b = (checkpoint.read(c).state_dict for c in (a, b))
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    kept = translate.load_translator(b)
+    assert (kept.config.decode.length_penalty, kept.config.decode.beam_size) == (1.0, 3)
+    given = translate.load_translator(a, decode)
+    assert translate.translate_text(kept, SOURCES) == translate.translate_text(given, SOURCES)
+    assert (
+        translate.load_translator(b, ["decode.length_penalty=0.6"]).config.decode.length_penalty
+        == 0.6
+    )
 
 
 # --- the Python API and the decoding precision -------------------------------------------------
