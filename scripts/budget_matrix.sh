@@ -40,6 +40,13 @@ settings() {
     budget_dropout1) echo "--set optim.schedule=budget --set model.dropout=0.1" ;;
     budget_dropout2) echo "--set optim.schedule=budget --set model.dropout=0.2" ;;
     budget_dropout1_decay3) echo "--set optim.schedule=budget --set model.dropout=0.1 --set optim.decay_fraction=0.3" ;;
+    # en→de at 2,100 updates (docs/benchmarks.md): a larger joint vocabulary (Wu et al. 2021:
+    # 10k), a higher peak, the paper's post-norm, less dropout, dropout on the attention weights
+    budget_vocab10k) echo "--set optim.schedule=budget --set tokenizer.vocab_size=10000" ;;
+    budget_lr3) echo "--set optim.schedule=budget --set optim.lr_scale=3" ;;
+    budget_postnorm) echo "--set optim.schedule=budget --set model.pre_norm=false" ;;
+    budget_dropout05) echo "--set optim.schedule=budget --set model.dropout=0.05" ;;
+    budget_attdrop1) echo "--set optim.schedule=budget --set model.attention_dropout=0.1" ;;
     w9) echo "--set optim.schedule=budget --set optim.warmup_fraction=0.9 --set optim.decay_fraction=0.1" ;;
     *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
