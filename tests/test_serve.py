@@ -165,6 +165,7 @@ def test_the_libretranslate_api_answers_its_clients(
     # beam 2's: the answer is tmt translate's 3-best list at beam 3, best first
     wider = translate.load_translator(multi30k_run, ["decode.beam_size=3", "decode.nbest=3"])
     (three_best,) = translate_lines(wider, SOURCES[:1])
+    assert len(three_best) == 3 and len(options["alternatives"]) == 2
     assert [options["translatedText"], *options["alternatives"]] == translate.detokenize(
         wider, [h.tokens for h in three_best]
     )
