@@ -168,3 +168,25 @@ def multi30k_sentences(n: int, split: str = "test_2016_flickr") -> list[str]:
     path = REPO / "transformer_mt" / "multi30k" / f"{split}.de.gz"
     with gzip.open(path, "rt", encoding="utf-8") as lines:
         return [next(lines).rstrip("\n") for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def marian_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two MarianMTModel directories written by transformers (tests/marian_models.py): "multi"
+    (en -> de/fr, language tokens, </s> at 37, swish, safetensors; trained about 15 s) and
+    "separate" (the same network, separate vocabularies, relu, pytorch_model.bin)."""
+    import marian_models
+
+    root = tmp_path_factory.mktemp("marian")
+    multi = marian_models.train_multi(root / "multi")
+    return {"multi": multi, "separate": marian_models.derive_separate(multi, root / "separate")}
+
+
+@pytest.fixture(scope="session")
+def imported(marian_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The two MarianMTModel directories imported into tmt model directories."""
+    from transformer_mt import pretrained
+
+    root = tmp_path_factory.mktemp("imported")
+    return {kind: Path(pretrained.import_model(path, root / kind)["output"])
+            for kind, path in marian_dirs.items()}  # fmt: skip

@@ -186,6 +186,7 @@ MAY_BE_EMPTY = {
     "data.tgt_field",
     "data.cache_dir",
     "train.init_from",
+    "decode.target_lang",
     "corpus.path",
     "corpus.hf_config",
     "corpus.src_field",

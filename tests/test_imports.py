@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "components",
         {
             "corpus",
+            "marian_tokenizer",
             "tokenizer",
             "data",
             "model",
@@ -51,6 +52,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "bulk",
             "export",
             "huggingface",
+            "pretrained",
             "recipes",
             "plot",
             "dry_run",
@@ -71,6 +73,7 @@ LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for modul
 # Imports within one layer, each with its reason; nothing else crosses sideways.
 SIDEWAYS: dict[tuple[str, str], str] = {
     ("tokenizer", "corpus"): "the joint vocabulary is trained on the training corpora",
+    ("tokenizer", "marian_tokenizer"): "a model's tokenizer is tmt's joint one or Marian's pair",
     ("data", "corpus"): "batches are made of the corpora's pairs",
     ("data", "tokenizer"): "... encoded with the joint vocabulary",
     ("metrics", "distributed"): "the metrics log all-reduces its sums over ranks",
@@ -82,6 +85,7 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("export", "translate"): "an export is checked against tmt's own decoding",
     ("export", "huggingface"): "the Hugging Face export is huggingface.py's conversion",
     ("huggingface", "translate"): "converts a loaded Translator's model and tokenizer",
+    ("pretrained", "huggingface"): "an import reads transformers' names through the export's map",
     ("export", "recipes"): "an export's README, whose code is its parity check",
     ("recipes", "translate"): "the README's values are a loaded Translator's",
     ("service", "batching"): "requests are translated through the one batching worker",

@@ -277,3 +277,98 @@ def test_dropout_keeps_each_element_with_probability_one_minus_p() -> None:
     assert torch.equal(x.grad != 0, out != 0)
     assert torch.equal(layer.eval()(x), x)
     assert torch.equal(Dropout(0.0).train()(x), x)
+
+
+# --- departures that converted models carry (model.activation, output_bias, share_embeddings) ---
+
+
+MARIAN_LIKE = dataclasses.replace(
+    TINY, activation="swish", output_bias=True, decoder_start="pad", share_embeddings=False
+)
+
+
+@pytest.mark.parametrize(
+    ("activation", "formula"),
+    [
+        ("relu", lambda h: h.clamp(min=0)),
+        ("swish", lambda h: h * torch.sigmoid(h)),
+        ("gelu", lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))),
+    ],
+)
+def test_the_feed_forward_activation_is_the_configured_one(activation: str, formula) -> None:
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(TINY, activation=activation)
+    ffn = Transformer(cfg, V, PAD).encoder_layers[0].ffn
+    x = torch.randn(3, 4, 32)
+    expected = ffn.linear2(formula(ffn.linear1(x)))
+    torch.testing.assert_close(ffn(x), expected, rtol=0, atol=1e-6)
+
+
+def test_the_output_bias_is_added_to_every_logit_and_trained() -> None:
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(TINY, output_bias=True), V, PAD).eval()
+    assert torch.equal(model.output_projection.bias, torch.zeros(V))  # starts at zero
+    src, tgt = tokens(2, 5), tokens(2, 4, seed=2)
+    without = model(src, tgt)
+    with torch.no_grad():
+        model.output_projection.bias.copy_(torch.arange(V, dtype=torch.float))
+    torch.testing.assert_close(model(src, tgt), without + torch.arange(V), rtol=0, atol=1e-4)
+    assert model.output_projection.bias.requires_grad
+    assert "output_projection.bias" in model.state_dict()
+
+
+def test_separate_source_embedding_and_tied_target() -> None:
+    torch.manual_seed(0)
+    model = Transformer(MARIAN_LIKE, V, PAD, source_vocab_size=37).eval()
+    assert model.source_embedding.weight.shape == (37, 32)
+    assert model.output_projection.weight is model.embedding.weight  # the target's stays tied
+    # The encoder reads the source embedding only: a target-side change leaves the memory alone.
+    src = torch.randint(1, 37, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = make_src_mask(src, PAD)
+    before = model.encode(src, mask)
+    with torch.no_grad():
+        model.embedding.weight.add_(1.0)
+    torch.testing.assert_close(model.encode(src, mask), before, rtol=0, atol=0)
+    with torch.no_grad():
+        model.source_embedding.weight.add_(1.0)
+    assert not torch.allclose(model.encode(src, mask), before)
+
+
+def test_a_default_model_keeps_its_weight_names() -> None:
+    # Models written by an earlier tmt load by these names: the new options add none by default.
+    names = set(tiny_model().state_dict())
+    assert not {n for n in names if n.startswith("source_embedding") or (n.endswith("proj.bias")
+                and n.startswith("output"))}  # fmt: skip
+    assert {"embedding.weight", "output_projection.weight"} <= names
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"output_bias": True},
+        {"share_embeddings": False},
+        {"share_embeddings": False, "output_bias": True, "pre_norm": True},
+    ],
+)
+def test_parameter_count_equals_the_built_model(changes: dict) -> None:
+    from transformer_mt.model import parameter_count
+
+    cfg = dataclasses.replace(TINY, **changes)
+    with torch.device("meta"):
+        built = Transformer(cfg, V, PAD, source_vocab_size=41)
+    assert parameter_count(cfg, V, 41) == count_parameters(built)
+
+
+def test_cached_decoding_equals_full_forward_with_every_departure() -> None:
+    torch.manual_seed(0)
+    model = Transformer(MARIAN_LIKE, V, PAD, source_vocab_size=37).eval()
+    with torch.no_grad():
+        model.output_projection.bias.normal_()
+    src = torch.randint(1, 37, (2, 6), generator=torch.Generator().manual_seed(3))
+    tgt = tokens(2, 5, seed=4)
+    mask = make_src_mask(src, PAD)
+    full = model.decode(tgt, model.encode(src, mask), mask)
+    cache = model.start_cache(model.encode(src, mask))
+    steps = [model.decode(tgt[:, t : t + 1], None, mask, cache) for t in range(5)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)

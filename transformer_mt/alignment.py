@@ -78,13 +78,13 @@ def align(
     rows = [r for r, (x, y) in enumerate(zip(sources, outputs, strict=True)) if x and y]
     if not rows:
         return found
-    pad = tokenizer.pad_id
+    pad, start = tokenizer.pad_id, tokenizer.start_id(model.cfg.decoder_start)
     src = torch.full((len(rows), max(len(sources[r]) for r in rows) + 1), pad, dtype=torch.long)
     tgt = torch.full((len(rows), max(len(outputs[r]) for r in rows)), pad, dtype=torch.long)
     for b, r in enumerate(rows):
         src[b, : len(sources[r])] = torch.tensor(list(sources[r]))
         src[b, len(sources[r])] = tokenizer.eos_id
-        tgt[b, 0] = tokenizer.bos_id  # position j reads token j - 1 and predicts token j
+        tgt[b, 0] = start  # position j reads token j - 1 and predicts token j
         tgt[b, 1 : len(outputs[r])] = torch.tensor(list(outputs[r][:-1]))
     probs = cross_attention(model, src.to(device), tgt.to(device), pad, check_layer(model, layer))
     for b, r in enumerate(rows):
@@ -94,11 +94,16 @@ def align(
     return found
 
 
-def word_indices(tokenizer: Tokenizer, ids: Sequence[int]) -> list[int]:
-    """The word of each piece: a piece starting with "▁" starts a new word."""
+def word_indices(tokenizer: Tokenizer, ids: Sequence[int], side: str = "target") -> list[int]:
+    """The word of each piece: a piece starting with "▁" starts a new word. A language token
+    (>>xxx<<, put first by decode.target_lang) is no word of the line: -1."""
     words, index = [], -1
     for token in ids:
-        if tokenizer.id_to_piece(token).startswith("▁") or index < 0:
+        piece = tokenizer.id_to_piece(token, side=side)
+        if piece in tokenizer.language_codes:
+            words.append(-1)
+            continue
+        if piece.startswith("▁") or index < 0:
             index += 1
         words.append(index)
     return words
@@ -108,10 +113,10 @@ def to_words(
     tokenizer: Tokenizer, source: Sequence[int], output: Sequence[int], pairs: Pairs
 ) -> Pairs:
     """Subword pairs as word pairs, each once, sorted by target word then source word."""
-    src_words, tgt_words = word_indices(tokenizer, source), word_indices(tokenizer, output)
-    return tuple(
-        sorted({(src_words[i], tgt_words[j]) for i, j in pairs}, key=lambda p: (p[1], p[0]))
-    )
+    src_words = word_indices(tokenizer, source, side="source")
+    tgt_words = word_indices(tokenizer, output)
+    found = {(src_words[i], tgt_words[j]) for i, j in pairs if src_words[i] >= 0}
+    return tuple(sorted(found, key=lambda p: (p[1], p[0])))
 
 
 def pharaoh(pairs: Pairs) -> str:

@@ -50,6 +50,7 @@ from transformer_mt.config import (
 from transformer_mt.exits import TmtError, first_line
 from transformer_mt.model import Transformer, parameter_count
 from transformer_mt.tokenizer import Tokenizer
+from transformer_mt.tokenizer import load as load_tokenizer
 from transformer_mt.train_state import check as check_train_state
 
 FORMAT_VERSION = 1
@@ -226,12 +227,12 @@ def read(
             path=path, step=step, config=cfg, tokenizer=average_with.tokenizer,
             state_dict=weights, sources=sources,
         )  # fmt: skip
-    tokenizer = Tokenizer(spm, origin=f"{path / MODEL_FILE} tokenizer")
+    tokenizer = load_tokenizer(spm, origin=f"{path / MODEL_FILE} tokenizer")
     what, nbytes = _check_size(cfg, tokenizer, weights, path / MODEL_FILE)
     # The random initialisation of the build is overwritten by the weights; it draws from a
     # forked generator, so reading a checkpoint never moves the caller's random streams.
     with torch.random.fork_rng(devices=[]), distributed.allocating(what, nbytes, _CPU):
-        model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
+        model = build_model(cfg, tokenizer)
     load_weights(model, weights, path / MODEL_FILE)
     state = None
     if train_state:
@@ -252,7 +253,7 @@ def _check_size(
     """Before the model is built: refuse weights that hold fewer values than the model their
     config describes (a small file must not make tmt allocate a large model), and a model this
     machine has no room for. What is built, and the bytes it takes."""
-    expected = parameter_count(cfg.model, tokenizer.vocab_size)
+    expected = parameter_count(cfg.model, tokenizer.vocab_size, tokenizer.source_vocab_size)
     storages = {t.untyped_storage().data_ptr(): t for t in weights.values()}  # tied: one storage
     held = sum(t.untyped_storage().nbytes() // t.element_size() for t in storages.values())
     if held < expected:
@@ -419,6 +420,15 @@ def model_differences(
     if a_tokenizer != b_tokenizer:
         differ.append("the tokenizer model")
     return differ
+
+
+def build_model(cfg: Config, tokenizer: Tokenizer) -> Transformer:
+    """The model `cfg` describes over `tokenizer`'s vocabularies (randomly initialised), once the
+    tokenizer can start its decoder as model.decoder_start says."""
+    tokenizer.start_id(cfg.model.decoder_start)  # a Marian tokenizer has no <s>: refused here
+    return Transformer(
+        cfg.model, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.source_vocab_size
+    )
 
 
 def load_weights(model: Transformer, state_dict: dict[str, torch.Tensor], origin: Path) -> None:

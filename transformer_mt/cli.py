@@ -37,7 +37,9 @@ from transformer_mt.flags import (
     Device,
     Engine,
     Ensemble,
+    HfModel,
     Hyps,
+    Languages,
     Last,
     Lenpen,
     MaxTokens,
@@ -53,6 +55,7 @@ from transformer_mt.flags import (
     Prefix,
     Sampling,
     Seed,
+    TargetLang,
     Temperature,
     Weights,
     flag_overrides,
@@ -232,6 +235,7 @@ def translate(
     seed: Seed = None,
     prefix: Prefix = None,
     alignment: Alignment = None,
+    target_lang: TargetLang = None,
     last: Last = 0,
     best: Best = 0,
     by: By = None,
@@ -249,7 +253,7 @@ def translate(
     overrides = flag_overrides(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
         precision=precision, engine=engine, sampling=sampling, temperature=temperature,
-        seed=seed, alignment=alignment,
+        seed=seed, alignment=alignment, target_lang=target_lang,
     )  # fmt: skip
     last = _renamed(last, old_last, "--last", "--average-last")
     translator = _load(_models(model, old_model), weights, overrides, last, best, by)
@@ -288,6 +292,7 @@ def evaluate(
     device: Device = None,
     precision: Precision = None,
     engine: Engine = None,
+    target_lang: TargetLang = None,
     last: Last = 0,
     best: Best = 0,
     by: By = None,
@@ -301,7 +306,7 @@ def evaluate(
     from transformer_mt import evaluate as lib
     from transformer_mt import textio
 
-    if hyp and len(hyp) > 1:
+    if hyp and len(hyp) > 1:  # several systems: compared by sacreBLEU's paired tests
         if model or input_:
             raise TmtError("several --hyp are compared as they are: no --model or --input")
         _compare(hyp, ref, split, set_ or [], as_json)
@@ -309,7 +314,7 @@ def evaluate(
 
     overrides = flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
-        engine=engine,
+        engine=engine, target_lang=target_lang,
     )  # fmt: skip
     lib.check_split(split)  # before a model is loaded
     input_ = _renamed(input_, old_input, "--input", "--src")
@@ -319,13 +324,12 @@ def evaluate(
     if model or old_model:
         translator = _load(_models(model, old_model), weights, overrides, last, best, by)
     report = lib.evaluate(
-        translator,
-        split=split,
+        translator, split=split,
         sources=textio.read_text_file(input_, "input") if input_ else None,
         references=textio.read_text_file(ref, "ref") if ref else None,
         hypotheses=textio.read_text_file(hyp[0], "hyp") if hyp else None,
         cfg=translator.config if translator else load_config("multi30k", set_ or []),
-    )
+    )  # fmt: skip
     _echo(report, as_json, lib.format_report(report))
 
 
@@ -374,6 +378,23 @@ def export(
         overwrite=overwrite, last=last, best=best, by=by,
     )  # fmt: skip
     _echo(report, as_json, lib.format_report(report))
+
+
+@app.command("import")
+@_user_errors
+def import_(
+    output: Output,
+    model: HfModel = None,
+    src_lang: Languages = None,
+    tgt_lang: Languages = None,
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
+) -> None:
+    """Import a Hugging Face MarianMTModel directory (OPUS-MT) as a tmt model (-m HF_DIR)."""
+    from transformer_mt import pretrained
+
+    report = pretrained.import_model(_model(model, None), output, src_lang, tgt_lang, overwrite)
+    _echo(report, as_json, pretrained.format_report(report))
 
 
 @app.command()
@@ -448,6 +469,7 @@ def serve(
     device: Device = None,
     precision: Precision = None,
     engine: Engine = None,
+    target_lang: TargetLang = None,
     last: Last = 0,
     best: Best = 0,
     by: By = None,
@@ -464,7 +486,7 @@ def serve(
 
     overrides = flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
-        engine=engine, host=host, port=port,
+        engine=engine, host=host, port=port, target_lang=target_lang,
     )  # fmt: skip
     translator = _load(_models(model, None), weights, overrides, last, best, by)
     lib.serve(translator, overrides, api_key=api_key or "")

@@ -139,6 +139,15 @@ class ModelConfig:
     # Rows of the sinusoidal table (§3.5): the longest sequence, specials included.
     max_positions: Annotated[int, Interval(2)] = 1024
     pre_norm: bool = False  # departure: LayerNorm before each sublayer (+ final norms)
+    # Departures that models of other toolkits carry (tmt import: OPUS-MT's Marian models).
+    # §3.3 max(0, ·); "swish" x·σ(x) (Marian's default, HF's silu), "gelu" (erf, as HF's gelu).
+    activation: Literal["relu", "swish", "gelu"] = "relu"
+    output_bias: bool = False  # a bias on the pre-softmax projection (Marian's final_logits_bias)
+    # The decoder's first input: <s> (tmt's), or <pad> (Marian's: its vocabularies have no <s>).
+    decoder_start: Literal["bos", "pad"] = "bos"
+    # §3.4 one matrix for the source and target embeddings and the pre-softmax projection; false:
+    # the source has its own (separate source and target vocabularies), the target's stays tied.
+    share_embeddings: bool = True
 
 
 @dataclass(frozen=True)
@@ -325,6 +334,9 @@ class DecodeConfig:
     # cross-attention of decoder layer `alignment_layer` (-2, the penultimate: Garg et al. 2019),
     # heads averaged, each target token to the source token it attends to most (alignment.py).
     alignment: Literal["none", "subword", "word"] = "none"
+    # A multi-target model's target language (Marian's OPUS-MT models): its token >>xxx<< is put
+    # first in every source line (and in training data that has no tag of its own); "" = none.
+    target_lang: str = ""
     alignment_layer: Annotated[int, Interval(-128, 127)] = -2  # within the decoder: at load
     # tmt translate -i FILE -o FILE: lines per committed chunk (the unit of resuming and of
     # sharing the work among processes).

@@ -96,6 +96,9 @@ def _prepare(cfg: Config, tokenizer: Tokenizer | None, cache: Path) -> PreparedD
 
         if tokenizer is None:
             tokenizer = load_or_train_tokenizer(cfg.tokenizer, corpora, load, cache)
+        tokenizer.start_id(cfg.model.decoder_start)  # a Marian tokenizer has no <s>: one line
+        corpora, valid = _language_tags(cfg, tokenizer, corpora, valid)
+        splits = {split.key: split for split in [*corpora, valid]}
         _check_tags(tokenizer, corpora)
         encoded, counts = {}, {}
         for key, split in splits.items():
@@ -129,6 +132,25 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transformer_mt"
 
 
+def _language_tags(
+    cfg: Config,
+    tokenizer: Tokenizer,
+    corpora: Sequence[corpus.RawSplit],
+    valid: corpus.RawSplit,
+) -> tuple[list[corpus.RawSplit], corpus.RawSplit]:
+    """decode.target_lang xxx: a multi-target model reads >>xxx<< first, so its training and
+    validation sources start with it too, where a corpus has no tag of its own."""
+    lang = cfg.decode.target_lang
+    if not lang:
+        return list(corpora), valid
+    if f">>{lang}<<" not in tokenizer.language_codes:
+        known = ", ".join(code[2:-2] for code in tokenizer.language_codes[:20]) or "none"
+        raise TmtError(f"decode.target_lang={lang}: the model has no >>{lang}<< token (its"
+                       f" target languages: {known})")  # fmt: skip
+    tagged = [s if s.tag else dataclasses.replace(s, tag=f">>{lang}<<") for s in corpora]
+    return tagged, dataclasses.replace(valid, tag=f">>{lang}<<")
+
+
 def _check_tags(tokenizer: Tokenizer, corpora: Sequence[corpus.RawSplit]) -> None:
     """A tag must be one piece of the vocabulary, or the model would not see it as one token."""
     for split in corpora:
@@ -158,7 +180,7 @@ class _Encoder:
             src_ids = [self.tag_ids + ids if ids else ids for ids in src_ids]
         return {
             "src_ids": src_ids,
-            "tgt_ids": self.tokenizer.encode(tgt),
+            "tgt_ids": self.tokenizer.encode(tgt, side="target"),
             "invalid": invalid,
         }
 
@@ -409,15 +431,19 @@ class EncodedSplit:
         tokenizer: Tokenizer,
         sampling: SubwordSampling | None = None,
         epoch: int = 0,
+        start: str = "bos",
     ) -> Batch:
+        """The pairs at `positions` as a batch; `start`: model.decoder_start, the decoder's first
+        input (<s>, or <pad> for Marian's models)."""
         src, tgt = self.ids(positions)
         if sampling is not None:  # data.subword_alpha: this epoch's segmentation of each pair
             src = sampling.resegment(src, positions, tokenizer, epoch, side=0)
             if sampling.both_sides:
                 tgt = sampling.resegment(tgt, positions, tokenizer, epoch, side=1)
         return collate(
-            src, tgt, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id
-        )
+            src, tgt, pad_id=tokenizer.pad_id, bos_id=tokenizer.start_id(start),
+            eos_id=tokenizer.eos_id,
+        )  # fmt: skip
 
     def sampler(
         self, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1, shuffle: bool = True

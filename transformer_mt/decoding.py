@@ -90,10 +90,16 @@ class _DecodeState:
 
 def source_ids(translator: Decodable, lines: Sequence[str], what: str = "line") -> list[list[int]]:
     """The subword ids of each line as the model reads it: lone surrogates (possible in Python
-    strings, never in UTF-8, fatal to sentencepiece) replaced, and cut to the model's positions
-    (source tokens + EOS, or a target prefix + EOS, must fit them) with a warning."""
+    strings, never in UTF-8, fatal to sentencepiece) replaced, a multi-target model's language
+    token first (decode.target_lang), and cut to the model's positions (source tokens + EOS, or a
+    target prefix + EOS, must fit them) with a warning. A prefix (`what`) is target text."""
     limit = _max_positions(translator) - 1
-    ids = translator.tokenizer.encode([_SURROGATES.sub("\ufffd", line) for line in lines])
+    side = "target" if what == "prefix" else "source"
+    texts = [_SURROGATES.sub("\ufffd", line) for line in lines]
+    ids = translator.tokenizer.encode(texts, side=side)
+    code = language_token(translator) if side == "source" else None
+    if code is not None:  # an empty line stays empty: it is not translated
+        ids = [[code, *seq] if seq else seq for seq in ids]
     for i, seq in enumerate(ids):
         if len(seq) > limit:
             logger.warning(
@@ -102,6 +108,23 @@ def source_ids(translator: Decodable, lines: Sequence[str], what: str = "line") 
             )  # fmt: skip
             ids[i] = seq[:limit]
     return ids
+
+
+def language_token(translator: Decodable) -> int | None:
+    """The id of >>xxx<< for decode.target_lang xxx (None when unset), refused in one line when
+    the model has no such token: only multi-target Marian models read one."""
+    lang, tok = translator.config.decode.target_lang, translator.tokenizer
+    if not lang:
+        return None
+    code = f">>{lang}<<"
+    if code not in tok.language_codes:
+        known = ", ".join(c[2:-2] for c in tok.language_codes[:20])
+        raise TmtError(
+            f"decode.target_lang={lang}: the model has no {code} token"
+            + (f" (its target languages: {known})" if known else
+               " (it translates into one language: leave decode.target_lang empty)")
+        )  # fmt: skip
+    return tok.piece_to_id(code, side="source")
 
 
 def _max_positions(translator: Decodable) -> int:
@@ -224,7 +247,8 @@ def _translate_batch(
         src[row, : len(seq)] = torch.tensor(seq)
         src[row, len(seq)] = tok.eos_id
     step, state = _step_function(translator, src.to(translator.device))
-    common = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "banned": (tok.pad_id, tok.bos_id),
+    start = tok.start_id(translator.config.model.decoder_start)
+    common = {"bos_id": start, "eos_id": tok.eos_id, "banned": tok.never_output,
               "alpha": decode.length_penalty, "form": decode.length_penalty_form,
               "device": translator.device, "prefixes": prefixes}  # fmt: skip
     limits = output_limits(translator, sources, prefixes)

@@ -22,11 +22,11 @@ from transformer_mt.data import PreparedData, TokenBucketSampler, padding_effici
 from transformer_mt.model import parameter_count
 
 
-def training_bytes(cfg: Config, vocab_size: int) -> int:
+def training_bytes(cfg: Config, vocab_size: int, source_vocab_size: int | None = None) -> int:
     """What training keeps in memory besides its batches: the weights, their gradients and Adam's
     two moments (four fp32 copies, whatever train.precision), and the sinusoid table."""
     positions = cfg.model.max_positions * cfg.model.d_model
-    return 4 * (4 * parameter_count(cfg.model, vocab_size) + positions)
+    return 4 * (4 * parameter_count(cfg.model, vocab_size, source_vocab_size) + positions)
 
 
 def check_before_training(cfg: Config, device: torch.device, vocab_size: int = 0) -> None:
@@ -49,13 +49,13 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     sampler = data.train.sampler(cfg.data.max_tokens, cfg.train.seed)
     batches = sampler.epoch_batches(0)
     efficiency = padding_efficiency(batches, sampler.src_lengths, sampler.tgt_lengths)
-    vocab = data.tokenizer.vocab_size
+    vocab = data.tokenizer.vocab_size, data.tokenizer.source_vocab_size
     summary = {
         "pairs": len(data.train),
         "valid_pairs": len(data.valid),
-        "vocab_size": vocab,
-        "parameters": parameter_count(cfg.model, vocab),
-        "training_bytes": training_bytes(cfg, vocab),
+        "vocab_size": vocab[0],
+        "parameters": parameter_count(cfg.model, *vocab),
+        "training_bytes": training_bytes(cfg, *vocab),
         "device": str(device),
         "free_bytes": distributed.free_memory(device),
         "batches": len(batches),

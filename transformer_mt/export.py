@@ -242,7 +242,7 @@ def _huggingface(
 
     hf_model, architecture = huggingface.model(translator)
     hf_model.save_pretrained(str(staging))
-    huggingface.tokenizer(translator).save_pretrained(str(staging))
+    huggingface.save_tokenizer(translator, staging)
     # The parity check reads the directory back exactly as a user would.
     loaded = AutoModelForSeq2SeqLM.from_pretrained(str(staging)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(staging))

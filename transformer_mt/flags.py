@@ -124,6 +124,20 @@ Alignment = Annotated[
         "--alignment", help="subword or word: i-j pairs after each output (decode.alignment)."
     ),
 ]
+TargetLang = Annotated[
+    str | None,
+    typer.Option(
+        "--target-lang",
+        help="A multi-target model's target language xxx: >>xxx<< first (decode.target_lang).",
+    ),
+]
+HfModel = Annotated[
+    Path | None,
+    typer.Option("--model", "-m", help="A Hugging Face MarianMTModel directory (OPUS-MT)."),
+]
+Languages = Annotated[
+    str | None, typer.Option(help="The model's language, if its tokenizer_config.json lacks it.")
+]
 # Each flag is one override of decode.NAME (serve.NAME for host and port) unless named here.
 _KEYS = {"beam": "decode.beam_size", "lenpen": "decode.length_penalty"}
 

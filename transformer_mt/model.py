@@ -151,16 +151,23 @@ class MultiHeadAttention(nn.Module):
         )  # (B, H, T, K)
 
 
-class FeedForward(nn.Module):
-    """§3.3: FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied at each position."""
+# model.activation: the paper's max(0, ·) (§3.3), or what a converted model was trained with:
+# swish x·σ(x) (Marian's default; HF's "swish"/"silu"), gelu with the exact erf (HF's "gelu").
+ACTIVATIONS = {"relu": F.relu, "swish": F.silu, "gelu": F.gelu}
 
-    def __init__(self, d_model: int, d_ff: int) -> None:
+
+class FeedForward(nn.Module):
+    """§3.3: FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied at each position (max(0, ·) is
+    model.activation)."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "relu") -> None:
         super().__init__()
         self.linear1 = nn.Linear(d_model, d_ff)
         self.linear2 = nn.Linear(d_ff, d_model)
+        self.activation = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear2(F.relu(self.linear1(x)))
+        return self.linear2(self.activation(self.linear1(x)))
 
 
 # --- layers ------------------------------------------------------------------------------------
@@ -190,7 +197,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation)
         self.attn_sub = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.ffn_sub = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
@@ -276,7 +283,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation)
         self.self_sub = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.cross_sub = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.ffn_sub = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
@@ -314,20 +321,32 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder Transformer over a joint vocabulary with 3-way tied embeddings (§3.4)."""
+    """Encoder-decoder Transformer over a joint vocabulary with 3-way tied embeddings (§3.4).
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int) -> None:
+    With model.share_embeddings false the source has its own embedding over its own vocabulary
+    (source_vocab_size); the target embedding and the pre-softmax projection stay one matrix."""
+
+    def __init__(
+        self, cfg: ModelConfig, vocab_size: int, pad_id: int, source_vocab_size: int | None = None
+    ) -> None:
         super().__init__()
         self.cfg, self.vocab_size, self.pad_id = cfg, vocab_size, pad_id
         self.embedding = Embedding(
             vocab_size, d_model=cfg.d_model, max_positions=cfg.max_positions, dropout=cfg.dropout
         )
+        # A module only when not shared, so that a shared model's weights keep their names.
+        self.source_embedding = None
+        if not cfg.share_embeddings:
+            self.source_embedding = Embedding(
+                source_vocab_size or vocab_size, cfg.d_model, cfg.max_positions, cfg.dropout
+            )
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
         # Pre-norm leaves each stack's output unnormalised: a final LayerNorm closes it.
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
-        self.output_projection = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        # model.output_bias: a bias per output token (Marian's, trained with the model).
+        self.output_projection = nn.Linear(cfg.d_model, vocab_size, bias=cfg.output_bias)
         # §3.4: "we share the same weight matrix between the two embedding layers and the
         # pre-softmax linear transformation".
         self.output_projection.weight = self.embedding.weight
@@ -353,13 +372,14 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(module.linear2.weight)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-        nn.init.normal_(
-            self.embedding.weight, std=self.cfg.d_model**-0.5
-        )  # tied: the projection too
+        for embedding in (self.embedding, self.source_embedding):  # tied: the projection too
+            if embedding is not None:
+                nn.init.normal_(embedding.weight, std=self.cfg.d_model**-0.5)
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
         """(B, S) ids -> memory (B, S, D)."""
-        x = self.embedding(src)
+        embedding = self.embedding if self.source_embedding is None else self.source_embedding
+        x = embedding(src)
         for layer in self.encoder_layers:
             x = layer(x, src_mask)
         return self.encoder_norm(x)
@@ -401,9 +421,10 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def parameter_count(cfg: ModelConfig, vocab_size: int) -> int:
-    """count_parameters of Transformer(cfg, vocab_size, ...) without building it: the size a
-    config asks for, known before any memory is allocated (a shared tensor counted once)."""
+def parameter_count(cfg: ModelConfig, vocab_size: int, source_vocab_size: int | None = None) -> int:
+    """count_parameters of Transformer(cfg, vocab_size, ..., source_vocab_size) without building
+    it: the size a config asks for, known before any memory is allocated (a shared tensor counted
+    once)."""
     d, d_ff = cfg.d_model, cfg.d_ff
     attention = 4 * d * d + 4 * d  # W^Q, W^K, W^V (in_proj) and W^O, with biases
     ffn = 2 * d * d_ff + d_ff + d
@@ -412,6 +433,10 @@ def parameter_count(cfg: ModelConfig, vocab_size: int) -> int:
     decoder_layer = 2 * attention + ffn + 3 * norm
     final_norms = 2 * norm if cfg.pre_norm else 0
     embedding = vocab_size * d  # §3.4: also the decoder's embedding and the output projection
+    if not cfg.share_embeddings:
+        embedding += (source_vocab_size or vocab_size) * d
+    if cfg.output_bias:
+        embedding += vocab_size
     return (
         embedding
         + cfg.n_encoder_layers * encoder_layer

@@ -27,6 +27,7 @@ import sentencepiece as spm
 from transformer_mt import files
 from transformer_mt.config import TokenizerConfig
 from transformer_mt.exits import TmtError
+from transformer_mt.marian_tokenizer import MarianTokenizer, is_marian
 
 if TYPE_CHECKING:
     from transformer_mt.corpus import RawSplit
@@ -40,13 +41,30 @@ logger = logging.getLogger(__name__)
 _POOLED = 256
 
 
+def load(model_bytes: bytes, origin: str = "tokenizer") -> Tokenizer | MarianTokenizer:
+    """A model's tokenizer from its bytes: tmt's joint sentencepiece model, or the two models and
+    vocabulary of an imported Marian model (marian_tokenizer.py), which say what they are."""
+    if is_marian(model_bytes):
+        return MarianTokenizer(model_bytes, origin)
+    return Tokenizer(model_bytes, origin)
+
+
 class Tokenizer:
-    """A sentencepiece model: batch encode/decode and the special ids."""
+    """A sentencepiece model: batch encode/decode and the special ids.
+
+    Both sides share it (§5.1), so `side` arguments ("source", "target") change nothing here;
+    they are there for the Marian tokenizer, whose sides differ."""
+
+    kind = "sentencepiece"
+    language_codes: tuple[str, ...] = ()
 
     def __init__(self, model_bytes: bytes, origin: str = "tokenizer") -> None:
         self.model_bytes = bytes(model_bytes)
+        if is_marian(self.model_bytes):
+            raise TmtError(f"{origin}: a Marian tokenizer, not one sentencepiece model")
         self._sp = _load_processor(self.model_bytes, origin)
         self.vocab_size: int = self._sp.get_piece_size()
+        self.source_vocab_size = self.vocab_size
         self.pad_id: int = self._sp.pad_id()
         self.unk_id: int = self._sp.unk_id()
         self.bos_id: int = self._sp.bos_id()
@@ -67,14 +85,29 @@ class Tokenizer:
         except OSError as err:
             raise TmtError(f"{path}: cannot read tokenizer: {err.strerror or err}") from None
 
-    def pieces(self) -> list[str]:
+    def start_id(self, start: str) -> int:
+        """The decoder's first input for model.decoder_start: <s> (bos) or <pad> (pad)."""
+        return self.pad_id if start == "pad" else self.bos_id
+
+    @property
+    def never_output(self) -> tuple[int, ...]:
+        """Ids a search never emits: padding and the start of a sentence."""
+        return (self.pad_id, self.bos_id)
+
+    def pieces(self, side: str = "target") -> list[str]:
         """Every piece, by id."""
         return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
 
-    def id_to_piece(self, token: int) -> str:
+    def id_to_piece(self, token: int, side: str = "target") -> str:
         return self._sp.id_to_piece(token)
 
-    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+    def piece_to_id(self, piece: str, side: str = "target") -> int:
+        return self._sp.piece_to_id(piece)
+
+    def spm_bytes(self, side: str) -> bytes:
+        return self.model_bytes
+
+    def encode(self, texts: Sequence[str], side: str = "source") -> list[list[int]]:
         """Subword ids of each text, without bos/eos."""
         if len(texts) < _POOLED:
             return [self._sp.encode(text) for text in texts]

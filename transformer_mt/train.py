@@ -89,14 +89,14 @@ def _build(
     checkpoint's model (built when it was read) with the saved optimizer, schedule, scaler, RNG
     states and data position."""
     torch.manual_seed(cfg.train.seed)
-    size = dry_run.training_bytes(cfg, tokenizer.vocab_size)
-    what = f"training a model of {parameter_count(cfg.model, tokenizer.vocab_size):,} parameters"
+    vocab = tokenizer.vocab_size, tokenizer.source_vocab_size
+    size = dry_run.training_bytes(cfg, *vocab)
+    what = f"training a model of {parameter_count(cfg.model, *vocab):,} parameters"
     with distributed.allocating(what, size, info.device):
         if saved is not None:  # the same model settings: run.resume refuses others
             model = saved.model.to(info.device)
         else:
-            model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
-            model = model.to(info.device)
+            model = Transformer(cfg.model, vocab[0], tokenizer.pad_id, vocab[1]).to(info.device)
     optimizer, scheduler = build_optimizer(
         model, cfg.model, cfg.optim, fused=info.device.type == "cuda"
     )
@@ -274,10 +274,12 @@ class _Session:
     def _update(self, group: list[np.ndarray]) -> tuple[StepStats, bool]:
         """One update attempt over `group`, then its logging and validation; (stats, new best)."""
         cfg, progress, info = self.cfg, self.progress, self.info
-        micro = [
-            self.data.train.batch(b, self.data.tokenizer, self.sampling, progress.epoch)
-            for b in group
-        ]
+        batch, tokenizer, start = (
+            self.data.train.batch,
+            self.data.tokenizer,
+            cfg.model.decoder_start,
+        )
+        micro = [batch(b, tokenizer, self.sampling, progress.epoch, start) for b in group]
         micro = [batch.to(info.device) for batch in micro]
         # Stop and save requests (signals, rank 0's clock) are agreed on inside the step.
         now = time.monotonic()
@@ -469,7 +471,8 @@ def _valid_batches(data: PreparedData, cfg: Config, info: DistInfo) -> list[Batc
     sampler = data.valid.sampler(
         cfg.data.max_tokens, cfg.train.seed, info.rank, info.world_size, shuffle=False
     )
-    return [data.valid.batch(b, data.tokenizer).to(info.device) for b in sampler.epoch_batches(0)]
+    batches, start = sampler.epoch_batches(0), cfg.model.decoder_start
+    return [data.valid.batch(b, data.tokenizer, start=start).to(info.device) for b in batches]
 
 
 def _announce(cfg: Config, model: Transformer, data: PreparedData, info: DistInfo) -> None:

@@ -1,0 +1,316 @@
+"""tmt import: MarianMTModel directories written by transformers (tests/marian_models.py) become
+tmt models that compute what transformers computes: the tokenizer's ids, the logits, greedy and
+beam outputs token for token, batched and one at a time; the import is deterministic and atomic;
+what is not a Marian model tmt can hold is refused in one line, with nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from marian_models import multi30k
+from typer.testing import CliRunner
+
+from transformer_mt import checkpoint, decoding, pretrained, translate
+from transformer_mt.cli import app
+from transformer_mt.exits import TmtError
+from transformer_mt.model import make_src_mask
+
+transformers = pytest.importorskip("transformers")
+runner = CliRunner()
+# English sources, each with the target language the multi-target models expect first.
+ENGLISH = multi30k("en", "val", 48)
+LINES = [(">>fra<< " if i % 2 else ">>deu<< ") + line for i, line in enumerate(ENGLISH)]
+
+
+def hf_tokenizer(path: Path):
+    return transformers.MarianTokenizer.from_pretrained(str(path))
+
+
+def generate(path: Path, lines: list[str], beam: int) -> list[list[int]]:
+    """MarianMTModel.generate's outputs (no start token, no </s>, no padding), the directory's
+    generation config otherwise, in batches of 16."""
+    tokenizer, model = hf_tokenizer(path), transformers.MarianMTModel.from_pretrained(str(path))
+    outputs = []
+    for i in range(0, len(lines), 16):
+        batch = tokenizer(lines[i : i + 16], return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            rows = model.eval().generate(**batch, num_beams=beam).tolist()
+        for row in rows:
+            row = row[1:]
+            outputs.append(row[: row.index(tokenizer.eos_token_id)]
+                           if tokenizer.eos_token_id in row else row)  # fmt: skip
+    return outputs
+
+
+def tmt_outputs(model: Path, lines: list[str], beam: int, one_by_one: bool = False) -> list:
+    translator = translate.load_translator(model, [f"decode.beam_size={beam}"])
+    if one_by_one:
+        return [decoding.translate_lines(translator, [line])[0][0].tokens for line in lines]
+    return [hyps[0].tokens for hyps in decoding.translate_lines(translator, lines)]
+
+
+# --- the tokenizer -----------------------------------------------------------------------------
+
+TRICKY = [
+    "A dog runs.", ">>fra<< A dog runs.", ">>fra<<A dog", ">>deu<<", ">>xyz<< unknown code",
+    ">> not a code", "a >>fra<< inside", "ends with </s> typed", "<unk> and <pad> typed",
+    "  spaces   inside  ", "Ünïcödé ẞ and emoji 🙂", ">>deu<< >>fra<< two codes", "x</s>y",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["multi", "separate"])
+def test_the_tokenizer_gives_marian_tokenizers_ids(
+    marian_dirs: dict[str, Path], imported: dict[str, Path], kind: str
+) -> None:
+    theirs = hf_tokenizer(marian_dirs[kind])
+    ours = checkpoint.read(imported[kind]).tokenizer
+    assert ours.encode(TRICKY) == [theirs(t)["input_ids"][:-1] for t in TRICKY]
+    targets = multi30k("de", "val", 20) + multi30k("fr", "val", 20) + TRICKY
+    expected = [theirs(text_target=t)["input_ids"][:-1] for t in targets]
+    assert ours.encode(targets, side="target") == expected
+    # Special ids read from the files, not assumed: </s> is 37 here, <pad> the last id.
+    vocab = json.loads((marian_dirs[kind] / "vocab.json").read_text())
+    assert (ours.eos_id, ours.pad_id, ours.unk_id) == (37, len(vocab) - 1, vocab["<unk>"])
+    assert ours.language_codes == (">>deu<<", ">>fra<<")
+    # Decoding writes what batch_decode(skip_special_tokens=True) writes, with the target model.
+    assert ours.decode(expected) == theirs.batch_decode(
+        [[*ids, ours.eos_id] for ids in expected], skip_special_tokens=True,
+        use_source_tokenizer=False,
+    )  # fmt: skip
+
+
+def test_a_damaged_tokenizer_is_one_line(imported: dict[str, Path]) -> None:
+    from transformer_mt.marian_tokenizer import MarianTokenizer
+
+    data = checkpoint.read(imported["multi"]).tokenizer.model_bytes
+    broken_json = data.replace(b'"<unk>": ', b'"<unk>"; ', 1)  # same length, not JSON
+    for bad in (data[:-10], data[:60], broken_json):
+        with pytest.raises(TmtError, match="damaged Marian tokenizer|vocabulary|sentencepiece"):
+            MarianTokenizer(bad, origin="x")
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["multi", "separate"])
+def test_logits_equal_transformers(
+    marian_dirs: dict[str, Path], imported: dict[str, Path], kind: str
+) -> None:
+    tokenizer = hf_tokenizer(marian_dirs[kind])
+    theirs = transformers.MarianMTModel.from_pretrained(str(marian_dirs[kind])).eval()
+    ours = checkpoint.read(imported[kind]).model.eval()
+    batch = tokenizer(LINES[:8], text_target=multi30k("de", "val", 8), padding=True,
+                      return_tensors="pt")  # fmt: skip
+    labels = batch.pop("labels")
+    pad = tokenizer.pad_token_id
+    start = torch.full((8, 1), pad)
+    decoder_in = torch.cat([start, labels[:, :-1]], dim=1)  # Marian's shift: <pad> first
+    with torch.inference_mode():
+        expected = theirs(**batch, decoder_input_ids=decoder_in).logits
+        found = ours.decode(decoder_in, ours.encode(batch["input_ids"],
+                            make_src_mask(batch["input_ids"], pad)),
+                            make_src_mask(batch["input_ids"], pad))  # fmt: skip
+    real = labels != pad  # positions whose input is a real token (or the start)
+    assert real.sum() > 100
+    torch.testing.assert_close(found[real], expected[real], rtol=0, atol=2e-4)
+    assert theirs.final_logits_bias.abs().max() > 0.5  # the output bias is part of it
+
+
+@pytest.mark.parametrize("kind", ["multi", "separate"])
+@pytest.mark.parametrize("beam", [1, 4])
+def test_outputs_equal_generate_batched_and_one_by_one(
+    marian_dirs: dict[str, Path], imported: dict[str, Path], kind: str, beam: int
+) -> None:
+    expected = generate(marian_dirs[kind], LINES, beam)
+    assert tmt_outputs(imported[kind], LINES, beam) == expected
+    assert tmt_outputs(imported[kind], LINES[:12], beam, one_by_one=True) == expected[:12]
+    # Not vacuous: the outputs depend on the source and its language token.
+    assert len({tuple(o) for o in expected}) >= 15
+    if beam > 1:
+        assert expected != generate(marian_dirs[kind], LINES, 1)
+
+
+def test_the_decoding_settings_are_the_generation_configs(imported: dict[str, Path]) -> None:
+    cfg = checkpoint.read(imported["multi"]).config
+    decode = cfg.decode
+    assert (decode.beam_size, decode.length_penalty, decode.length_penalty_form) == (
+        4,
+        1.0,
+        "power",
+    )
+    assert (decode.early_stopping, decode.max_len_a, decode.max_len_b) == ("current", 0.0, 63)
+    model = cfg.model
+    assert (model.activation, model.output_bias, model.decoder_start) == ("swish", True, "pad")
+    assert not checkpoint.read(imported["separate"]).config.model.share_embeddings
+    report = json.loads((imported["multi"] / pretrained.REPORT_FILE).read_text())
+    assert report["generation"]["num_beams"] == 4 and report["not_reproduced"] == {}
+    # --beam and the other flags override them, as for tmt's own models.
+    translator = translate.load_translator(imported["multi"], [("decode.beam_size=2", "--beam 2")])
+    assert translator.config.decode.beam_size == 2
+
+
+def test_target_lang_puts_the_language_token_first(
+    marian_dirs: dict[str, Path], imported: dict[str, Path]
+) -> None:
+    expected = generate(marian_dirs["multi"], [f">>fra<< {line}" for line in ENGLISH[:10]], 1)
+    translator = translate.load_translator(
+        imported["multi"], ["decode.beam_size=1", "decode.target_lang=fra"]
+    )
+    found = decoding.translate_lines(translator, ENGLISH[:10])
+    assert [hyps[0].tokens for hyps in found] == expected
+    text = hf_tokenizer(marian_dirs["multi"]).batch_decode(expected, skip_special_tokens=True)
+    result = runner.invoke(
+        app, ["translate", "-m", str(imported["multi"]), "--beam", "1", "--target-lang", "fra"],
+        input="\n".join(ENGLISH[:10]) + "\n",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == text
+    refused = runner.invoke(
+        app, ["translate", "-m", str(imported["multi"]), "--target-lang", "ita"], input="Hi.\n"
+    )
+    assert refused.exit_code == 2
+    assert "no >>ita<< token (its target languages: deu, fra)" in refused.stderr.strip()
+
+
+# --- the import itself -------------------------------------------------------------------------
+
+
+def test_the_import_is_deterministic(marian_dirs: dict[str, Path], tmp_path: Path) -> None:
+    first = pretrained.import_model(marian_dirs["separate"], tmp_path / "a")
+    pretrained.import_model(marian_dirs["separate"], tmp_path / "b")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == ["config.yaml", "import.json", "manifest.json", "model.pt"]
+    for name in names:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert (
+        first["files"]["pytorch_model.bin"]
+        == __import__("hashlib")
+        .sha256((marian_dirs["separate"] / "pytorch_model.bin").read_bytes())
+        .hexdigest()
+    )
+
+
+def test_a_killed_import_leaves_nothing(marian_dirs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "imported"
+    command = [sys.executable, "-m", "transformer_mt", "import", "-m", str(marian_dirs["multi"]),
+               "-o", str(out)]  # fmt: skip
+    env = {**__import__("os").environ, "TMT_FAULT": "save0_bytes@20000:kill"}
+    killed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9
+    assert not out.exists()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert not list(tmp_path.glob(".tmp-*")), "the killed import's staging is swept"
+    assert checkpoint.read(out).step == 0
+
+
+def test_an_import_is_replaced_only_with_overwrite(
+    marian_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "imported"
+    assert (
+        runner.invoke(app, ["import", "-m", str(marian_dirs["multi"]), "-o", str(out)]).exit_code
+        == 0
+    )
+    again = runner.invoke(app, ["import", "-m", str(marian_dirs["multi"]), "-o", str(out)])
+    assert again.exit_code == 2 and "add --overwrite" in again.stderr
+    forced = ["import", "-m", str(marian_dirs["multi"]), "-o", str(out), "--overwrite"]
+    assert runner.invoke(app, forced).exit_code == 0
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    refused = runner.invoke(
+        app,
+        ["import", "-m", str(marian_dirs["multi"]), "-o", str(tmp_path / "other"), "--overwrite"],
+    )
+    assert refused.exit_code == 2 and "not an empty directory nor a tmt import" in refused.stderr
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+# --- refusals: one line, exit 2, nothing written -----------------------------------------------
+
+
+def _copy(source: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "hf"
+    shutil.copytree(source, copy)
+    return copy
+
+
+def _edit_config(directory: Path, **changes: object) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def _refusals() -> dict[str, tuple]:
+    def t5(d: Path) -> None:
+        _edit_config(d, model_type="t5", architectures=["T5ForConditionalGeneration"])
+
+    def bart(d: Path) -> None:
+        _edit_config(d, model_type="bart", architectures=["BartForConditionalGeneration"])
+
+    def rnn(d: Path) -> None:  # a Marian-native OPUS-MT tiny model: an SSRU decoder, no config
+        import numpy as np
+
+        for name in ("config.json", "pytorch_model.bin"):
+            (d / name).unlink()
+        spec = b"type: transformer\ntransformer-decoder-autoreg: rnn\ndec-cell: ssru\n"
+        np.savez(d / "opus.spm32k.model1.npz",
+                 **{"special:model.yml": np.frombuffer(spec, dtype=np.int8)})  # fmt: skip
+        (d / "decoder.yml").write_text("models: [opus.spm32k.model1.npz]\n")
+
+    def missing(d: Path) -> None:
+        (d / "target.spm").unlink()
+
+    def no_weights(d: Path) -> None:
+        (d / "pytorch_model.bin").unlink()
+
+    def shapes(d: Path) -> None:
+        _edit_config(d, encoder_ffn_dim=128, decoder_ffn_dim=128)
+
+    def pickle_code(d: Path) -> None:
+        torch.save({"model.shared.weight": _Exploit()}, d / "pytorch_model.bin")
+
+    def pickle_text(d: Path) -> None:
+        torch.save({"model.shared.weight": "not a tensor"}, d / "pytorch_model.bin")
+
+    def ids(d: Path) -> None:
+        _edit_config(d, eos_token_id=0)
+
+    return {
+        "t5": (t5, "model_type 't5' (T5ForConditionalGeneration) is not a MarianMTModel"),
+        "bart": (bart, "model_type 'bart' (BartForConditionalGeneration) is not a MarianMTModel"),
+        "rnn": (rnn, "an RNN (SSRU) decoder"),
+        "missing file": (missing, "target.spm: no such file"),
+        "no weights": (no_weights, "no model.safetensors nor pytorch_model.bin"),
+        "shapes": (shapes, "fc1.weight has shape (192, 48), its config says (128, 48)"),
+        "pickle with code": (pickle_code, "refused: holds more than tensors"),
+        "pickle of text": (pickle_text, "refused: not a mapping of names to tensors"),
+        "special ids": (ids, "eos_token_id=0, but its tokenizer says 37"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_refusals()))
+def test_what_tmt_cannot_hold_is_refused_in_one_line(
+    marian_dirs: dict[str, Path], tmp_path: Path, case: str, capfd: pytest.CaptureFixture
+) -> None:
+    change, message = _refusals()[case]
+    source = _copy(marian_dirs["separate"], tmp_path)
+    change(source)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["import", "-m", str(source), "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tmt: error:") and message in lines[0], lines
+    assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
+    assert "pwned" not in capfd.readouterr().out
