@@ -314,3 +314,151 @@ def test_what_tmt_cannot_hold_is_refused_in_one_line(
     assert len(lines) == 1 and lines[0].startswith("tmt: error:") and message in lines[0], lines
     assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
     assert "pwned" not in capfd.readouterr().out
+
+
+# --- every command takes the imported model ----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["multi", "separate"])
+def test_ctranslate2_engine_and_export_equal_tmt(
+    imported: dict[str, Path], kind: str, tmp_path: Path
+) -> None:
+    from transformer_mt import export, recipes
+
+    expected = tmt_outputs(imported[kind], LINES, 1)
+    model = shutil.copytree(imported[kind], tmp_path / "model")  # the engine's cache goes there
+    engine = translate.load_translator(model, ["decode.beam_size=1", "decode.engine=ctranslate2"])
+    assert [h[0].tokens for h in decoding.translate_lines(engine, LINES)] == expected
+    out = tmp_path / "ct2"
+    report = export.export(model, "ctranslate2", out, check_lines=40)
+    assert report["check_lines"] == 40 and "Multi30k val.en" in report["checked_on"]
+    exported = translate.load_translator(out, ["decode.beam_size=1", "decode.engine=ctranslate2"])
+    texts = translate.translate_text(exported, LINES[:12])
+    assert texts == translate.translate_text(translate.load_translator(model, ["decode.beam_size=1"]),
+                                             LINES[:12])  # fmt: skip
+    # The README's code alone (ctranslate2 + sentencepiece, no tmt) writes the same text.
+    script = tmp_path / "translate.py"
+    script.write_text(recipes.python_block((out / "README.md").read_text()))
+    alone = subprocess.run([sys.executable, str(script), str(out), "1"], input="\n".join(LINES[:12]) + "\n",
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stdout.splitlines() == texts
+
+
+@pytest.mark.parametrize("kind", ["multi", "separate"])
+def test_a_huggingface_export_of_an_import_generates_as_the_original(
+    marian_dirs: dict[str, Path], imported: dict[str, Path], kind: str, tmp_path: Path
+) -> None:
+    from transformer_mt import export
+
+    out = tmp_path / "hf"
+    export.export(imported[kind], "huggingface", out, check_lines=24)
+    assert generate(out, LINES[:24], 4) == generate(marian_dirs[kind], LINES[:24], 4)
+    theirs = transformers.MarianMTModel.from_pretrained(str(marian_dirs[kind])).state_dict()
+    again = transformers.MarianMTModel.from_pretrained(str(out)).state_dict()
+    assert theirs.keys() == again.keys()
+    assert all(torch.equal(theirs[k], again[k]) for k in theirs)  # bit for bit
+    original = json.loads((marian_dirs[kind] / "generation_config.json").read_text())
+    written = json.loads((out / "generation_config.json").read_text())
+    assert {k: written[k] for k in original if k != "transformers_version"} == {
+        k: v for k, v in original.items() if k != "transformers_version"
+    }
+
+
+def test_the_file_job_evaluate_and_an_ensemble_take_the_import(
+    imported: dict[str, Path], tmp_path: Path
+) -> None:
+    model = str(imported["multi"])
+    source = tmp_path / "source.en"
+    source.write_text("\n".join(ENGLISH[:20]) + "\n")
+    out = tmp_path / "out.fr"
+    job = runner.invoke(app, ["translate", "-m", model, "-i", str(source), "-o", str(out),
+                              "--target-lang", "fra"])  # fmt: skip
+    assert job.exit_code == 0, job.output
+    translator = translate.load_translator(imported["multi"], ["decode.target_lang=fra"])
+    assert out.read_text().splitlines() == translate.translate_text(translator, ENGLISH[:20])
+    reference = tmp_path / "ref.fr"
+    reference.write_text("\n".join(multi30k("fr", "val", 20)) + "\n")
+    scored = runner.invoke(app, ["evaluate", "-m", model, "-i", str(source), "--ref", str(reference),
+                                 "--target-lang", "fra", "--json"])  # fmt: skip
+    by_file = runner.invoke(app, ["evaluate", "--hyp", str(out), "--ref", str(reference), "--json"])
+    assert scored.exit_code == 0 and by_file.exit_code == 0, scored.output
+    assert json.loads(scored.stdout)["bleu"] == json.loads(by_file.stdout)["bleu"]
+    pair = translate.load_ensemble([model, model], ["decode.target_lang=fra"])
+    assert translate.translate_text(pair, ENGLISH[:8]) == translate.translate_text(
+        translator, ENGLISH[:8]
+    )
+
+
+def test_serve_translates_into_each_target_language(imported: dict[str, Path]) -> None:
+    from test_serve import Server
+
+    server = Server(imported["multi"])
+    try:
+        languages = server.client.get("/languages").json()
+        assert languages[0] == {"code": "en", "name": "English", "targets": ["deu", "fra"]}
+        for target in ("deu", "fra"):
+            answer = server.client.post("/translate", json={"q": ENGLISH[:3], "source": "en",
+                                                            "target": target}).json()  # fmt: skip
+            translator = translate.load_translator(imported["multi"],
+                                                   [f"decode.target_lang={target}"])  # fmt: skip
+            assert answer["translatedText"] == translate.translate_text(translator, ENGLISH[:3])
+        native = server.client.post(
+            "/v1/translate", json={"text": ENGLISH[0], "target_lang": "fra"}
+        )
+        assert native.json()["translations"][0] == answer["translatedText"][0]
+        refused = server.client.post("/v1/translate", json={"text": "Hi.", "target_lang": "ita"})
+        assert refused.status_code == 422 and "no >>ita<< token" in refused.json()["error"]
+        wrong = server.client.post("/translate", json={"q": "Hi.", "source": "en", "target": "it"})
+        assert wrong.status_code == 400
+    finally:
+        assert server.stop() == 0
+
+
+# --- fine-tuning -------------------------------------------------------------------------------
+
+
+def test_fine_tuning_an_import_uses_its_tokenizer_and_resumes_bit_exactly(
+    imported: dict[str, Path], marian_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    from conftest import write_parallel
+    from test_reliability import same_run
+    from test_train import run_tmt
+
+    pairs = list(zip(multi30k("en", n=300), multi30k("fr", n=300), strict=True))
+    corpus = write_parallel(tmp_path / "data" / "train", pairs, src="en", tgt="fr")
+    valid = write_parallel(tmp_path / "data" / "valid", pairs[:20], src="en", tgt="fr")
+    model = imported["multi"]
+
+    def args(out: Path) -> list[str]:
+        settings = {
+            "data.source": "files", "data.train": corpus, "data.valid": valid,
+            "data.src_lang": "en", "data.tgt_lang": "fr", "decode.target_lang": "fra",
+            "data.max_tokens": 512, "train.max_steps": 8, "train.save_every": 4,
+            "train.valid_every": 4, "train.bleu_every": 0, "train.best_metric": "val_loss",
+            "train.patience": 0, "train.average_last": 0, "train.out_dir": out,
+        }  # fmt: skip
+        sets = [a for key, value in settings.items() for a in ("--set", f"{key}={value}")]
+        return ["train", "-c", str(model / "config.yaml"), "--init-from", str(model), *sets]
+
+    straight = runner.invoke(app, args(tmp_path / "straight"))
+    assert straight.exit_code == 0, straight.output
+    killed = run_tmt(args(tmp_path / "resumed"), fault="step@6:kill")
+    assert killed.returncode == -9
+    resumed = run_tmt(args(tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    same_run(tmp_path / "straight", tmp_path / "resumed")
+    # The imported tokenizer, never a new one: the run keeps it, and the target side was encoded
+    # with target.spm and the vocabulary, the source with >>fra<< first (decode.target_lang).
+    parent = checkpoint.read(model).tokenizer
+    final = checkpoint.read(tmp_path / "straight" / "checkpoints" / "step_00000008")
+    assert final.tokenizer.model_bytes == parent.model_bytes
+    assert (tmp_path / "straight" / "tokenizer.model").read_bytes() == parent.model_bytes
+    from transformer_mt.data import prepare_data
+
+    data = prepare_data(final.config, final.tokenizer)
+    source_ids, target_ids = data.valid.ids(list(range(3)))
+    theirs = hf_tokenizer(marian_dirs["multi"])
+    by_text = {tuple(theirs(text_target=t)["input_ids"][:-1]): t for _, t in pairs[:20]}
+    assert all(tuple(ids) in by_text for ids in target_ids)
+    assert all(ids[0] == parent.piece_to_id(">>fra<<", side="source") for ids in source_ids)

@@ -33,6 +33,7 @@ import torch
 from transformer_mt import files
 from transformer_mt.config import Config, DecodeConfig, apply_overrides, config_from_dict, to_dict
 from transformer_mt.exits import TmtError
+from transformer_mt.marian_tokenizer import MarianTokenizer, pack
 from transformer_mt.model import Transformer
 from transformer_mt.search import Hypothesis
 from transformer_mt.tokenizer import Tokenizer
@@ -40,6 +41,11 @@ from transformer_mt.tokenizer import Tokenizer
 REPORT_FILE = "tmt_export.json"
 SENTENCEPIECE_FILE = "sentencepiece.model"
 MODEL_FILES = ("model.bin", "config.json", "shared_vocabulary.json", SENTENCEPIECE_FILE)
+# An imported Marian model: its vocabularies (one shared, or one a side) and its tokenizer files.
+VOCABULARY_FILES = ("shared_vocabulary.json", "source_vocabulary.json", "target_vocabulary.json")
+MARIAN_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json")
+# CTranslate2's activations for tmt's model.activation (gelu: the exact erf, as tmt's).
+ACTIVATIONS = {"relu": "RELU", "swish": "SWISH", "gelu": "GELU"}
 EXTRA = 'pip install "transformer_mt[export]"'
 logger = logging.getLogger(__name__)
 # decode.precision -> CTranslate2's compute type (what the weights are computed in once loaded)
@@ -75,14 +81,30 @@ def save(
         spec.optimize(quantization=quantization)
     directory.mkdir(parents=True)
     spec.save(str(directory))
-    files.atomic_write(directory / SENTENCEPIECE_FILE, tokenizer.model_bytes)
+    for name, content in tokenizer_files(tokenizer).items():
+        files.atomic_write(directory / name, content)
 
 
-def write_report(directory: Path, report: dict[str, Any], cfg: Config) -> dict[str, Any]:
+def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
+    """What turns text into an export's pieces and back: the sentencepiece model, or an imported
+    Marian model's two and their vocabularies (the export's README reads them)."""
+    if tokenizer.kind == "marian":
+        return dict(tokenizer.files)
+    return {SENTENCEPIECE_FILE: tokenizer.model_bytes}
+
+
+def write_report(
+    directory: Path, report: dict[str, Any], cfg: Config, tokenizer: Tokenizer
+) -> dict[str, Any]:
     """tmt_export.json: `report`, tmt's config (what the engine needs to decode as tmt) and the
     SHA-256 of each model file (what reading it back verifies)."""
-    checksums = {name: files.sha256_file(directory / name) for name in MODEL_FILES}
+    names = ["model.bin", "config.json", *VOCABULARY_FILES, SENTENCEPIECE_FILE, *MARIAN_FILES]
+    checksums = {
+        name: files.sha256_file(directory / name) for name in names if (directory / name).is_file()
+    }
     full = {**report, "sha256": checksums, "config": to_dict(cfg)}
+    if tokenizer.kind == "marian":  # its settings (its files have their checksums above)
+        full["tokenizer_settings"] = tokenizer.settings
     files.atomic_write(directory / REPORT_FILE, json.dumps(full, indent=1).encode())
     return full
 
@@ -93,11 +115,11 @@ def convert(model: Transformer, tokenizer: Tokenizer, cfg: Config) -> Any:
     from ctranslate2.converters.utils import fuse_linear
     from ctranslate2.specs import common_spec, transformer_spec
 
-    m, tok, ours = cfg.model, tokenizer, model
+    m, tok, ours, d = cfg.model, tokenizer, model, cfg.model.d_model
     spec = transformer_spec.TransformerSpec.from_config(
-        (m.n_encoder_layers, m.n_decoder_layers), m.n_heads, pre_norm=m.pre_norm
-    )
-    d = m.d_model
+        (m.n_encoder_layers, m.n_decoder_layers), m.n_heads, pre_norm=m.pre_norm,
+        activation=getattr(common_spec.Activation, ACTIVATIONS[m.activation]),
+    )  # fmt: skip
 
     def array(t: torch.Tensor) -> Any:
         return t.detach().float().cpu().numpy().copy()
@@ -118,14 +140,18 @@ def convert(model: Transformer, tokenizer: Tokenizer, cfg: Config) -> Any:
         linear(layer_spec.ffn.linear_1, layer.ffn.linear2.weight, layer.ffn.linear2.bias)
         norm(layer_spec.ffn.layer_norm, layer.ffn_sub.norm)
 
+    source = ours.embedding if ours.source_embedding is None else ours.source_embedding
     for stack, final_norm in ((spec.encoder, ours.encoder_norm), (spec.decoder, ours.decoder_norm)):
         embeddings = stack.embeddings[0] if isinstance(stack.embeddings, list) else stack.embeddings
-        embeddings.weight = array(ours.embedding.weight)  # one matrix, 3-way tied
+        # One matrix, 3-way tied (§3.4); the source's own with model.share_embeddings false.
+        embeddings.weight = array((source if stack is spec.encoder else ours.embedding).weight)
         stack.position_encodings.encodings = array(ours.embedding.positions[: m.max_positions])
         stack.scale_embeddings = True
         if m.pre_norm:
             norm(stack.layer_norm, final_norm)
     spec.decoder.projection.weight = array(ours.embedding.weight)
+    if ours.output_projection.bias is not None:  # model.output_bias
+        spec.decoder.projection.bias = array(ours.output_projection.bias)
     for layer_spec, layer in zip(spec.encoder.layer, ours.encoder_layers, strict=True):
         self_attention_and_ffn(layer_spec, layer, layer.attn_sub.norm)
     for layer_spec, layer in zip(spec.decoder.layer, ours.decoder_layers, strict=True):
@@ -138,15 +164,21 @@ def convert(model: Transformer, tokenizer: Tokenizer, cfg: Config) -> Any:
         fuse_linear(layer_spec.attention.linear[1], [kv])
         linear(layer_spec.attention.linear[2], cross.out_proj.weight, cross.out_proj.bias)
         norm(layer_spec.attention.layer_norm, layer.cross_sub.norm)
-    pieces = [tok._sp.id_to_piece(i) for i in range(tok.vocab_size)]
-    spec.register_source_vocabulary(pieces)
-    spec.register_target_vocabulary(pieces)
-    spec.config.add_source_eos = True  # tmt's source is x + eos
-    spec.config.decoder_start_token = pieces[tok.bos_id]
-    spec.config.bos_token, spec.config.eos_token = pieces[tok.bos_id], pieces[tok.eos_id]
-    spec.config.unk_token = pieces[tok.unk_id]
+    _vocabularies(spec, tok, m.decoder_start)
     spec.validate()
     return spec
+
+
+def _vocabularies(spec: Any, tok: Tokenizer, decoder_start: str) -> None:
+    """The pieces of each side (one joint list, or Marian's two) and the special pieces."""
+    pieces = tok.pieces("target")
+    spec.register_source_vocabulary(tok.pieces("source"))
+    spec.register_target_vocabulary(pieces)
+    spec.config.add_source_eos = True  # tmt's source is x + eos
+    start = pieces[tok.start_id(decoder_start)]  # <s>, or <pad> (Marian's: it has no <s>)
+    spec.config.decoder_start_token = start
+    spec.config.bos_token = pieces[tok.bos_id] if tok.bos_id >= 0 else start
+    spec.config.eos_token, spec.config.unk_token = pieces[tok.eos_id], pieces[tok.unk_id]
 
 
 # --- reading -----------------------------------------------------------------------------------
@@ -176,7 +208,12 @@ def read(directory: Path) -> Export:
             f"{where}: no checksums or config (an export of an earlier tmt); export the model"
             " again with this one"
         )
-    for name in MODEL_FILES:
+    marian = "source.spm" in checksums
+    required = ["model.bin", "config.json", *(MARIAN_FILES[:3] if marian else [SENTENCEPIECE_FILE])]
+    allowed = {"model.bin", "config.json", *VOCABULARY_FILES, SENTENCEPIECE_FILE, *MARIAN_FILES}
+    if not set(required) <= set(checksums) <= allowed:
+        raise TmtError(f"{where}: lists other files than an export has; export the model again")
+    for name in checksums:
         try:
             found = files.sha256_plain(directory / name)
         except OSError as err:
@@ -187,7 +224,14 @@ def read(directory: Path) -> Export:
                 " damaged); export the model again"
             )
     cfg = config_from_dict(report["config"], origin=f"{where} config")
-    tokenizer = Tokenizer((directory / SENTENCEPIECE_FILE).read_bytes(), str(directory))
+    if marian:
+        content = {name: (directory / name).read_bytes() for name in MARIAN_FILES
+                   if name in checksums}  # fmt: skip
+        settings = report.get("tokenizer_settings")
+        tokenizer = MarianTokenizer(pack(content, settings if isinstance(settings, dict) else {}),
+                                    str(directory))  # fmt: skip
+    else:
+        tokenizer = Tokenizer((directory / SENTENCEPIECE_FILE).read_bytes(), str(directory))
     digest = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()
     return Export(directory, tokenizer, cfg, report, digest)
 
@@ -237,9 +281,13 @@ def decode(
     keeps the best hypothesis CTranslate2 found, cut. Decoding those rows again, one call per
     limit, cost more than the whole batch (measured: 10 one-sentence calls of ~70 steps, 1.5 s
     against 1.7 s for 1,000 sentences)."""
-    piece, index = tokenizer._sp.id_to_piece, tokenizer._sp.piece_to_id
+
+    def piece(token: int, side: str = "target") -> str:
+        return tokenizer.id_to_piece(token, side=side)
+
+    index = tokenizer.piece_to_id
     results = engine.translate_batch(
-        [[piece(t) for t in seq] for seq in sources],
+        [[piece(t, "source") for t in seq] for seq in sources],
         target_prefix=[[piece(t) for t in seq] for seq in prefixes] or None,
         max_batch_size=len(sources),
         max_decoding_length=max(max(limits) - 1, 1),
@@ -248,7 +296,7 @@ def decode(
         length_penalty=decode_cfg.length_penalty,
         min_decoding_length=0,  # an empty output is allowed, as in tmt
         return_scores=True,
-        suppress_sequences=[[piece(tokenizer.pad_id)], [piece(tokenizer.bos_id)]],
+        suppress_sequences=[[piece(token)] for token in tokenizer.never_output],
     )
     # CTranslate2 gives the normalised score only: it stands for the log-probability too.
     return [
@@ -324,7 +372,7 @@ def make_cache(
     shutil.rmtree(staging, ignore_errors=True)
     try:
         save(staging, model, tokenizer, cfg, None)
-        write_report(staging, report, stored)
+        write_report(staging, report, stored, tokenizer)
         engine = load(read(staging), torch.device("cpu"), "fp32", torch.get_num_threads())
         found = decode(engine, tokenizer, check.ids, check.limits, greedy)
         for i, (ours, theirs) in enumerate(zip(check.expected, found, strict=True)):
@@ -336,7 +384,7 @@ def make_cache(
         if cfg.decode.precision == "int8":  # stored in int8 once the float32 conversion matched
             shutil.rmtree(staging)
             save(staging, model, tokenizer, cfg, "int8")
-            write_report(staging, report | {"quantization": "int8"}, stored)
+            write_report(staging, report | {"quantization": "int8"}, stored, tokenizer)
         files.swap_into_place(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

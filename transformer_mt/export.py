@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from transformer_mt import checkpoint, corpus, ct2, files, huggingface, recipes, textio, translate
+from transformer_mt import checkpoint, ct2, files, huggingface, recipes, textio, translate
 from transformer_mt.config import apply_overrides
 from transformer_mt.exits import TmtError
 from transformer_mt.translate import Translator
@@ -75,10 +75,7 @@ def export(
     builder = _require(fmt)
     settings = ["decode.device=cpu", "decode.precision=fp32", "decode.engine=torch"]
     translator = translate.load_translator(model, settings, last=last, best=best, by=by)
-    sources, _ = corpus.read_split(translator.config.data, "data.valid")
-    lines = [s for s in sources if s.strip()][: check_lines or None]
-    if not lines:
-        raise TmtError(f"data.valid ({translator.config.data.valid}): no lines to check against")
+    lines, checked_on = translate.check_lines(translator.config, check_lines)
     greedy = dataclasses.replace(
         translator,
         config=apply_overrides(translator.config, ["decode.beam_size=1", "decode.nbest=1"]),
@@ -93,7 +90,7 @@ def export(
     try:
         report = _write_report(staging, fmt, translator, builder(
             translator, staging, lines, expected, quantization
-        ))  # fmt: skip
+        ) | {"checked_on": checked_on})  # fmt: skip
         output.parent.mkdir(parents=True, exist_ok=True)
         files.swap_into_place(staging, output)  # an empty directory or an earlier export
     except BaseException:
@@ -115,7 +112,7 @@ def _write_report(
         files.atomic_write(staging / REPORT_FILE, json.dumps(report, indent=1).encode())
         return report
     stored = apply_overrides(translator.config, ["decode.engine=ctranslate2", "decode.device=auto"])
-    ct2.write_report(staging, report, stored)
+    ct2.write_report(staging, report, stored, translator.tokenizer)
     return report
 
 
@@ -124,7 +121,8 @@ def format_report(report: dict[str, Any]) -> str:
     kind = report.get("architecture") or report.get("quantization")
     text = (
         f"exported {report['source']} to {report['output']} ({report['format']}, {kind}):"
-        f" its greedy outputs equal tmt's on {report['check_lines']} validation lines"
+        f" its greedy outputs equal tmt's on {report['check_lines']} lines of"
+        f" {report.get('checked_on', 'the validation split')}"
     )
     if "quantized_identical_lines" in report:
         text += f"; quantized, {report['quantized_identical_lines']} lines identical"
@@ -224,7 +222,7 @@ def _ctranslate2_greedy(
     the directory's sentencepiece.model."""
     code = recipes.python_block(recipes.ctranslate2_readme(translator, 0, ""))
     outputs = recipes.run_ctranslate2_recipe(code, str(directory), lines, beam=1)
-    index = translator.tokenizer._sp.piece_to_id
+    index = translator.tokenizer.piece_to_id
     return [[index(piece) for piece in output] for output in outputs]
 
 
@@ -261,11 +259,12 @@ def _hf_greedy(
     """generate's greedy outputs (EOS excluded) with tmt's limits, sources read by `tokenizer`."""
     tok, limits = translator.tokenizer, _limits(translator, lines)
     keep = translator.config.model.max_positions - 1  # tmt truncates the source to this, + EOS
+    code = translator.config.decode.target_lang  # a multi-target model's >>xxx<<, put first
     outputs: list[list[int]] = [[] for _ in lines]
     for batch in _batches(limits):
         sources = []
         for i in batch:
-            ids = tokenizer(lines[i])["input_ids"]
+            ids = tokenizer(f">>{code}<< {lines[i]}" if code else lines[i])["input_ids"]
             sources.append(ids[:keep] + ids[-1:] if len(ids) > keep + 1 else ids)
         width = max(map(len, sources))
         padded = torch.tensor([s + [tok.pad_id] * (width - len(s)) for s in sources])
@@ -273,7 +272,7 @@ def _hf_greedy(
             generated = model.generate(
                 input_ids=padded, attention_mask=(padded != tok.pad_id).long(), num_beams=1,
                 do_sample=False, max_new_tokens=max(limits[i] for i in batch) - 1,
-                bad_words_ids=[[tok.pad_id], [tok.bos_id]], forced_eos_token_id=None,
+                bad_words_ids=[[token] for token in tok.never_output], forced_eos_token_id=None,
             )  # fmt: skip
         for i, row in zip(batch, generated[:, 1:].tolist(), strict=True):
             outputs[i] = _cut(row, tok.eos_id, limits[i])

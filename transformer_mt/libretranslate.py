@@ -22,6 +22,11 @@ LANGUAGE_NAMES = {
     "fi": "Finnish", "fr": "French", "hi": "Hindi", "it": "Italian", "ja": "Japanese",
     "ko": "Korean", "nl": "Dutch", "pl": "Polish", "pt": "Portuguese", "ro": "Romanian",
     "ru": "Russian", "sv": "Swedish", "tr": "Turkish", "uk": "Ukrainian", "zh": "Chinese",
+    # ISO 639-3, as multi-target OPUS-MT models name their targets (>>fra<<)
+    "ara": "Arabic", "ces": "Czech", "deu": "German", "eng": "English", "spa": "Spanish",
+    "fin": "Finnish", "fra": "French", "hin": "Hindi", "ita": "Italian", "jpn": "Japanese",
+    "kor": "Korean", "nld": "Dutch", "pol": "Polish", "por": "Portuguese", "ron": "Romanian",
+    "rus": "Russian", "swe": "Swedish", "tur": "Turkish", "ukr": "Ukrainian", "zho": "Chinese",
 }  # fmt: skip
 
 
@@ -30,9 +35,10 @@ def add_endpoints(app: FastAPI, service: Service) -> None:
 
     @app.get("/languages")
     async def languages() -> list[dict[str, Any]]:
+        targets = _targets(service.translator)
         return [
-            {"code": data.src_lang, "name": _name(data.src_lang), "targets": [data.tgt_lang]},
-            {"code": data.tgt_lang, "name": _name(data.tgt_lang), "targets": []},
+            {"code": data.src_lang, "name": _name(data.src_lang), "targets": targets},
+            *({"code": code, "name": _name(code), "targets": []} for code in targets),
         ]
 
     @app.post("/translate")
@@ -77,12 +83,13 @@ async def _translate(service: Service, request: Request, fields: dict[str, Any])
         isinstance(fields.get(k, ""), str) for k in ("source", "target", "format")
     ):
         raise ServeError(400, "Invalid request: q, source, target and format are text")
-    known = (data.src_lang, data.tgt_lang)
+    targets = _targets(service.translator)
+    known = (data.src_lang, data.tgt_lang, *targets)
     for code in (source if source != "auto" else data.src_lang, target):
         if code not in known:
             raise ServeError(400, f"{code} is not supported")
     source_code = data.src_lang if source == "auto" else source
-    if source_code != data.src_lang or target != data.tgt_lang:
+    if source_code != data.src_lang or target not in targets:
         raise ServeError(400, f"{_name(target)} ({target}) is not available as a target language"
                               f" from {_name(source_code)} ({source_code})")  # fmt: skip
     text_format = fields.get("format") or "text"
@@ -94,10 +101,13 @@ async def _translate(service: Service, request: Request, fields: dict[str, Any])
     if not isinstance(alternatives, int) or isinstance(alternatives, bool) or alternatives < 0:
         raise ServeError(400, "Invalid request: alternatives is a number >= 0")
     decode = service.translator.config.decode
-    overrides = []
+    # A multi-target model: the target is its language token (>>xxx<<), put first.
+    overrides = (
+        [] if target == data.tgt_lang else [(f"decode.target_lang={target}", f"target={target}")]
+    )
     if alternatives:
         beam, typed = max(decode.beam_size, alternatives + 1), f"alternatives={alternatives}"
-        overrides = [
+        overrides += [
             (f"decode.beam_size={beam}", typed),
             (f"decode.nbest={alternatives + 1}", typed),
         ]
@@ -171,6 +181,13 @@ async def _translate_html(
                 pieces.append(html.escape(content, quote=False) if is_text else content)
         out.append("".join(pieces))
     return out
+
+
+def _targets(translator: Translator) -> list[str]:
+    """The languages the model translates into: a multi-target model's language tokens (>>fra<<
+    is fra), else its one target language."""
+    codes = [code[2:-2] for code in translator.tokenizer.language_codes]
+    return codes or [translator.config.data.tgt_lang]
 
 
 def _name(code: str) -> str:

@@ -60,12 +60,88 @@ if __name__ == "__main__":
         sys.stdout.write(text + "\\n")
 '''
 
+# An imported Marian (OPUS-MT) model: MarianTokenizer's pieces from source.spm, its vocabularies in
+# CTranslate2's vocabulary files, the text of the target pieces from target.spm.
+_CTRANSLATE2_MARIAN_CODE = '''\
+# python translate.py EXPORT_DIR [BEAM] < input.txt > output.txt   (one sentence per line)
+import re
+import sys
+
+import ctranslate2
+import sentencepiece
+
+BEAM, LENGTH_PENALTY = {beam}, {length_penalty}  # tmt's decode.beam_size, decode.length_penalty
+A, B, POSITIONS = {a}, {b}, {positions}  # decode.max_len_a, decode.max_len_b, model.max_positions
+SUPPRESS = {suppress!r}  # never output
+SPECIAL = {special!r}  # one piece where typed; dropped from outputs
+TARGET_LANG = {target_lang!r}  # a multi-target model's target language: >>xxx<< first ("": none)
+CLEAN_UP = {clean_up!r}  # the tokenizer's clean_up_tokenization_spaces
+SPLIT = re.compile("(" + "|".join(map(re.escape, sorted(SPECIAL, key=len, reverse=True))) + ")")
+
+
+def source_pieces(sp, line):
+    """MarianTokenizer's pieces: special tokens and a leading >>xxx<< whole, the rest cut by sp."""
+    pieces = []
+    for part in SPLIT.split(line):
+        if part in SPECIAL:
+            pieces.append(part)
+        elif part:
+            end = part.find("<<") + 2 if part.startswith(">>") and "<<" in part else 0
+            pieces += ([part[:end]] if end else []) + sp.encode(part[end:], out_type=str)
+    return pieces
+
+
+def text(sp, pieces):
+    """MarianTokenizer.decode(skip_special_tokens=True) of target pieces."""
+    out = sp.decode_pieces([p for p in pieces if p not in SPECIAL]).replace("\u2581", " ").strip()
+    for old, new in CLEAN_UP:
+        out = out.replace(old, new)
+    return out
+
+
+def translate(directory, lines, beam=BEAM, length_penalty=LENGTH_PENALTY, device="cpu"):
+    """The target pieces of each line's translation ([] for an empty line)."""
+    sp = sentencepiece.SentencePieceProcessor(model_file=f"{{directory}}/source.spm")
+    model = ctranslate2.Translator(directory, device=device)
+    pieces = []
+    for line in lines:
+        found = source_pieces(sp, line)
+        if found and TARGET_LANG:
+            found = [f">>{{TARGET_LANG}}<<", *found]
+        pieces.append(found[: POSITIONS - 1])
+    # tmt's length limit, its end of sentence included: A * source pieces + B, within POSITIONS
+    limits = [min(int(A * len(p) + B), POSITIONS) for p in pieces]
+    outputs = [[] for _ in lines]
+    for limit in sorted(set(limits)):  # max_decoding_length is per call: one call per limit
+        batch = [i for i, p in enumerate(pieces) if p and limits[i] == limit]
+        if not batch:
+            continue
+        results = model.translate_batch(
+            [pieces[i] for i in batch], beam_size=beam, length_penalty=length_penalty,
+            max_decoding_length=limit - 1, min_decoding_length=0, suppress_sequences=SUPPRESS,
+        )
+        for i, result in zip(batch, results):
+            outputs[i] = result.hypotheses[0]
+    return outputs
+
+
+if __name__ == "__main__":
+    directory = sys.argv[1]
+    target = sentencepiece.SentencePieceProcessor(model_file=f"{{directory}}/target.spm")
+    lines = sys.stdin.read().split("\\n")
+    if lines[-1] == "":
+        lines.pop()
+    beam = int(sys.argv[2]) if len(sys.argv) > 2 else BEAM  # 1: tmt's greedy output, exactly
+    for output in translate(directory, lines, beam=beam):
+        sys.stdout.write(text(target, output).replace("\\r", " ").replace("\\n", " ") + "\\n")
+'''
+
 _CTRANSLATE2_README = """\
 # {origin}: a CTranslate2 model exported by tmt {version}
 
 {src} → {tgt}. This directory is all you need: the CTranslate2 model (`model.bin`, `config.json`,
-`shared_vocabulary.json`), the sentencepiece model that turns text into its pieces
-(`sentencepiece.model`), and `tmt_export.json` (what was exported and checked).
+its vocabularies), the {tokenizer_files} that turn text into its pieces and back, and
+`tmt_export.json` (what was exported and checked).
 
     pip install ctranslate2 sentencepiece
 
@@ -91,8 +167,8 @@ its CTranslate2 engine, after checking the files against the checksums in `tmt_e
 _HUGGINGFACE_README = """\
 # {origin}: a Hugging Face model exported by tmt {version}
 
-{src} → {tgt}, a `{architecture}` with its tokenizer (`tokenizer.json`: tmt's sentencepiece
-pieces and ids). Load it with the Auto classes:
+{src} → {tgt}, a `{architecture}` with its tokenizer ({hf_tokenizer}). Load it with the Auto
+classes:
 
     pip install torch transformers tokenizers
 
@@ -107,11 +183,14 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 directory = "{directory}"  # this directory
 A, B, POSITIONS = {a}, {b}, {positions}  # decode.max_len_a, decode.max_len_b, model.max_positions
+TARGET_LANG = {target_lang!r}  # a multi-target model's target language: >>xxx<< first ("": none)
 tokenizer = AutoTokenizer.from_pretrained(directory)
 model = AutoModelForSeq2SeqLM.from_pretrained(directory).eval()
 
 
 def translate(line, beam={beam}, length_penalty={length_penalty}):
+    if TARGET_LANG and line.strip():
+        line = f">>{{TARGET_LANG}}<< {{line}}"
     ids = tokenizer(line)["input_ids"]  # the pieces' ids and </s>
     if len(ids) == 1:
         return ""  # an empty line gives an empty line
@@ -121,7 +200,7 @@ def translate(line, beam={beam}, length_penalty={length_penalty}):
         out = model.generate(
             input_ids=torch.tensor([ids]), num_beams=beam, do_sample=False,
             length_penalty=length_penalty, max_new_tokens=limit - 1,
-            bad_words_ids=[[{pad_id}], [{bos_id}]], forced_eos_token_id=None,
+            bad_words_ids={bad_words}, forced_eos_token_id=None,
         )
     return tokenizer.decode(out[0], skip_special_tokens=True).replace("\\n", " ")
 
@@ -133,19 +212,34 @@ print(translate("{example}", beam=1))
 
 def _values(translator: Translator) -> dict[str, Any]:
     cfg, tok = translator.config, translator.tokenizer
+    marian = tok.kind == "marian"
     return {
         "beam": cfg.decode.beam_size, "length_penalty": cfg.decode.length_penalty,
         "form": cfg.decode.length_penalty_form, "a": cfg.decode.max_len_a,
         "b": cfg.decode.max_len_b, "positions": cfg.model.max_positions,
-        "pad": tok._sp.id_to_piece(tok.pad_id), "bos": tok._sp.id_to_piece(tok.bos_id),
-        "pad_id": tok.pad_id, "bos_id": tok.bos_id, "src": cfg.data.src_lang,
+        "pad": tok.id_to_piece(tok.pad_id), "bos": tok.id_to_piece(max(tok.bos_id, 0)),
+        "bad_words": [[token] for token in tok.never_output],
+        "suppress": [[tok.id_to_piece(token)] for token in tok.never_output],
+        "special": list(dict.fromkeys(tok.special_tokens)) if marian else [],
+        "clean_up": _CLEAN_UP if marian and tok.settings["clean_up_tokenization_spaces"] else [],
+        "target_lang": cfg.decode.target_lang, "src": cfg.data.src_lang,
         "tgt": cfg.data.tgt_lang, "origin": translator.origin,
+        "tokenizer_files": "sentencepiece models (`source.spm`, `target.spm`) and vocabularies"
+        " (`vocab.json`)" if marian else "sentencepiece model (`sentencepiece.model`)",
+        "hf_tokenizer": "MarianTokenizer: the model's `source.spm`, `target.spm` and `vocab.json`"
+        " as imported" if marian else "`tokenizer.json`: tmt's sentencepiece pieces and ids",
     }  # fmt: skip
+
+
+_CLEAN_UP = [[" .", "."], [" ?", "?"], [" !", "!"], [" ,", ","], [" ' ", "'"], [" n't", "n't"],
+             [" 'm", "'m"], [" 's", "'s"], [" 've", "'ve"], [" 're", "'re"]]  # fmt: skip
 
 
 def ctranslate2_code(translator: Translator) -> str:
     """The CTranslate2 recipe with this model's values: a script, and `translate()`."""
-    return _CTRANSLATE2_CODE.format(**_values(translator))
+    marian = translator.tokenizer.kind == "marian"
+    code = _CTRANSLATE2_MARIAN_CODE if marian else _CTRANSLATE2_CODE
+    return code.format(**_values(translator))
 
 
 def ctranslate2_readme(translator: Translator, check_lines: int, version: str) -> str:

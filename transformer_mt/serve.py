@@ -2,7 +2,8 @@
 clients speak, a page for people, health, a model card and Prometheus metrics.
 
     POST /v1/translate   {"text": "..." | [...], beam_size, length_penalty, nbest, sampling,
-                         temperature, seed} -> {"translations": [...], "model", "seconds"}
+                         temperature, seed, target_lang} -> {"translations": [...], "model",
+                         "seconds"}
     POST /translate      LibreTranslate: q, source, target, format, alternatives, api_key
     GET  /languages      LibreTranslate: [{"code", "name", "targets"}]
     GET  /health         {"status": "ok"}: the model is loaded
@@ -71,6 +72,7 @@ class TranslateRequest(BaseModel):
     sampling: str | None = None
     temperature: float | None = None
     seed: int | None = None
+    target_lang: str | None = None  # a multi-target model's target language (>>xxx<< first)
 
 
 # --- the application ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from transformer_mt import checkpoint, metrics, plot
 from transformer_mt.batching import Batcher, Job, QueueFull
 from transformer_mt.config import ServeConfig, apply_overrides, to_dict
+from transformer_mt.decoding import language_token
 from transformer_mt.exits import TmtError
 from transformer_mt.translate import Translator, check_engine, source_ids
 
@@ -53,6 +54,7 @@ class Service:
             try:
                 config = apply_overrides(self.translator.config, overrides)
                 check_engine(config, self.translator.device)
+                language_token(dataclasses.replace(self.translator, config=config))
             except TmtError as err:
                 raise ServeError(422, str(err)) from None
             if len(self.options) >= 64:  # a bounded cache of option sets

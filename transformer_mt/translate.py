@@ -257,11 +257,7 @@ def _ctranslate2_cache(translator: Translator) -> Translator:
             greedy = apply_overrides(translator.config, ["decode.engine=torch",
                                      "decode.precision=fp32", "decode.beam_size=1"])  # fmt: skip
             torch_greedy = dataclasses.replace(translator, config=greedy)
-            try:  # the validation split; if it is not where the config says, a few lines
-                sources = corpus.read_split(greedy.data, "data.valid")[0]
-            except TmtError:
-                sources = []
-            lines = [s for s in sources if s.strip()][:200] or _CHECK_LINES
+            lines = check_lines(greedy, 200)[0]
             expected = [h[0].tokens for h in translate_lines(torch_greedy, lines)]
             ids = source_ids(translator, lines)
             report = {"source": translator.origin, "step": translator.step,
@@ -277,6 +273,22 @@ def _ctranslate2_cache(translator: Translator) -> Translator:
 
 
 _CHECK_LINES = ["a", "Ein Hund rennt.", "Two people are walking down a street.", "1 2 3 4 5"]
+
+
+def check_lines(cfg: Config, limit: int = 0) -> tuple[list[str], str]:
+    """The source lines a conversion is checked on (the first `limit`; 0: all), and what they are:
+    the validation split; for a model that has none where its config says (an import), the
+    bundled Multi30k validation text in its source language, else a few lines."""
+    try:
+        lines, what = corpus.read_split(cfg.data, "data.valid")[0], f"data.valid {cfg.data.valid}"
+    except TmtError:
+        lines, what = [], ""
+    if not any(line.strip() for line in lines) and cfg.data.src_lang in corpus.MULTI30K_LANGS:
+        path = corpus.BUNDLED_DIR / f"val.{cfg.data.src_lang}.gz"
+        lines = [textio.decode_line(raw, str(path), 0)[0] for raw in textio.read_lines(path)]
+        what = f"the bundled Multi30k val.{cfg.data.src_lang}"
+    lines = [line for line in lines if line.strip()][: limit or None]
+    return (lines, what) if lines else (_CHECK_LINES, "tmt's own check lines")
 
 
 def _run_of(given: Path, read: Path) -> Path | None:
