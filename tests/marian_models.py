@@ -186,3 +186,45 @@ def _train(model, tokenizer, pairs: list[tuple[str, str]], steps: int, batch: in
         loss.backward()
         optimizer.step()
         schedule.step()
+
+
+def random_marian(
+    out: Path,
+    src: str = "de",
+    tgt: str = "en",
+    d_model: int = 512,
+    layers: int = 6,
+    heads: int = 8,
+    ffn: int = 2048,
+    vocab_size: int = 58101,
+    seed: int = 0,
+) -> Path:
+    """A MarianMTModel directory of this shape with random weights and output bias, written by
+    transformers: sentencepiece models of the bundled Multi30k (7,000 and 6,000 pieces), their
+    joint vocabulary padded with unused entries to `vocab_size`, opus-mt-de-en's generation
+    config (beam 4, max_length 512). The defaults are opus-mt-de-en's shape (74M parameters)."""
+    import torch
+    import transformers
+
+    out.mkdir(parents=True)
+    source, target = _spm(multi30k(src), 7000), _spm(multi30k(tgt), 6000)
+    (out / "source.spm").write_bytes(source)
+    (out / "target.spm").write_bytes(target)
+    vocab = _vocabulary(_pieces(source) + _pieces(target), 0, [], vocab_size - 1)
+    (out / "vocab.json").write_text(json.dumps(vocab))
+    _save_tokenizer(out, separate=False, langs=(src, tgt))
+    pad, eos = vocab["<pad>"], vocab["</s>"]
+    config = transformers.MarianConfig(
+        vocab_size=len(vocab), d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn, activation_function="swish", max_position_embeddings=512,
+        scale_embedding=True, pad_token_id=pad, eos_token_id=eos, decoder_start_token_id=pad,
+        forced_eos_token_id=eos, bos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.MarianMTModel(config)
+    with torch.no_grad():
+        model.final_logits_bias.normal_(0.0, 0.1)
+    _generation(model, pad, eos, max_length=512)
+    model.save_pretrained(str(out))
+    return out

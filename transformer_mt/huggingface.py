@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,24 +212,41 @@ def to_transformers(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str,
 
 
 def from_transformers(
-    weights: Mapping[str, torch.Tensor],
+    weights: MutableMapping[str, torch.Tensor],
     m: ModelConfig,
     shapes: Mapping[str, tuple[int, ...]],
     origin: str,
 ) -> dict[str, torch.Tensor]:
     """transformers' weights as a tmt state dict whose tensors have `shapes` (the model `m`
     describes): each mapped back, its model dimension relabelled; a tied copy must equal its
-    original. Refused in one line: a missing, unknown or misshapen weight."""
+    original. Refused in one line: a missing, unknown or misshapen weight. `weights` is emptied
+    as it is read, so that the model is in memory about once."""
     inverse, d = torch.argsort(_permutation(m.d_model)), m.d_model
-    out: dict[str, torch.Tensor] = {}
     known = {w.theirs for w in weight_map(m)} | set(tied_copies(m)) | set(_IGNORED)
     unknown = sorted(set(weights) - known)
     if unknown:
         raise TmtError(f"{origin}: weights tmt does not know: {', '.join(unknown[:4])}")
+    missing = [w.theirs for w in weight_map(m) if w.theirs not in weights]
+    if missing:
+        raise TmtError(f"{origin}: no {missing[0]}")
+    for copy, original in tied_copies(m).items():
+        if copy in weights and not torch.equal(
+            weights.pop(copy).float(), weights[original].float()
+        ):
+            raise TmtError(
+                f"{origin}: {copy} differs from {original}: tmt ties them (§3.4), this model"
+                " does not"
+            )
+    table = sinusoidal_positions(m.max_positions, d)[:, _permutation(d)]
+    for name in _IGNORED:  # Marian recomputes them; stored ones must be those sinusoids
+        stored = weights.pop(name, None)
+        if stored is not None and not (
+            stored.shape == table.shape and torch.allclose(stored.float(), table, atol=1e-4)
+        ):
+            raise TmtError(f"{origin}: {name} is not Marian's sinusoid table (learned positions?)")
+    out: dict[str, torch.Tensor] = {}
     for w in weight_map(m):
-        if w.theirs not in weights:
-            raise TmtError(f"{origin}: no {w.theirs}")
-        tensor = weights[w.theirs].float()
+        tensor = weights.pop(w.theirs).float()
         if w.theirs == "final_logits_bias":
             tensor = tensor.reshape(-1)
         whole = shapes[w.ours]
@@ -244,19 +261,6 @@ def from_transformers(
             out[w.ours] = tensor.contiguous()
             continue
         out.setdefault(w.ours, torch.empty(whole))[w.part * d : (w.part + 1) * d] = tensor
-    table = sinusoidal_positions(m.max_positions, d)[:, _permutation(d)]
-    for name in _IGNORED:  # Marian recomputes them; stored ones must be those sinusoids
-        stored = weights.get(name)
-        if stored is not None and not (
-            stored.shape == table.shape and torch.allclose(stored.float(), table, atol=1e-4)
-        ):
-            raise TmtError(f"{origin}: {name} is not Marian's sinusoid table (learned positions?)")
-    for copy, original in tied_copies(m).items():
-        if copy in weights and not torch.equal(weights[copy].float(), weights[original].float()):
-            raise TmtError(
-                f"{origin}: {copy} differs from {original}: tmt ties them (§3.4), this model"
-                " does not"
-            )
     return out
 
 

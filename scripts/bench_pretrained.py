@@ -1,0 +1,316 @@
+"""OPUS-MT-shaped models in tmt against their peers, in one run on this machine.
+
+A base-size MarianMTModel directory like opus-mt-de-en (d_model 512, 6+6 layers, 8 heads, ffn
+2048, swish, a 58,101-entry vocabulary: Multi30k sentencepiece models padded with unused entries,
+random weights and output bias), written by transformers' save_pretrained, then:
+
+1. memory: peak RSS of `tmt import` and of loading the imported model (Translator.load), each in
+   a process of its own, against the weights' size and an interpreter that only imports them;
+2. fine-tuning speed: target tokens/s of `tmt train --init-from` against transformers'
+   Seq2SeqTrainer on the same Multi30k de->en pairs with the same sentences per batch (tmt's mean
+   batch), label smoothing 0.1 both, the first updates left out of both;
+3. decoding speed: Multi30k test_2016_flickr at beam 4 (1,000 sentences): tmt (the imported
+   model), transformers generate and CTranslate2 converted by its own converter
+   (ctranslate2.converters.TransformersConverter) from the same directory, the same batches
+   (tmt's length buckets), the same length normalisation (|Y|^1, </s> counted as generate does)
+   and the same length limit per batch: its longest source + 1 pieces, </s> included. Random
+   weights rarely choose to stop, so each system decodes each batch to about that limit: the work
+   of real translations of those lengths, the same for all three. tmt runs with the import's
+   settings (generate's stopping rule, against generate) and with CTranslate2's rule (k
+   finished, against CTranslate2).
+
+    python scripts/bench_pretrained.py [--workdir runs/bench_pretrained] [--lines 1000]
+
+The last line printed is one JSON object with every figure; "ratios" holds the goals': tmt ÷
+generate and tmt ÷ CTranslate2 at beam 4, tmt ÷ Seq2SeqTrainer in tokens/s; peak RSS figures in
+MiB. Needs the bench extra: pip install -e ".[bench]".
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+MULTI30K = REPO / "transformer_mt" / "multi30k"
+sys.path.insert(0, str(REPO / "tests"))  # marian_models: how the tests build Marian directories
+
+
+def lines_of(lang: str, split: str) -> list[str]:
+    with gzip.open(MULTI30K / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def isa() -> str:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+
+def build_base(out: Path) -> Path:
+    """opus-mt-de-en's shape, random weights, written by transformers."""
+    import marian_models
+
+    return out if (out / "config.json").exists() else marian_models.random_marian(out)
+
+
+def peak_rss(code: str) -> float:
+    """Peak RSS (MiB) of a fresh interpreter running `code`: its VmHWM (ru_maxrss would carry
+    the peak of this process, which forked it, across the exec)."""
+    wrapper = (
+        f"{code}\nimport pathlib\nprint([line.split()[1] for line in pathlib.Path("
+        "'/proc/self/status').read_text().splitlines() if line.startswith('VmHWM')][0])"
+    )
+    out = subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True,
+                         check=True, cwd=REPO)  # fmt: skip
+    return int(out.stdout.split()[-1]) / 1024
+
+
+def memory(hf_dir: Path, imported: Path) -> dict:
+    if imported.exists():
+        shutil.rmtree(imported)
+    weights = (hf_dir / "model.safetensors").stat().st_size / 2**20
+    baseline = peak_rss("import torch, safetensors.torch; from transformer_mt import pretrained")
+    start = time.perf_counter()
+    importing = peak_rss(
+        "from transformer_mt.allocator import keep_freed_memory; keep_freed_memory()\n"
+        f"from transformer_mt import pretrained; pretrained.import_model({str(hf_dir)!r},"
+        f" {str(imported)!r})"
+    )
+    seconds = time.perf_counter() - start
+    loading = peak_rss(
+        "from transformer_mt.allocator import keep_freed_memory; keep_freed_memory()\n"
+        f"from transformer_mt import Translator; Translator.load({str(imported)!r}, device='cpu')"
+    )
+    return {
+        "weights_mib": round(weights, 1), "interpreter_mib": round(baseline, 1),
+        "import_peak_mib": round(importing, 1), "import_seconds": round(seconds, 1),
+        "load_peak_mib": round(loading, 1),
+        "import_over_weights": round((importing - baseline) / weights, 2),
+        "load_over_weights": round((loading - baseline) / weights, 2),
+    }  # fmt: skip
+
+
+# --- fine-tuning speed -------------------------------------------------------------------------
+
+
+def tmt_finetune(imported: Path, out: Path, updates: int) -> dict:
+    if out.exists():
+        shutil.rmtree(out)
+    settings = {
+        "data.source": "multi30k", "train.out_dir": out, "train.max_steps": updates,
+        "train.log_every": 1, "train.valid_every": 0, "train.bleu_every": 0,
+        "train.save_every": 0, "train.patience": 0, "train.best_metric": "val_loss",
+        "train.average_last": 0, "train.curves": False,
+    }  # fmt: skip
+    args = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+    command = [sys.executable, "-m", "transformer_mt", "train", "-c", str(imported / "config.yaml"),
+               "--init-from", str(imported), *args]  # fmt: skip
+    subprocess.run(command, check=True, cwd=REPO, capture_output=True)
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "tokens_per_s" in r and not r.get("partial")]
+    rates = [r["tokens_per_s"] for r in steps[2:]]  # the first two: warm-up
+    return {"tokens_per_s": round(float(np.mean(rates)), 1), "updates": len(rates)}
+
+
+def tmt_sentences_per_batch(imported: Path) -> float:
+    from transformer_mt import checkpoint
+    from transformer_mt.data import prepare_data
+
+    saved = checkpoint.read(imported)  # its config reads the bundled Multi30k, de -> en
+    data = prepare_data(saved.config, saved.tokenizer)
+    batches = data.train.sampler(saved.config.data.max_tokens, 1).epoch_batches(0)
+    return float(np.mean([len(b) for b in batches]))
+
+
+def hf_finetune(hf_dir: Path, sentences: int, steps: int, workdir: Path) -> dict:
+    """Seq2SeqTrainer on the same pairs, `sentences` a batch, grouped by length."""
+    import datasets
+    import transformers
+
+    tokenizer = transformers.MarianTokenizer.from_pretrained(str(hf_dir))
+    model = transformers.MarianMTModel.from_pretrained(str(hf_dir))
+    pairs = datasets.Dataset.from_dict(
+        {"src": lines_of("de", "train"), "tgt": lines_of("en", "train")}
+    )
+    encoded = pairs.map(lambda b: tokenizer(b["src"], text_target=b["tgt"]), batched=True,
+                        remove_columns=["src", "tgt"])  # fmt: skip
+    collate = transformers.DataCollatorForSeq2Seq(tokenizer, model=model)
+    times, tokens = [], []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter())
+
+    def counting(features):
+        batch = collate(features)
+        tokens.append(int((batch["labels"] != -100).sum()))
+        return batch
+
+    arguments = transformers.Seq2SeqTrainingArguments(
+        output_dir=str(workdir / "hf_trainer"), per_device_train_batch_size=sentences,
+        max_steps=steps, learning_rate=5e-5, label_smoothing_factor=0.1,
+        train_sampling_strategy="group_by_length",
+        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+        dataloader_num_workers=0, seed=1,
+    )  # fmt: skip
+    trainer = transformers.Seq2SeqTrainer(
+        model=model, args=arguments, train_dataset=encoded, data_collator=counting,
+        callbacks=[Clock()],
+    )  # fmt: skip
+    trainer.train()
+    # tokens[i] is batch i's; step i ends at times[i]: the rate over steps 3.. (warm-up left out)
+    rate = sum(tokens[3 : len(times)]) / (times[-1] - times[2])
+    return {"tokens_per_s": round(rate, 1), "steps": len(times) - 3, "sentences": sentences}
+
+
+# --- decoding speed ----------------------------------------------------------------------------
+
+
+def decode_all(hf_dir: Path, imported: Path, workdir: Path, count: int) -> dict:
+    """Each system decodes tmt's length buckets of the test sentences, one call a bucket, with
+    one length limit a bucket: its longest source + 1 pieces, </s> included (a forced </s>)."""
+    import ctranslate2
+    import transformers
+
+    from transformer_mt import translate
+    from transformer_mt.data import TokenBucketSampler
+
+    sources = lines_of("de", "test_2016_flickr")[:count]
+    ours = translate.load_translator(imported, ["decode.device=cpu"])
+    tok = ours.tokenizer
+    ids = tok.encode(sources)
+    lengths = np.array([len(x) + 1 for x in ids])
+    batches = TokenBucketSampler(lengths, lengths, ours.config.decode.max_tokens, seed=0,
+                                 shuffle=False).epoch_batches(0)  # fmt: skip
+    limits = [max(len(ids[i]) for i in batch) + 1 for batch in batches]
+    results: dict = {"sentences": count, "batches": len(batches)}
+
+    def timed(name: str, run) -> list[list[int]]:
+        run()  # warm-up
+        start = time.perf_counter()
+        outputs = run()
+        seconds = time.perf_counter() - start
+        results[name] = {"seconds": round(seconds, 2), "sentences_per_s": round(count / seconds, 1)}
+        return outputs
+
+    def run_tmt(stopping: str):
+        models = {limit: translate.load_translator(imported, [
+            "decode.device=cpu", "decode.max_len_a=0", f"decode.max_len_b={limit}",
+            "decode.beam_size=4", f"decode.early_stopping={stopping}",
+        ]) for limit in set(limits)}  # fmt: skip
+
+        def run() -> list[list[int]]:
+            outputs: list[list[int]] = [[] for _ in sources]
+            for batch, limit in zip(batches, limits, strict=True):
+                found = translate.translate_lines(models[limit], [sources[i] for i in batch])
+                for i, hyps in zip(batch, found, strict=True):
+                    outputs[i] = hyps[0].tokens if hyps else []
+            return outputs
+
+        return run
+
+    tmt_current = timed("tmt_beam4", run_tmt("current"))
+    tmt_k = timed("tmt_beam4_k_finished", run_tmt("k_finished"))
+    model = transformers.MarianMTModel.from_pretrained(str(hf_dir)).eval()
+
+    @torch.inference_mode()
+    def run_hf() -> list[list[int]]:
+        outputs: list[list[int]] = [[] for _ in sources]
+        for batch, limit in zip(batches, limits, strict=True):
+            rows = [ids[i] + [tok.eos_id] for i in batch]
+            width = max(map(len, rows))
+            src = torch.tensor([r + [tok.pad_id] * (width - len(r)) for r in rows])
+            generated = model.generate(input_ids=src, attention_mask=(src != tok.pad_id).long(),
+                                       num_beams=4, max_new_tokens=limit)  # fmt: skip
+            for i, row in zip(batch, generated.tolist(), strict=True):
+                row = row[1:]
+                end = row.index(tok.eos_id) if tok.eos_id in row else len(row)
+                outputs[i] = [t for t in row[:end] if t != tok.pad_id]
+        return outputs
+
+    hf = timed("hf_generate_beam4", run_hf)
+    ct2_dir = workdir / "ctranslate2"
+    if not ct2_dir.exists():
+        ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir))
+    engine = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32",
+                                    intra_threads=torch.get_num_threads())  # fmt: skip
+
+    def run_ct2() -> list[list[int]]:
+        outputs: list[list[int]] = [[] for _ in sources]
+        for batch, limit in zip(batches, limits, strict=True):
+            # transformers' models get no implicit </s> from CTranslate2: it is the tokenizer's
+            pieces = [[tok.id_to_piece(t, "source") for t in ids[i]] + ["</s>"] for i in batch]
+            found = engine.translate_batch(
+                pieces,
+                beam_size=4,
+                length_penalty=1.0,
+                max_decoding_length=limit - 1,
+                max_batch_size=len(batch),
+                min_decoding_length=0,
+            )
+            for i, result in zip(batch, found, strict=True):
+                outputs[i] = [tok.piece_to_id(p) for p in result.hypotheses[0]]
+        return outputs
+
+    ct2 = timed("ctranslate2_beam4", run_ct2)
+    same = lambda a, b: sum(map(list.__eq__, a, b))  # noqa: E731
+    results["identical_lines"] = {"tmt_vs_generate": same(tmt_current, hf),
+                                  "tmt_k_finished_vs_ctranslate2": same(tmt_k, ct2)}  # fmt: skip
+    results["output_tokens"] = int(sum(map(len, tmt_current)))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "bench_pretrained")
+    parser.add_argument("--lines", type=int, default=1000)
+    parser.add_argument("--updates", type=int, default=8, help="tmt fine-tuning updates timed")
+    parser.add_argument("--hf-steps", type=int, default=8, help="Seq2SeqTrainer steps timed")
+    args = parser.parse_args()
+    from transformer_mt.allocator import keep_freed_memory
+
+    keep_freed_memory()
+    print(f"machine: {os.cpu_count()} cores, {isa()}, torch {torch.__version__},"
+          f" {torch.get_num_threads()} threads", flush=True)  # fmt: skip
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    hf_dir = build_base(args.workdir / "opus-mt-shaped")
+    imported = args.workdir / "imported"
+    report: dict = {"isa": isa(), "memory": memory(hf_dir, imported)}
+    print("memory:", report["memory"], flush=True)
+    report["decode"] = decode_all(hf_dir, imported, args.workdir, args.lines)
+    print("decode:", report["decode"], flush=True)
+    sentences = round(tmt_sentences_per_batch(imported))
+    with tempfile.TemporaryDirectory() as scratch:
+        report["finetune"] = {
+            "tmt": tmt_finetune(imported, args.workdir / "finetune", args.updates + 3),
+            "seq2seq_trainer": hf_finetune(hf_dir, sentences, args.hf_steps + 3, Path(scratch)),
+        }
+    print("finetune:", report["finetune"], flush=True)
+    d, f = report["decode"], report["finetune"]
+    report["ratios"] = {
+        "tmt_vs_generate_beam4": round(d["tmt_beam4"]["sentences_per_s"]
+                                       / d["hf_generate_beam4"]["sentences_per_s"], 2),
+        "tmt_vs_ctranslate2_beam4": round(d["tmt_beam4_k_finished"]["sentences_per_s"]
+                                          / d["ctranslate2_beam4"]["sentences_per_s"], 2),
+        "tmt_vs_seq2seq_trainer_tokens_per_s": round(f["tmt"]["tokens_per_s"]
+                                                     / f["seq2seq_trainer"]["tokens_per_s"], 2),
+    }  # fmt: skip
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
