@@ -76,11 +76,19 @@ def check_same_vocabulary(tokenizers: Sequence[Tokenizer], names: Sequence[str])
         if tokenizer.sha256 == first.sha256:
             continue
         what = f"{name} does not share the vocabulary of {first_name}"
-        if tokenizer.vocab_size != first.vocab_size:
-            raise TmtError(f"{what}: {tokenizer.vocab_size} pieces, not {first.vocab_size}")
-        for i, (ours, theirs) in enumerate(zip(first.pieces(), tokenizer.pieces(), strict=True)):
-            if ours != theirs:
-                raise TmtError(f"{what}: piece {i} is {theirs!r}, not {ours!r}")
+        if tokenizer.kind != first.kind:
+            raise TmtError(f"{what}: a {tokenizer.kind} tokenizer, not a {first.kind} one")
+        sides = ("source ", "target ") if first.kind == "marian" else ("",)  # tmt's: one list
+        for side in sides:
+            ours, theirs = (
+                first.pieces(side.strip() or "target"),
+                tokenizer.pieces(side.strip() or "target"),
+            )
+            if len(theirs) != len(ours):
+                raise TmtError(f"{what}: {len(theirs)} {side}pieces, not {len(ours)}")
+            for i, (mine, other) in enumerate(zip(ours, theirs, strict=True)):
+                if mine != other:
+                    raise TmtError(f"{what}: {side}piece {i} is {other!r}, not {mine!r}")
         logger.warning(
             "%s: the same pieces as %s in another sentencepiece file (its scores or training"
             " settings differ); the input is tokenized with %s's",

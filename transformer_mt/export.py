@@ -256,7 +256,21 @@ def _huggingface(
 def _hf_greedy(
     model: Any, tokenizer: Any, translator: Translator, lines: list[str]
 ) -> list[list[int]]:
-    """generate's greedy outputs (EOS excluded) with tmt's limits, sources read by `tokenizer`."""
+    """generate's greedy outputs (EOS excluded) with tmt's limits, sources read by `tokenizer`;
+    its advice that max_new_tokens overrides the config's max_length (as meant) not repeated."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return _hf_generate(model, tokenizer, translator, lines)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _hf_generate(
+    model: Any, tokenizer: Any, translator: Translator, lines: list[str]
+) -> list[list[int]]:
     tok, limits = translator.tokenizer, _limits(translator, lines)
     keep = translator.config.model.max_positions - 1  # tmt truncates the source to this, + EOS
     code = translator.config.decode.target_lang  # a multi-target model's >>xxx<<, put first

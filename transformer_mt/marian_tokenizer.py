@@ -104,8 +104,8 @@ class MarianTokenizer:
         self.files, self.settings = unpack(self.model_bytes, origin)
         self.sha256 = hashlib.sha256(self.model_bytes).hexdigest()
         self._spm = {
-            "source": _processor(self.files[SOURCE_SPM], f"{origin} {SOURCE_SPM}"),
-            "target": _processor(self.files[TARGET_SPM], f"{origin} {TARGET_SPM}"),
+            "source": load_processor(self.files[SOURCE_SPM], f"{origin} {SOURCE_SPM}"),
+            "target": load_processor(self.files[TARGET_SPM], f"{origin} {TARGET_SPM}"),
         }
         separate = bool(self.settings["separate_vocabs"])
         if separate and TARGET_VOCAB not in self.files:
@@ -248,10 +248,11 @@ def _by_id(ids: Mapping[str, int]) -> list[str]:
     return pieces
 
 
-def _processor(data: bytes, origin: str) -> spm.SentencePieceProcessor:
-    processor = spm.SentencePieceProcessor()
+def load_processor(data: bytes, origin: str) -> spm.SentencePieceProcessor:
+    """A sentencepiece model loaded from its bytes, or one line naming `origin`."""
+    loaded = spm.SentencePieceProcessor()
     try:
-        processor.LoadFromSerializedProto(data)
+        loaded.LoadFromSerializedProto(data)
     except (RuntimeError, TypeError) as err:
         raise TmtError(f"{origin}: not a sentencepiece model ({err})") from None
-    return processor
+    return loaded

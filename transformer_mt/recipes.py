@@ -15,7 +15,26 @@ from transformer_mt.translate import Translator
 
 README_FILE = "README.md"
 
-_CTRANSLATE2_CODE = '''\
+# Both recipes' decoding: one CTranslate2 call per length limit (tmt's, the </s> included).
+_DECODE_BY_LIMIT = """\
+    # tmt's length limit, its end of sentence included: A * source pieces + B, within POSITIONS
+    limits = [min(int(A * len(p) + B), POSITIONS) for p in pieces]
+    outputs = [[] for _ in lines]
+    for limit in sorted(set(limits)):  # max_decoding_length is per call: one call per limit
+        batch = [i for i, p in enumerate(pieces) if p and limits[i] == limit]
+        if not batch:
+            continue
+        results = model.translate_batch(
+            [pieces[i] for i in batch], beam_size=beam, length_penalty=length_penalty,
+            max_decoding_length=limit - 1, min_decoding_length=0, suppress_sequences=SUPPRESS,
+        )
+        for i, result in zip(batch, results):
+            outputs[i] = result.hypotheses[0]
+    return outputs
+"""
+
+_CTRANSLATE2_CODE = (
+    '''\
 # python translate.py EXPORT_DIR [BEAM] < input.txt > output.txt   (one sentence per line)
 import sys
 
@@ -32,21 +51,9 @@ def translate(directory, lines, beam=BEAM, length_penalty=LENGTH_PENALTY, device
     sp = sentencepiece.SentencePieceProcessor(model_file=f"{{directory}}/sentencepiece.model")
     model = ctranslate2.Translator(directory, device=device)
     pieces = [sp.encode(line, out_type=str)[: POSITIONS - 1] for line in lines]
-    # tmt's length limit, its end of sentence included: A * source pieces + B, within POSITIONS
-    limits = [min(int(A * len(p) + B), POSITIONS) for p in pieces]
-    outputs = [[] for _ in lines]
-    for limit in sorted(set(limits)):  # max_decoding_length is per call: one call per limit
-        batch = [i for i, p in enumerate(pieces) if p and limits[i] == limit]
-        if not batch:
-            continue
-        results = model.translate_batch(
-            [pieces[i] for i in batch], beam_size=beam, length_penalty=length_penalty,
-            max_decoding_length=limit - 1, min_decoding_length=0, suppress_sequences=SUPPRESS,
-        )
-        for i, result in zip(batch, results):
-            outputs[i] = result.hypotheses[0]
-    return outputs
-
+'''
+    + _DECODE_BY_LIMIT
+    + """
 
 if __name__ == "__main__":
     directory = sys.argv[1]
@@ -58,11 +65,13 @@ if __name__ == "__main__":
     for output in translate(directory, lines, beam=beam):
         text = sp.decode(output).replace("\\r", " ").replace("\\n", " ")  # one line out per line in
         sys.stdout.write(text + "\\n")
-'''
+"""
+)
 
 # An imported Marian (OPUS-MT) model: MarianTokenizer's pieces from source.spm, its vocabularies in
 # CTranslate2's vocabulary files, the text of the target pieces from target.spm.
-_CTRANSLATE2_MARIAN_CODE = '''\
+_CTRANSLATE2_MARIAN_CODE = (
+    '''\
 # python translate.py EXPORT_DIR [BEAM] < input.txt > output.txt   (one sentence per line)
 import re
 import sys
@@ -109,21 +118,9 @@ def translate(directory, lines, beam=BEAM, length_penalty=LENGTH_PENALTY, device
         if found and TARGET_LANG:
             found = [f">>{{TARGET_LANG}}<<", *found]
         pieces.append(found[: POSITIONS - 1])
-    # tmt's length limit, its end of sentence included: A * source pieces + B, within POSITIONS
-    limits = [min(int(A * len(p) + B), POSITIONS) for p in pieces]
-    outputs = [[] for _ in lines]
-    for limit in sorted(set(limits)):  # max_decoding_length is per call: one call per limit
-        batch = [i for i, p in enumerate(pieces) if p and limits[i] == limit]
-        if not batch:
-            continue
-        results = model.translate_batch(
-            [pieces[i] for i in batch], beam_size=beam, length_penalty=length_penalty,
-            max_decoding_length=limit - 1, min_decoding_length=0, suppress_sequences=SUPPRESS,
-        )
-        for i, result in zip(batch, results):
-            outputs[i] = result.hypotheses[0]
-    return outputs
-
+'''
+    + _DECODE_BY_LIMIT
+    + """
 
 if __name__ == "__main__":
     directory = sys.argv[1]
@@ -134,7 +131,8 @@ if __name__ == "__main__":
     beam = int(sys.argv[2]) if len(sys.argv) > 2 else BEAM  # 1: tmt's greedy output, exactly
     for output in translate(directory, lines, beam=beam):
         sys.stdout.write(text(target, output).replace("\\r", " ").replace("\\n", " ") + "\\n")
-'''
+"""
+)
 
 _CTRANSLATE2_README = """\
 # {origin}: a CTranslate2 model exported by tmt {version}

@@ -27,7 +27,7 @@ import sentencepiece as spm
 from transformer_mt import files
 from transformer_mt.config import TokenizerConfig
 from transformer_mt.exits import TmtError
-from transformer_mt.marian_tokenizer import MarianTokenizer, is_marian
+from transformer_mt.marian_tokenizer import MarianTokenizer, is_marian, load_processor
 
 if TYPE_CHECKING:
     from transformer_mt.corpus import RawSplit
@@ -62,7 +62,7 @@ class Tokenizer:
         self.model_bytes = bytes(model_bytes)
         if is_marian(self.model_bytes):
             raise TmtError(f"{origin}: a Marian tokenizer, not one sentencepiece model")
-        self._sp = _load_processor(self.model_bytes, origin)
+        self._sp = load_processor(self.model_bytes, origin)
         self.vocab_size: int = self._sp.get_piece_size()
         self.source_vocab_size = self.vocab_size
         self.pad_id: int = self._sp.pad_id()
@@ -333,12 +333,3 @@ def _explain_training_error(message: str, cfg: TokenizerConfig) -> str:
         return "tokenizer: no training sentences (the training split is empty after filtering)"
     detail = message.strip().splitlines()[-1] if message.strip() else "unknown error"
     return f"tokenizer: sentencepiece training failed: {detail}"
-
-
-def _load_processor(model_bytes: bytes, origin: str) -> spm.SentencePieceProcessor:
-    processor = spm.SentencePieceProcessor()
-    try:
-        processor.LoadFromSerializedProto(model_bytes)
-    except (RuntimeError, TypeError) as err:
-        raise TmtError(f"{origin}: not a sentencepiece model ({err})") from None
-    return processor
