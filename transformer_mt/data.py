@@ -28,7 +28,7 @@ import torch
 from transformer_mt import corpus, exits, files, textio
 from transformer_mt.config import Config, DataConfig
 from transformer_mt.exits import TmtError
-from transformer_mt.tokenizer import Tokenizer, load_or_train_tokenizer
+from transformer_mt.tokenizer import Tokenizer, language_token_id, load_or_train_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +143,7 @@ def _language_tags(
     lang = cfg.decode.target_lang
     if not lang:
         return list(corpora), valid
-    if f">>{lang}<<" not in tokenizer.language_codes:
-        known = ", ".join(code[2:-2] for code in tokenizer.language_codes[:20]) or "none"
-        raise TmtError(f"decode.target_lang={lang}: the model has no >>{lang}<< token (its"
-                       f" target languages: {known})")  # fmt: skip
+    language_token_id(tokenizer, lang)  # one line when the model has no such token
     tagged = [s if s.tag else dataclasses.replace(s, tag=f">>{lang}<<") for s in corpora]
     return tagged, dataclasses.replace(valid, tag=f">>{lang}<<")
 

@@ -35,7 +35,7 @@ from transformer_mt.search import (
     line_uniforms,
     sample,
 )
-from transformer_mt.tokenizer import Tokenizer
+from transformer_mt.tokenizer import Tokenizer, language_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -113,18 +113,8 @@ def source_ids(translator: Decodable, lines: Sequence[str], what: str = "line") 
 def language_token(translator: Decodable) -> int | None:
     """The id of >>xxx<< for decode.target_lang xxx (None when unset), refused in one line when
     the model has no such token: only multi-target Marian models read one."""
-    lang, tok = translator.config.decode.target_lang, translator.tokenizer
-    if not lang:
-        return None
-    code = f">>{lang}<<"
-    if code not in tok.language_codes:
-        known = ", ".join(c[2:-2] for c in tok.language_codes[:20])
-        raise TmtError(
-            f"decode.target_lang={lang}: the model has no {code} token"
-            + (f" (its target languages: {known})" if known else
-               " (it translates into one language: leave decode.target_lang empty)")
-        )  # fmt: skip
-    return tok.piece_to_id(code, side="source")
+    lang = translator.config.decode.target_lang
+    return language_token_id(translator.tokenizer, lang) if lang else None
 
 
 def _max_positions(translator: Decodable) -> int:

@@ -49,6 +49,20 @@ def load(model_bytes: bytes, origin: str = "tokenizer") -> Tokenizer | MarianTok
     return Tokenizer(model_bytes, origin)
 
 
+def language_token_id(tokenizer: Tokenizer | MarianTokenizer, lang: str) -> int:
+    """The id of >>lang<<, the token a multi-target model reads first (decode.target_lang),
+    refused in one line naming the languages the model has."""
+    code = f">>{lang}<<"
+    if code not in tokenizer.language_codes:
+        known = ", ".join(c[2:-2] for c in tokenizer.language_codes[:20])
+        raise TmtError(
+            f"decode.target_lang={lang}: the model has no {code} token"
+            + (f" (its target languages: {known})" if known else
+               " (it translates into one language: leave decode.target_lang empty)")
+        )  # fmt: skip
+    return tokenizer.piece_to_id(code, side="source")
+
+
 class Tokenizer:
     """A sentencepiece model: batch encode/decode and the special ids.
 
