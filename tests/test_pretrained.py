@@ -278,6 +278,11 @@ def _refusals() -> dict[str, tuple]:
     def missing(d: Path) -> None:
         (d / "target.spm").unlink()
 
+    def tmt_export(d: Path) -> None:  # tmt's Hugging Face export of its own model
+        (d / "source.spm").unlink()
+        (d / "tokenizer.json").write_text("{}")
+        (d / "tmt_export.json").write_text("{}")
+
     def no_weights(d: Path) -> None:
         (d / "pytorch_model.bin").unlink()
 
@@ -298,6 +303,7 @@ def _refusals() -> dict[str, tuple]:
         "bart": (bart, "model_type 'bart' (BartForConditionalGeneration) is not a MarianMTModel"),
         "rnn": (rnn, "an RNN (SSRU) decoder"),
         "missing file": (missing, "target.spm: no such file"),
+        "tmt's own export": (tmt_export, "this is tmt's export of its own model: use that model"),
         "no weights": (no_weights, "no model.safetensors nor pytorch_model.bin"),
         "shapes": (shapes, "fc1.weight has shape (192, 48), its config says (128, 48)"),
         "pickle with code": (pickle_code, "refused: holds more than tensors"),

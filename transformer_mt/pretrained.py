@@ -226,9 +226,13 @@ def read_tokenizer(source: Path) -> marian_tokenizer.MarianTokenizer:
         try:
             content[name] = files.read_plain(source / name, limit=1 << 28)
         except FileNotFoundError:
+            exported = (source / "tmt_export.json").is_file() and (
+                source / "tokenizer.json"
+            ).exists()
             raise TmtError(
                 f"{source / name}: no such file (Marian's tokenizer: source.spm, target.spm,"
                 " vocab.json, and target_vocab.json with separate_vocabs)"
+                + ("; this is tmt's export of its own model: use that model" if exported else "")
             ) from None
         except OSError as err:
             raise TmtError(f"{source / name}: cannot read ({err.strerror or err})") from None
