@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import signal
 import tempfile
 from pathlib import Path
 
@@ -190,3 +191,28 @@ def imported(marian_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     root = tmp_path_factory.mktemp("imported")
     return {kind: Path(pretrained.import_model(path, root / kind)["output"])
             for kind, path in marian_dirs.items()}  # fmt: skip
+
+
+@pytest.fixture
+def bounded_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hang guard on each read of a file tmt wrote (files.read_plain, sha256_plain: where a
+    FIFO or /dev/zero in its place would hang), never on the command around them: a slow, busy
+    machine makes the command slow, not a read of a small file."""
+    from transformer_mt import files
+
+    for name in ("read_plain", "sha256_plain"):
+        real = getattr(files, name)
+
+        def guarded(*args, _real=real, **kwargs):
+            def expire(signum, frame):
+                raise TimeoutError(f"a read of a file tmt wrote still blocked after 20 s: {args}")
+
+            previous = signal.signal(signal.SIGALRM, expire)
+            signal.alarm(20)
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
+
+        monkeypatch.setattr(files, name, guarded)

@@ -121,7 +121,7 @@ def test_comparison_from_the_command_line(tmp_path: Path) -> None:
         (["--hyp", str(f["good"]), "--hyp", str(short), "--ref", str(f["ref"])],
          f"{short}: 1 hypotheses but 40 references"),
         (["--hyp", str(f["good"]), "--hyp", str(f["bad"]), "-m", str(tmp_path)],
-         "several --hyp are compared as they are"),
+         "-m: not with --hyp, whose lines are scored as they are"),
         (["--hyp", str(f["good"]), "--hyp", str(tmp_path / "nope.txt"), "--ref", str(f["ref"])],
          "no such file"),
     ]:  # fmt: skip

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "components",
         {
             "corpus",
+            "clean",
             "marian_tokenizer",
             "tokenizer",
             "data",
@@ -56,6 +57,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "recipes",
             "plot",
             "dry_run",
+            "cleaning",
         },
     ),
     # the server: one worker batching requests, the service that knows the model, the two
@@ -76,6 +78,8 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("tokenizer", "marian_tokenizer"): "a model's tokenizer is tmt's joint one or Marian's pair",
     ("data", "corpus"): "batches are made of the corpora's pairs",
     ("data", "tokenizer"): "... encoded with the joint vocabulary",
+    ("data", "clean"): "data.clean judges the training corpora by the clean rules as they are read",
+    ("clean", "corpus"): "the overlap rule reads the validation and test splits",
     ("metrics", "distributed"): "the metrics log all-reduces its sums over ranks",
     ("run", "checkpoint"): "a run directory holds checkpoints",
     ("averaging", "checkpoint"): "averaging reads and writes checkpoints",

@@ -275,7 +275,7 @@ def test_an_api_key_guards_every_endpoint_but_health_and_is_never_logged(
     try:
         client = guarded.client
         assert client.get("/health").status_code == 200
-        for path in ("/v1/model", "/metrics", "/languages"):
+        for path in ("/v1/model", "/metrics"):
             assert client.get(path).status_code == 401
             wrong = client.get(path, headers={"Authorization": "Bearer nope"})
             assert wrong.status_code == 401 and wrong.json() == {"error": "Invalid API key"}
@@ -287,10 +287,79 @@ def test_an_api_key_guards_every_endpoint_but_health_and_is_never_logged(
             client.post(f"/translate?api_key={key}", json={**body, "api_key": key}).status_code
             == 200
         )
+        # As LibreTranslate's own server, for the placements its clients use (P29): the key in
+        # the query string alone, or a form body; no key asked for the languages (its Python
+        # client sends a GET with the key in a form body, older ones a POST) or the settings.
+        assert client.post(f"/translate?api_key={key}", json=body).status_code == 200
+        assert client.post("/translate", data={**body, "api_key": key}).status_code == 200
+        assert client.post("/translate?api_key=nope", data=body).status_code == 401
+        for answer in (client.request("GET", "/languages", data={"api_key": key}),
+                       client.post("/languages", data={"api_key": key}), client.get("/languages"),
+                       client.post("/languages")):  # fmt: skip
+            assert answer.status_code == 200 and answer.json()[0]["code"] == "de"
+        settings = client.get("/frontend/settings").json()
+        assert settings["keyRequired"] is True and settings["language"]["target"]["code"] == "en"
     finally:
         assert guarded.stop() == 0
     assert "API key required" in "".join(guarded.log)
     assert key not in "".join(guarded.log)
+
+
+def raw_exchange(url: str, request: bytes) -> bytes:
+    """Send `request` whole on a fresh connection, then read the answer until the server closes
+    or has answered (a read bounded at 60 s: the step that could hang)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(request)
+        answer = b""
+        while b'"}' not in answer.partition(b"\r\n\r\n")[2]:  # the JSON answer's end
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    return answer
+
+
+def test_slow_headers_a_refused_body_and_probes_get_their_answer(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    run_copy = tmp_path / "run"
+    shutil.copytree(trained_run, run_copy)
+    server = Server(run_copy, "--beam", "2", "--set", "serve.header_seconds=1",
+                    "--set", "serve.max_body_bytes=20000")  # fmt: skip
+    try:
+        # Slowloris (P27): headers begun and never finished get a 408 and the connection ends.
+        answer = raw_exchange(server.url, b"POST /v1/translate HTTP/1.1\r\nHost: x\r\n")
+        assert answer.startswith(b"HTTP/1.1 408") and b"serve.header_seconds" in answer
+        # A client that sends its whole body before it reads gets the 413, not a reset (P28).
+        body = b"q=" + b"a" * 3_000_000
+        request = (b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/"
+                   b"x-www-form-urlencoded\r\nContent-Length: %d\r\n\r\n" % len(body))  # fmt: skip
+        answer = raw_exchange(server.url, request + body)
+        assert answer.startswith(b"HTTP/1.1 413") and b"serve.max_body_bytes" in answer
+        # Monitors probe with HEAD.
+        assert server.client.head("/health").status_code == 200
+        # Sampling draws nbest samples whatever the beam (P21); options it would not read are
+        # a 422 naming them.
+        sampled = {"text": SOURCES[:2], "sampling": "topk:5", "nbest": 4, "seed": 1}
+        answer = server.client.post("/v1/translate", json=sampled)
+        assert answer.status_code == 200 and [len(r) for r in answer.json()["nbest"]] == [4, 4]
+        for bad, named in [
+            ({"temperature": 0.5}, "temperature=0.5: applies to sampling only"),
+            ({"seed": 1}, "seed=1: applies to sampling only"),
+            ({"sampling": "full", "beam_size": 3}, "not used while sampling"),
+        ]:
+            answer = server.client.post("/v1/translate", json={"text": "kalo", **bad})
+            assert answer.status_code == 422 and named in answer.json()["error"], answer.text
+        # Curves are of the served model's run only: a run directory replaced since holds
+        # another run's (P30).
+        assert server.client.get("/v1/curves.png").status_code == 200
+        shutil.rmtree(run_copy / "checkpoints")
+        answer = server.client.get("/v1/curves.png")
+        assert answer.status_code == 404 and "no longer holds the served model" in answer.text
+    finally:
+        assert server.stop() == 0
+    assert not any("Traceback" in line for line in server.log), "".join(server.log)
 
 
 def test_sigterm_lets_the_request_in_flight_finish_and_exits_0(trained_run: Path) -> None:

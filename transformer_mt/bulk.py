@@ -62,12 +62,13 @@ class Plan:
     prefix_offsets: list[int] = dataclasses.field(default_factory=list)  # ... its chunks' starts
 
 
-def is_bulk(input_path: str, output_path: str) -> bool:
-    """A file into a file (not stdin, stdout, a device or a FIFO): the resumable path."""
-    if input_path == "-" or output_path == "-":
-        return False
-    output = Path(output_path)
-    return not output.exists() or output.is_file()
+def is_bulk(input_path: str, output_path: str, prefix_path: str | None = None) -> bool:
+    """A file into a file (not stdin, stdout, a device or a FIFO): the resumable path, which
+    reads its input (and prefix file) again on a resume. What does not exist, or is a directory,
+    comes here too, to be named (textio.regular_file)."""
+    paths = [input_path, output_path, *([prefix_path] if prefix_path else [])]
+    return all(path != "-" and (not Path(path).exists() or Path(path).is_file()
+                                or Path(path).is_dir()) for path in paths)  # fmt: skip
 
 
 def translate_job(
@@ -143,9 +144,7 @@ def _plan(
     prefix_path: str | None,
 ) -> Plan:
     """Check the job against what is on disk, take the job directory (`lock`), find what is left."""
-    source, output = Path(input_path), Path(output_path)
-    if not source.is_file():
-        raise TmtError(f"{input_path}: no such file", param="input")
+    source, output = textio.regular_file(input_path, "input"), Path(output_path)
     job_dir = output.with_name(output.name + JOB_SUFFIX)
     chunk_lines = translator.config.decode.chunk_lines
     digest, offsets, lines = _scan(source, chunk_lines)
@@ -226,9 +225,7 @@ def _scan_prefix(
     """The target prefix file's SHA-256 and chunk offsets, if there is one: a line an input line."""
     if prefix_path is None:
         return None
-    prefix = Path(prefix_path)
-    if not prefix.is_file():
-        raise TmtError(f"{prefix_path}: no such file", param="prefix")
+    prefix = textio.regular_file(prefix_path, "prefix")
     digest, offsets, count = _scan(prefix, chunk_lines)
     if count != lines:
         raise TmtError(

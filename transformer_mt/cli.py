@@ -29,34 +29,55 @@ from transformer_mt.config import load_config
 from transformer_mt.exits import TmtError
 from transformer_mt.flags import (
     Alignment,
+    Annotate,
+    ApiKey,
     AsJson,
     Beam,
     Best,
     By,
+    CheckLines,
+    CleanOutput,
     ConfigOption,
     Device,
+    DryRun,
     Engine,
     Ensemble,
     HfModel,
+    Host,
     Hyps,
+    InitFrom,
     Languages,
     Last,
     Lenpen,
     MaxTokens,
     Model,
     Models,
+    NBest,
+    OldInput,
     OldLast,
     OldModel,
     OldModels,
+    OnceCommand,
     Output,
     Overrides,
     Overwrite,
+    PlotOutput,
+    Port,
     Precision,
     Prefix,
+    Quantization,
+    Ref,
+    RunBest,
+    RunDirs,
+    RunLast,
     Sampling,
     Seed,
+    SourceFile,
+    Split,
     TargetLang,
     Temperature,
+    TextInput,
+    TextOutput,
     Weights,
     flag_overrides,
 )
@@ -66,6 +87,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+command = functools.partial(app.command, cls=OnceCommand)
 
 
 @app.callback()
@@ -156,22 +178,13 @@ def _model(new: Path | None, old: Path | None) -> Path:
     return model
 
 
-@app.command()
+@command()
 @_user_errors
 def train(
     config: ConfigOption = "multi30k",
     set_: Overrides = None,
-    init_from: Annotated[
-        str | None,
-        typer.Option(
-            "--init-from",
-            help="Fine-tune: start from this model's weights and tokenizer (a checkpoint, an"
-            " averaged model or a run directory) with a fresh optimizer (train.init_from).",
-        ),
-    ] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Prepare data and batches, report, exit.")
-    ] = False,
+    init_from: InitFrom = None,
+    dry_run: DryRun = False,
     as_json: AsJson = False,
 ) -> None:
     """Train a model. Multi-GPU: torchrun --nproc_per_node=N -m transformer_mt train -c CONFIG."""
@@ -209,21 +222,15 @@ def _train_text(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@app.command()
+@command()
 @_user_errors
 def translate(
     model: Ensemble = None,
     weights: Weights = None,
-    input_: Annotated[
-        str, typer.Option("--input", "-i", help="Raw text, one sentence per line; - = stdin.")
-    ] = "-",
-    output: Annotated[
-        str, typer.Option("--output", "-o", help="Detokenized translations; - = stdout.")
-    ] = "-",
+    input_: TextInput = "-",
+    output: TextOutput = "-",
     overwrite: Overwrite = False,
-    nbest: Annotated[
-        int | None, typer.Option("--nbest", help="Write N hypotheses per line: index, score, text.")
-    ] = None,
+    nbest: NBest = None,
     beam: Beam = None,
     lenpen: Lenpen = None,
     max_tokens: MaxTokens = None,
@@ -257,7 +264,7 @@ def translate(
     )  # fmt: skip
     last = _renamed(last, old_last, "--last", "--average-last")
     translator = _load(_models(model, old_model), weights, overrides, last, best, by)
-    if bulk.is_bulk(input_, output):
+    if bulk.is_bulk(input_, output, prefix):
         report = bulk.translate_job(translator, input_, output, overwrite, prefix)
         if "output" in report:  # rank 0
             typer.echo(f"tmt: {output}: {report['lines']} lines in {report['chunks']} chunks"
@@ -269,21 +276,14 @@ def translate(
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-@app.command()
+@command()
 @_user_errors
 def evaluate(
     model: Ensemble = None,
     weights: Weights = None,
-    split: Annotated[
-        str, typer.Option("--split", help="test or valid: a split of the model's config.")
-    ] = "test",
-    input_: Annotated[
-        Path | None,
-        typer.Option("--input", "-i", help="Source file to translate instead of a split."),
-    ] = None,
-    ref: Annotated[
-        Path | None, typer.Option("--ref", help="Reference file instead of the split's.")
-    ] = None,
+    split: Split = None,
+    input_: SourceFile = None,
+    ref: Ref = None,
     hyp: Hyps = None,
     as_json: AsJson = False,
     beam: Beam = None,
@@ -298,7 +298,7 @@ def evaluate(
     by: By = None,
     set_: Overrides = None,
     old_model: OldModel = None,
-    old_input: Annotated[Path | None, typer.Option("--src", hidden=True)] = None,
+    old_input: OldInput = None,
     old_last: OldLast = 0,
 ) -> None:
     """sacreBLEU (with signature), chrF, chrF++, TER and lowercased BLEU of a model or a
@@ -306,9 +306,15 @@ def evaluate(
     from transformer_mt import evaluate as lib
     from transformer_mt import textio
 
+    input_ = _renamed(input_, old_input, "--input", "--src")
+    translating = {"--weights": weights, "--last": last or old_last, "--best": best, "--by": by,
+                   "--beam": beam, "--lenpen": lenpen, "--max-tokens": max_tokens,
+                   "--device": device, "--precision": precision, "--engine": engine,
+                   "--target-lang": target_lang}  # fmt: skip
+    lib.check_arguments(bool(hyp), bool(model or old_model), input_ is not None, ref is not None,
+                        split is not None, translating)  # fmt: skip
+    split = split or "test"
     if hyp and len(hyp) > 1:  # several systems: compared by sacreBLEU's paired tests
-        if model or input_:
-            raise TmtError("several --hyp are compared as they are: no --model or --input")
         _compare(hyp, ref, split, set_ or [], as_json)
         return
 
@@ -317,7 +323,6 @@ def evaluate(
         engine=engine, target_lang=target_lang,
     )  # fmt: skip
     lib.check_split(split)  # before a model is loaded
-    input_ = _renamed(input_, old_input, "--input", "--src")
     last = _renamed(last, old_last, "--last", "--average-last")
     # Splits come from the model's config (its data section), else from the default preset.
     translator = None
@@ -349,20 +354,14 @@ def _compare(
     _echo(report, as_json, lib.format_comparison(report))
 
 
-@app.command()
+@command()
 @_user_errors
 def export(
     output: Output,
     fmt: Annotated[str, typer.Option("--format", help="ctranslate2 or huggingface.")],
     model: Model = None,
-    quantization: Annotated[
-        str | None,
-        typer.Option("--quantization", help="ctranslate2 only: int8, int8_float16 or float16."),
-    ] = None,
-    check_lines: Annotated[
-        int,
-        typer.Option("--check-lines", help="Validation lines the export must reproduce; 0 = all."),
-    ] = 0,
+    quantization: Quantization = None,
+    check_lines: CheckLines = 0,
     overwrite: Overwrite = False,
     last: Last = 0,
     best: Best = 0,
@@ -380,7 +379,7 @@ def export(
     _echo(report, as_json, lib.format_report(report))
 
 
-@app.command("import")
+@command("import")
 @_user_errors
 def import_(
     output: Output,
@@ -397,17 +396,30 @@ def import_(
     _echo(report, as_json, pretrained.format_report(report))
 
 
-@app.command()
+@command()
+@_user_errors
+def clean(
+    output: CleanOutput,
+    config: ConfigOption = "multi30k",
+    set_: Overrides = None,
+    annotate: Annotate = False,
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
+) -> None:
+    """Clean data.train by the clean section's filters: the pairs kept, what each removed."""
+    from transformer_mt import cleaning
+
+    report = cleaning.clean_corpus(load_config(config, set_ or []), output, annotate, overwrite)
+    _echo(report, as_json, cleaning.format_report(report))
+
+
+@command()
 @_user_errors
 def average(
     output: Output,
     models: Models = None,
-    last: Annotated[
-        int, typer.Option("--last", help="With a run directory: its newest N checkpoints.")
-    ] = 0,
-    best: Annotated[
-        int, typer.Option("--best", help="With a run directory: its N best checkpoints (--by).")
-    ] = 0,
+    last: RunLast = 0,
+    best: RunBest = 0,
     by: By = None,
     overwrite: Overwrite = False,
     as_json: AsJson = False,
@@ -424,21 +436,11 @@ def average(
     _echo(report, as_json, averaging.format_report(report))
 
 
-@app.command()
+@command()
 @_user_errors
 def plot(
-    models: Annotated[
-        list[Path] | None,
-        typer.Option("--model", "-m", help="A run directory (repeatable: overlaid to compare)."),
-    ] = None,
-    output: Annotated[
-        Path | None,
-        typer.Option(
-            "--output",
-            "-o",
-            help="A .png, .svg or .pdf (default: RUN_DIR/curves.png, or ./curves.png for several).",
-        ),
-    ] = None,
+    models: RunDirs = None,
+    output: PlotOutput = None,
     overwrite: Overwrite = False,
     as_json: AsJson = False,
     old_models: OldModels = None,
@@ -452,17 +454,14 @@ def plot(
     _echo(report, as_json, f"{report['output']}: curves drawn per panel: {panels}")
 
 
-@app.command()
+@command()
 @_user_errors
 def serve(
     model: Ensemble = None,
     weights: Weights = None,
-    host: Annotated[str | None, typer.Option(help="Address to bind (serve.host).")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (serve.port; 0: any free).")] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(envvar="TMT_API_KEY", help="Require Authorization: Bearer KEY (not /health)."),
-    ] = None,
+    host: Host = None,
+    port: Port = None,
+    api_key: ApiKey = None,
     beam: Beam = None,
     lenpen: Lenpen = None,
     max_tokens: MaxTokens = None,

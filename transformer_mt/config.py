@@ -230,6 +230,37 @@ class DataConfig:
     subword_alpha: Fraction = 0.0
     subword_sides: Literal["source", "both"] = "source"  # which sides are sampled
     cache_dir: str = ""  # tokenized-corpus cache; "" = $TMT_CACHE or ~/.cache/transformer_mt
+    # Departure: apply the clean section's filters to the training corpora as they are read
+    # (tmt clean's rules; the result cached with the encoding). Validation is never cleaned.
+    clean: bool = False
+
+
+@dataclass(frozen=True)
+class CleanConfig:
+    """`tmt clean` and data.clean: each filter on or off, and its threshold (clean.py; the
+    defaults, their sources and what they remove: README, "Clean what you train on")."""
+
+    empty: bool = True  # a side empty or blank
+    encoding: bool = True  # control characters, U+FFFD, mojibake (Ã© for é)
+    length: bool = True  # words per side (not for zh, ja, th...) and characters
+    min_words: Count = 1
+    max_words: Count = 150  # OpusCleaner's and Mozilla's max_length
+    max_chars: Count = 1024  # bicleaner-hardrules' not_too_long
+    ratio: bool = True  # the longer side over the shorter, in characters (UTF-8 bytes for CJK)
+    max_ratio: Annotated[float, Interval(1.0)] = 3.0  # bicleaner-hardrules' length_ratio
+    copy: bool = True  # the target is the source once case, spaces and punctuation are set aside
+    copy_min_words: Count = 3  # ... with this many words with letters: shorter copies are names
+    script: bool = True  # letters in each side's expected script (those of shared tokens aside)
+    min_script_share: Annotated[float, Interval(0.0, 1.0)] = 0.5
+    symbols: bool = True  # digits, punctuation and symbols among a side's characters
+    max_symbol_share: Annotated[float, Interval(0.0, 1.0)] = 0.5  # bicleaner's no_only_numbers
+    overlap: bool = True  # a source or target of data.valid or data.test (normalised)
+    duplicate: bool = True  # a pair seen before, byte for byte
+    near_duplicate: bool = True  # ... once case, spaces and punctuation are set aside
+    langid: bool = False  # each side identified as its language (py3langid: the clean extra)
+    langid_min_chars: Count = 20  # shorter sides (shared tokens aside) are not identified
+    langid_min_prob: Annotated[float, Interval(0.0, 1.0)] = 0.1  # a side under it goes
+    examples: Annotated[int, Interval(0, 100)] = 3  # removed pairs shown per filter
 
 
 @dataclass(frozen=True)
@@ -361,6 +392,7 @@ class ServeConfig:
     max_chars: Count = 2000  # characters in one sentence
     max_body_bytes: Count = 1_048_576  # bytes in one request body
     body_seconds: Positive = 30.0  # time a request body has to arrive whole (else 408)
+    header_seconds: Positive = 10.0  # time a request's headers have to arrive whole (else 408)
     drain_seconds: Amount = 30.0  # on SIGTERM or SIGINT: time in-flight requests get to finish
 
 
@@ -373,6 +405,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    clean: CleanConfig = field(default_factory=CleanConfig)
 
     def __post_init__(self) -> None:
         for section in dataclasses.fields(self):
@@ -412,9 +445,9 @@ class Config:
                 "train.patience needs validation: train.valid_every > 0 (or train.bleu_every > 0"
                 " with train.best_metric=val_bleu)",
             ),
-            (
-                self.decode.nbest <= self.decode.beam_size,
-                "decode.nbest must be <= decode.beam_size",
+            (  # sampling draws nbest samples; beam_size is not used
+                self.decode.nbest <= self.decode.beam_size or self.decode.sampling != "none",
+                "decode.nbest must be <= decode.beam_size (or sample: decode.sampling)",
             ),
         ]
         for ok, message in checks:

@@ -83,6 +83,15 @@ class RawSplit:
             )
 
 
+def input_files(split: RawSplit) -> list[Path]:
+    """The files a split is read from (none for a datasets source): what no output may be."""
+    if split.cfg.source in ("multi30k", "files"):
+        return list(_parallel_paths(split.cfg, split.key, split.location))
+    if split.cfg.source in ("tsv", "jsonl"):
+        return [Path(split.location)]
+    return []
+
+
 def quiet_datasets() -> None:
     import datasets
 
@@ -270,11 +279,12 @@ def _prefixed_file(prefix: str, lang: str, key: str) -> Path:
 
 def _existing_file(location: str, key: str) -> Path:
     path = Path(location)
-    if path.is_dir():
-        raise TmtError(f"{key}: {location}: is a directory, expected a file")
-    if not path.is_file():
+    if not path.exists():
         raise TmtError(f"{key}: no such file: {location}")
-    return path
+    try:
+        return textio.regular_file(path, "")
+    except TmtError as err:
+        raise TmtError(f"{key}: {err}") from None
 
 
 def _file_digest(path: Path) -> str:

@@ -330,17 +330,26 @@ def cache_lock(root: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def read_cache(final: Path) -> Export | None:
-    """The cache at `final`, or None when there is none or it is damaged (then removed: a cache
-    is made again, not trusted)."""
+def read_cache(final: Path, made_from: str) -> Export | None:
+    """The cache at `final`, or None when there is none, it is damaged, or it was not made from
+    the model whose fingerprint is `made_from` (its report names the model; a name alone proves
+    nothing): then it is removed, and made again, not trusted."""
     if not final.is_dir():
         return None
     try:
-        return read(final)
+        export = read(final)
     except TmtError as err:
         logger.warning("%s; making it again", err)
         shutil.rmtree(final, ignore_errors=True)
         return None
+    if export.report.get("made_from") != made_from:
+        logger.warning(
+            "%s: not made from this model (its report names another, or none); making it again",
+            final,
+        )
+        shutil.rmtree(final, ignore_errors=True)
+        return None
+    return export
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -25,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from transformer_mt import corpus, exits, files, textio
+from transformer_mt import clean, corpus, exits, files, textio
 from transformer_mt.config import Config, DataConfig
 from transformer_mt.exits import TmtError
 from transformer_mt.tokenizer import Tokenizer, language_token_id, load_or_train_tokenizer
@@ -44,6 +45,7 @@ class FilterCounts:
 
     read: int  # pairs read from the source
     invalid_utf8: int  # dropped: invalid UTF-8 under encoding_errors=skip
+    clean: int  # dropped by the clean section's filters (data.clean; PreparedData.cleaned: which)
     empty: int  # dropped: a side is empty or whitespace-only (no subword tokens)
     too_long: int  # dropped: a side has more than data.max_len tokens
     ratio: int  # dropped: the longer side exceeds data.max_len_ratio × the shorter
@@ -62,6 +64,8 @@ class PreparedData:
     # by config key: "data.train" (all corpora), "data.valid", and "data.train[i]" per corpus
     counts: dict[str, FilterCounts]
     corpora: list[corpus.RawSplit]  # the training corpora, in data.train's order
+    # data.clean: by corpus key, the pairs each clean filter removed (clean.FILTERS); else {}
+    cleaned: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 def prepare_data(cfg: Config, tokenizer: Tokenizer | None = None) -> PreparedData:
@@ -87,11 +91,18 @@ def _prepare(cfg: Config, tokenizer: Tokenizer | None, cache: Path) -> PreparedD
     splits = {split.key: split for split in [*corpora, valid]}
     with _work_dir(cache) as work:
         raw: dict[str, Any] = {}  # raw Arrow datasets, built only on a cold cache
+        cleaner = _Cleaner.of(cfg)
+        # data.clean: each training pair's reason code, judged (or read from the cache) first
+        codes = (
+            {s.key: cleaner.codes(s, cache, cfg.data.num_proc) for s in corpora} if cleaner else {}
+        )
 
         def load(key: str) -> Any:
             if key not in raw:
                 logger.info("reading %s (%s)", key, splits[key].origin)
                 raw[key] = splits[key].load(work / key)
+                if key in codes:  # the tokenizer and the encoding see the kept pairs only
+                    raw[key] = raw[key].select(np.flatnonzero(codes[key] == clean.KEPT))
             return raw[key]
 
         if tokenizer is None:
@@ -100,10 +111,15 @@ def _prepare(cfg: Config, tokenizer: Tokenizer | None, cache: Path) -> PreparedD
         corpora, valid = _language_tags(cfg, tokenizer, corpora, valid)
         splits = {split.key: split for split in [*corpora, valid]}
         _check_tags(tokenizer, corpora)
-        encoded, counts = {}, {}
+        encoded, counts, cleaned = {}, {}, {}
         for key, split in splits.items():
-            table = _encoded_table(split, tokenizer, load, cache, cfg.data.num_proc)
-            encoded[key], counts[key] = _filtered(table, cfg.data, training=split is not valid)
+            training = split is not valid  # validation is never cleaned
+            judged = codes.get(key)
+            table = _encoded_table(split, tokenizer, load, cache, cfg.data.num_proc,
+                                   cleaner.digest if judged is not None else "")  # fmt: skip
+            encoded[key], counts[key] = _filtered(table, cfg.data, training, judged)
+            if judged is not None:
+                cleaned[key] = _removed_by_filter(judged)
     for split in corpora:
         if counts[split.key].kept == 0:
             raise TmtError(
@@ -119,9 +135,61 @@ def _prepare(cfg: Config, tokenizer: Tokenizer | None, cache: Path) -> PreparedD
         train = EncodedSplit.concatenate(
             [encoded[split.key] for split in corpora], [split.weight for split in corpora]
         )
+        if cleaned:
+            cleaned["data.train"] = {name: sum(c[name] for c in cleaned.values())
+                                     for name in clean.FILTERS}  # fmt: skip
     else:
         train = encoded["data.train"]
-    return PreparedData(tokenizer, train, encoded["data.valid"], counts, corpora)
+    return PreparedData(tokenizer, train, encoded["data.valid"], counts, corpora, cleaned)
+
+
+@dataclass(frozen=True)
+class _Cleaner:
+    """data.clean: the clean section's rules, and what names them in a cache key (the settings,
+    the languages, the validation and test sentences kept out)."""
+
+    rules: clean.Rules
+    digest: str
+
+    @classmethod
+    def of(cls, cfg: Config) -> _Cleaner | None:
+        if not cfg.data.clean:
+            return None
+        rules, notes = clean.eval_sets(cfg)
+        for note in notes:
+            logger.warning("data.clean: %s", note)
+        named = json.dumps([dataclasses.asdict(cfg.clean), rules.src_lang, rules.tgt_lang,
+                            sorted(rules.eval_sources), sorted(rules.eval_targets)])  # fmt: skip
+        return cls(rules, hashlib.sha256(named.encode()).hexdigest())
+
+    def codes(self, split: corpus.RawSplit, cache: Path, num_proc: int) -> np.ndarray:
+        """Each pair's reason code (clean.KEPT: kept), judged once per (content, rules) and
+        cached as cleaned/KEY.npy beside its SHA-256 (verified when read back)."""
+        key = hashlib.sha256(f"{split.fingerprint}|{self.digest}".encode()).hexdigest()[:32]
+        path, record = cache / "cleaned" / f"{key}.npy", cache / "cleaned" / f"{key}.sha256"
+        try:
+            if files.sha256_plain(path) == files.read_plain(record, limit=64).decode():
+                return np.load(path, allow_pickle=False)
+            logger.warning("%s does not match its SHA-256: judging the pairs again", path)
+        except (OSError, ValueError):
+            pass  # not there yet (or unreadable): judged below
+        with tempfile.TemporaryDirectory(prefix=".clean.", dir=_mkdir(cache)) as work:
+            logger.info("cleaning %s (data.clean)", split.key)
+            chunks = clean.dataset_chunks(split.load(Path(work)))
+            found = [c for _, c in clean.reasons(chunks, self.rules, num_proc)]
+        judged = np.concatenate([np.zeros(0, np.int8), *found])
+        staging = _mkdir(cache / "cleaned") / f".{key}.{os.getpid()}.npy"
+        np.save(staging, judged)
+        files.atomic_write(record, files.sha256_file(staging).encode())
+        os.replace(
+            staging, path
+        )  # after its record: a kill between leaves a mismatch, judged again
+        return judged
+
+
+def _removed_by_filter(codes: np.ndarray) -> dict[str, int]:
+    counts = np.bincount(codes.astype(np.int64), minlength=len(clean.FILTERS) + 1)
+    return {name: int(counts[i + 1]) for i, name in enumerate(clean.FILTERS)}
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -183,12 +251,15 @@ class _Encoder:
 
 
 def _encoded_table(
-    split: corpus.RawSplit, tokenizer: Tokenizer, load: Any, cache: Path, num_proc: int
-) -> pa.Table:
-    """The split's ids as a memory-mapped Arrow table, encoding it first on a cold cache."""
+    split: corpus.RawSplit, tokenizer: Tokenizer, load: Any, cache: Path, num_proc: int,
+    cleaned_by: str = "",
+) -> pa.Table:  # fmt: skip
+    """The split's ids as a memory-mapped Arrow table, encoding it first on a cold cache (of the
+    pairs data.clean kept, when `cleaned_by` names its rules)."""
     tagged = f"|tag:{split.tag}" if split.tag else ""
+    cleaned = f"|clean:{cleaned_by}" if cleaned_by else ""
     key = hashlib.sha256(
-        f"{split.fingerprint}|{tokenizer.sha256}|{ENCODING_VERSION}{tagged}".encode()
+        f"{split.fingerprint}|{tokenizer.sha256}|{ENCODING_VERSION}{tagged}{cleaned}".encode()
     ).hexdigest()[:32]
     final = cache / "encoded" / key
     meta_path = final / "meta.json"  # written last: its presence marks a complete entry
@@ -278,9 +349,10 @@ def _encode(dataset: Any, encoder: _Encoder, staging: Path, key: str, num_proc: 
 
 
 def _filtered(
-    table: pa.Table, cfg: DataConfig, training: bool
+    table: pa.Table, cfg: DataConfig, training: bool, codes: np.ndarray | None = None
 ) -> tuple[EncodedSplit, FilterCounts]:
-    """Apply the filters to the cached lengths; count each removed pair under its first filter."""
+    """Apply the filters to the cached lengths; count each removed pair under its first filter
+    (data.clean's first: `codes`, of the pairs read, of which the table holds the kept ones)."""
     src_len = _int64_numpy(pc.list_value_length(table.column("src_ids")))
     tgt_len = _int64_numpy(pc.list_value_length(table.column("tgt_ids")))
     invalid = _int64_numpy(table.column("invalid")).astype(bool)
@@ -300,7 +372,9 @@ def _filtered(
     rows = np.flatnonzero(~removed)
     replaced = int((invalid & ~removed).sum()) if cfg.encoding_errors == "replace" else 0
     split = EncodedSplit(table, rows, src_lengths=src_len[rows], tgt_lengths=tgt_len[rows])
-    return split, FilterCounts(read=len(src_len), **counts, kept=len(rows), replaced=replaced)
+    cleaned_out = int((codes != clean.KEPT).sum()) if codes is not None else 0
+    return split, FilterCounts(read=len(src_len) + cleaned_out, **counts, clean=cleaned_out,
+                               kept=len(rows), replaced=replaced)  # fmt: skip
 
 
 def _int64_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
@@ -316,6 +390,7 @@ def _int64_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
 def _describe(counts: FilterCounts) -> str:
     return (
         f"{counts.read} read, {counts.invalid_utf8} invalid UTF-8 (data.encoding_errors),"
+        f" {counts.clean} by data.clean,"
         f" {counts.empty} empty, {counts.too_long} over data.max_len,"
         f" {counts.ratio} over data.max_len_ratio"
     )
@@ -544,6 +619,8 @@ class TokenBucketSampler:
         if groups is not None and len(weights) > 1:
             self.members = [np.flatnonzero(groups == i) for i in range(len(weights))]
             self.weights = np.asarray(weights, dtype=np.float64)
+            if not math.isfinite(sum(weights)):  # each finite, their sum not: scaled
+                self.weights = self.weights / self.weights.max()
 
     def epoch_draw(self, epoch: int) -> np.ndarray:
         """The pairs of `epoch` (indices, with repeats): all pairs once for a single corpus; for

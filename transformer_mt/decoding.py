@@ -76,6 +76,32 @@ def check_engine(cfg: Config, device: torch.device) -> None:
         )
 
 
+# Options that one way of decoding reads and another ignores: given for the other, refused.
+_SAMPLING_ONLY = ("decode.temperature", "decode.seed")
+_SEARCH_ONLY = ("decode.beam_size", "decode.length_penalty", "decode.length_penalty_form",
+                "decode.early_stopping")  # fmt: skip
+_TMT_SEARCH_ONLY = ("decode.length_penalty_form", "decode.early_stopping")
+
+
+def check_options(cfg: Config, overrides: Sequence[str | tuple[str, str]]) -> None:
+    """Refuse an option this command or request gave that its decoding would not read (each
+    override is "key=value" or (that, the user's words)): --temperature without --sampling,
+    --beam while sampling, tmt's stopping rule for CTranslate2's search."""
+    decode = cfg.decode
+    for item in overrides:
+        text, typed = item if isinstance(item, tuple) else (item, f"--set {item}")
+        key = text.partition("=")[0].strip()
+        if key in _SAMPLING_ONLY and decode.sampling == "none":
+            raise TmtError(f"{typed}: applies to sampling only; add decode.sampling (--sampling"
+                           " full, topk:K or topp:P)")  # fmt: skip
+        if key in _SEARCH_ONLY and decode.sampling != "none":
+            raise TmtError(f"{typed}: not used while sampling (decode.sampling="
+                           f"{decode.sampling}): nbest N draws N samples")  # fmt: skip
+        if key in _TMT_SEARCH_ONLY and decode.engine == "ctranslate2":
+            raise TmtError(f"{typed}: tmt's search only; CTranslate2's beam search has its own"
+                           " (decode.engine=torch)")  # fmt: skip
+
+
 class _DecodeState:
     """What search.py needs from the model: the decoder cache and source mask, reorderable."""
 

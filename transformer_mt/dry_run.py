@@ -18,7 +18,14 @@ import torch
 
 from transformer_mt import distributed, run, textio
 from transformer_mt.config import Config, to_yaml
-from transformer_mt.data import PreparedData, TokenBucketSampler, padding_efficiency, prepare_data
+from transformer_mt.data import (
+    PreparedData,
+    SubwordSampling,
+    TokenBucketSampler,
+    padding_efficiency,
+    prepare_data,
+)
+from transformer_mt.exits import TmtError
 from transformer_mt.model import parameter_count
 
 
@@ -30,13 +37,36 @@ def training_bytes(cfg: Config, vocab_size: int, source_vocab_size: int | None =
 
 
 def check_before_training(cfg: Config, device: torch.device, vocab_size: int = 0) -> None:
-    """What training checks before it writes anything: that it may write into train.out_dir, and
-    that the model fits in the device's free memory (vocab_size: the tokenizer's when known, else
-    tokenizer.vocab_size), refused in one line naming the size and the memory there is."""
+    """What training checks before it writes anything: that it may write into train.out_dir, that
+    the budget schedule's shares fit in its budget, and that the model fits in the device's free
+    memory (vocab_size: the tokenizer's when known, else tokenizer.vocab_size), refused in one
+    line naming the size and the memory there is."""
     textio.check_directory(Path(cfg.train.out_dir), "train.out_dir")
+    optim = cfg.optim
+    if optim.schedule == "budget" and optim.warmup_fraction + optim.decay_fraction > 1:
+        # Checked for training, not in Config: a checkpoint that holds such a config still loads.
+        raise TmtError(
+            f"optim.warmup_fraction {optim.warmup_fraction:g} + optim.decay_fraction"
+            f" {optim.decay_fraction:g} > 1: the warmup and the decay are shares of one budget"
+        )
     vocab = vocab_size or cfg.tokenizer.vocab_size
     what = f"training a model of {parameter_count(cfg.model, vocab):,} parameters (model.*)"
     distributed.check_room(training_bytes(cfg, vocab), device, what)
+
+
+def check_prepared(cfg: Config, data: PreparedData, world_size: int) -> SubwordSampling | None:
+    """What training refuses once its data is prepared, before it writes anything (the dry run
+    refuses the same): a validation split too small for its ranks, BPE-dropout
+    (data.subword_alpha) on a tokenizer that is no BPE. Returns the BPE-dropout sampling."""
+    if (cfg.train.valid_every or cfg.train.bleu_every) and len(data.valid) < world_size:
+        counts = data.counts["data.valid"]
+        raise TmtError(
+            f"data.valid ({cfg.data.valid}): {len(data.valid)} pairs after filtering"
+            f" ({counts.read} read), fewer than the {world_size} rank(s) that validate:"
+            " validation, the best checkpoint and early stopping need it; fix the split, or set"
+            " train.valid_every=0 and train.bleu_every=0 to train without them"
+        )
+    return SubwordSampling.of(cfg, data.tokenizer)
 
 
 def dry_run(cfg: Config) -> dict[str, Any]:
@@ -46,6 +76,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     check_before_training(cfg, device)  # before the data cache is written
     parent = run.init_model(cfg) if cfg.train.init_from else None
     data = prepare_data(cfg, parent.tokenizer if parent else None)
+    check_prepared(cfg, data, world_size=1)
     sampler = data.train.sampler(cfg.data.max_tokens, cfg.train.seed)
     batches = sampler.epoch_batches(0)
     efficiency = padding_efficiency(batches, sampler.src_lengths, sampler.tgt_lengths)
@@ -61,6 +92,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
         "batches": len(batches),
         "padding_efficiency": round(efficiency, 4),
         "filters": {key.removeprefix("data."): c.as_dict() for key, c in data.counts.items()},
+        "cleaned": {key.removeprefix("data."): c for key, c in data.cleaned.items()},
         "corpora": corpus_report(data, sampler),
     }
     return summary
@@ -71,6 +103,8 @@ def format_report(summary: dict[str, Any], cfg: Config) -> str:
     lines = ["# resolved config", to_yaml(cfg).rstrip("\n"), "# data"]
     for key, counts in summary["filters"].items():
         lines.append(f"data.{key}: " + ", ".join(f"{name} {n}" for name, n in counts.items()))
+    for key, removed in summary["cleaned"].items():  # data.clean: each filter's share
+        lines.append(f"data.{key} data.clean: " + ", ".join(f"{n} {c}" for n, c in removed.items()))
     lines.append("# training corpora (epoch 0 draws these pairs from each)")
     for row in summary["corpora"]:
         tag = f", tag {row['tag']}" if row["tag"] else ""

@@ -50,6 +50,8 @@ def normalized_weights(weights: Sequence[float] | None, count: int) -> tuple[flo
     bad = [w for w in weights if not (math.isfinite(w) and w > 0)]
     if bad:
         raise TmtError(f"{given}: {bad[0]:g} is not a positive number", param="weights")
+    if not math.isfinite(sum(weights)):  # each finite, their sum not (1e308 twice): scaled
+        weights = [w / max(weights) for w in weights]
     total = sum(weights)
     return tuple(w / total for w in weights)
 

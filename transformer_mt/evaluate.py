@@ -117,6 +117,7 @@ def compare(
         results[test] = (signatures, scores)
     (bs_signatures, bootstrap), (_, randomization) = results["bs"], results["ar"]
     rows = []
+    tested = len(references) >= MIN_TEST_SENTENCES
     for i, (name, hypotheses) in enumerate(named):
         # sacreBLEU gives an output identical to the baseline's the smallest p-value (no
         # resample differs, and its test counts only larger differences): no test is reported.
@@ -124,18 +125,26 @@ def compare(
         row: dict[str, Any] = {"system": name, "baseline": i == 0, "identical_to_baseline": same}
         for theirs, ours in _COMPARED.items():
             b, r = bootstrap[theirs][i], randomization[theirs][i]
+            untested = same or not tested
             row[ours] = {
-                "score": round(b.score, 2), "mean": round(float(b.mean), 2),
-                "ci95": round(float(b.ci), 2), "p_bootstrap": None if same else b.p_value,
-                "p_randomization": None if same else r.p_value,
+                "score": round(b.score, 2), "mean": round(float(b.mean), 2) if tested else None,
+                "ci95": round(float(b.ci), 2) if tested else None,
+                "p_bootstrap": None if untested else b.p_value,
+                "p_randomization": None if untested else r.p_value,
             }  # fmt: skip
         rows.append(row)
     return {
         "systems": rows,
         "sentences": len(references),
+        "tested": tested,
         "signatures": {_COMPARED[m]: str(sig) for m, sig in bs_signatures.items()},
         "randomization_trials": 10_000,
     }
+
+
+# Fewer sentences than this get scores but no paired test: resampling a handful of sentences
+# (one, in the limit) tells nothing about a test set, yet sacreBLEU would report p 0.001.
+MIN_TEST_SENTENCES = 30
 
 
 def format_comparison(report: dict[str, Any]) -> str:
@@ -152,7 +161,7 @@ def format_comparison(report: dict[str, Any]) -> str:
             m = row[ours]
             p_bs, p_ar = m["p_bootstrap"], m["p_randomization"]
             mark = " *" if p_bs is not None and p_ar is not None and max(p_bs, p_ar) < 0.05 else ""
-            interval = f"{m['mean']:.2f} ± {m['ci95']:.2f}"
+            interval = f"{m['mean']:.2f} ± {m['ci95']:.2f}" if report["tested"] else "-"
             none = "identical" if row["identical_to_baseline"] else "-"
             p_bs_text = none if p_bs is None else f"{p_bs:.4f}"
             p_ar_text = none if p_ar is None else f"{p_ar:.4f}"
@@ -160,7 +169,11 @@ def format_comparison(report: dict[str, Any]) -> str:
                 f"{row['system']:<{width}}{m['score']:>8.2f}{interval:>18}{p_bs_text:>16}"
                 f"{p_ar_text:>20}{mark}"
             )
-    lines += ["", "* p < 0.05 in both tests (the system differs from the baseline)"]
+    if report["tested"]:
+        lines += ["", "* p < 0.05 in both tests (the system differs from the baseline)"]
+    else:
+        lines += ["", f"no paired test: {report['sentences']} sentences, fewer than"
+                      f" {MIN_TEST_SENTENCES} (scores only)"]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -196,6 +209,31 @@ def validation_bleu(
         )
     distributed.all_reduce_sum(figures, info)
     return {"val_bleu": figures[0].item(), "val_chrf": figures[1].item()}
+
+
+def check_arguments(
+    hyp: bool, model: bool, input_: bool, ref: bool, split: bool, translating: dict[str, Any]
+) -> None:
+    """tmt evaluate scores a model's translations or hypothesis files: an option (named as the
+    command line spells it) that the way chosen would not read is refused, never ignored (a
+    score reported for a model that did not make it, references of another input)."""
+    given = [name for name, value in translating.items() if value not in (None, 0)]
+    if hyp and (model or input_ or given):
+        names = ", ".join([*(["-m"] if model else []), *(["-i"] if input_ else []), *given])
+        raise TmtError(f"{names}: not with --hyp, whose lines are scored as they are (nothing"
+                       " is translated)")  # fmt: skip
+    if not hyp and not model:
+        names = ", ".join([*(["-i"] if input_ else []), *given])
+        if names:
+            raise TmtError(f"{names}: nothing to translate with: give the model with -m")
+    if input_ and not ref:
+        raise TmtError("-i needs --ref, the references of that input (a split has its own"
+                       " sources: --split)")  # fmt: skip
+    if model and ref and not input_:
+        raise TmtError("--ref needs -i, the sources of those references (a split has its own"
+                       " references: --split)")  # fmt: skip
+    if split and ref and (input_ or hyp):
+        raise TmtError("--split: not with --ref and -i or --hyp, which give both sides")
 
 
 def check_split(split: str) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 ConfigOption = Annotated[
     str,
@@ -151,3 +152,91 @@ def flag_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[str
             key = _KEYS.get(name, f"{section}.{name}")
             overrides.append((f"{key}={value}", f"--{name.replace('_', '-')} {value}"))
     return overrides
+
+
+# Options of one command each.
+InitFrom = Annotated[
+    str | None,
+    typer.Option(
+        "--init-from",
+        help="Fine-tune: start from this model's weights and tokenizer (a checkpoint, an"
+        " averaged model or a run directory) with a fresh optimizer (train.init_from).",
+    ),
+]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Prepare data and batches, report, exit.")]
+TextInput = Annotated[
+    str, typer.Option("--input", "-i", help="Raw text, one sentence per line; - = stdin.")
+]
+TextOutput = Annotated[
+    str, typer.Option("--output", "-o", help="Detokenized translations; - = stdout.")
+]
+NBest = Annotated[
+    int | None, typer.Option("--nbest", help="Write N hypotheses per line: index, score, text.")
+]
+Split = Annotated[
+    str | None,
+    typer.Option("--split", help="test or valid: a split of the model's config (test)."),
+]
+SourceFile = Annotated[
+    Path | None,
+    typer.Option("--input", "-i", help="Source file to translate instead of a split."),
+]
+Ref = Annotated[Path | None, typer.Option("--ref", help="Reference file instead of the split's.")]
+Quantization = Annotated[
+    str | None,
+    typer.Option("--quantization", help="ctranslate2 only: int8, int8_float16 or float16."),
+]
+CheckLines = Annotated[
+    int,
+    typer.Option("--check-lines", help="Validation lines the export must reproduce; 0 = all."),
+]
+Annotate = Annotated[
+    bool,
+    typer.Option("--annotate", help="Keep every pair; PREFIX.reason says why each would go."),
+]
+RunLast = Annotated[
+    int, typer.Option("--last", help="With a run directory: its newest N checkpoints.")
+]
+RunBest = Annotated[
+    int, typer.Option("--best", help="With a run directory: its N best checkpoints (--by).")
+]
+RunDirs = Annotated[
+    list[Path] | None,
+    typer.Option("--model", "-m", help="A run directory (repeatable: overlaid to compare)."),
+]
+PlotOutput = Annotated[
+    Path | None,
+    typer.Option(
+        "--output",
+        "-o",
+        help="A .png, .svg or .pdf (default: RUN_DIR/curves.png, or ./curves.png for several).",
+    ),
+]
+Host = Annotated[str | None, typer.Option(help="Address to bind (serve.host).")]
+Port = Annotated[int | None, typer.Option(help="Port (serve.port; 0: any free).")]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(envvar="TMT_API_KEY", help="Require Authorization: Bearer KEY (not /health)."),
+]
+OldInput = Annotated[Path | None, typer.Option("--src", hidden=True)]
+CleanOutput = Annotated[
+    str,
+    typer.Option(
+        "--output", "-o", help="PREFIX: writes PREFIX.SRC, PREFIX.TGT, PREFIX.report.json."
+    ),
+]
+
+
+class OnceCommand(TyperCommand):
+    """A command whose single-valued options may be given once: a second -m to `tmt export`
+    would otherwise silently replace the first (click keeps the last value)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if not ctx.resilient_parsing:
+            _, _, order = self.make_parser(ctx).parse_args(args=list(args))
+            for param in set(order):
+                # Options only (arguments have no is_flag); a flag twice says one thing twice.
+                once = not getattr(param, "multiple", True) and not getattr(param, "is_flag", True)
+                if once and order.count(param) > 1:
+                    ctx.fail(f"{'/'.join(param.opts)} given more than once: give it once")
+        return super().parse_args(ctx, args)

@@ -1,7 +1,8 @@
 """The LibreTranslate API over a tmt model, so that its clients (browser extensions, Mastodon,
 apps, scripts) work unchanged: POST /translate (q as text or a list, source as a language or
 "auto", target, format text or html, alternatives, api_key; a JSON or a form body) answering
-{"translatedText": ...}, and GET /languages. Errors come in its shape, {"error": ...}, with its
+{"translatedText": ...}, GET or POST /languages and GET /frontend/settings (no key asked, as
+LibreTranslate's server asks none there). Errors come in its shape, {"error": ...}, with its
 words where it has them. The model serves one pair: another is a 400 naming it.
 """
 
@@ -33,7 +34,9 @@ LANGUAGE_NAMES = {
 def add_endpoints(app: FastAPI, service: Service) -> None:
     data = service.translator.config.data
 
-    @app.get("/languages")
+    # As LibreTranslate's server: GET or POST (its Python client sends a GET with a form body,
+    # older ones a POST), no key asked (a key sent is ignored).
+    @app.api_route("/languages", methods=["GET", "POST"])
     async def languages() -> list[dict[str, Any]]:
         targets = _targets(service.translator)
         return [
@@ -41,10 +44,24 @@ def add_endpoints(app: FastAPI, service: Service) -> None:
             *({"code": code, "name": _name(code), "targets": []} for code in targets),
         ]
 
+    @app.get("/frontend/settings")  # what LibreTranslate's page and clients ask first
+    async def settings() -> dict[str, Any]:
+        source, target = data.src_lang, _targets(service.translator)[0]
+        return {
+            "charLimit": service.cfg.max_chars, "frontendTimeout": 500,
+            "apiKeys": bool(service.api_key), "keyRequired": bool(service.api_key),
+            "suggestions": False, "filesTranslation": False, "supportedFilesFormat": [],
+            "language": {"source": {"code": source, "name": _name(source)},
+                         "target": {"code": target, "name": _name(target)}},
+        }  # fmt: skip
+
     @app.post("/translate")
     async def translate(request: Request) -> dict[str, Any]:
         fields = await _fields(request)
-        check_key(request.headers.get("authorization", ""), service.api_key, fields.get("api_key"))
+        # api_key in the JSON or form body, or in the query string (LibreTranslate's
+        # request.values), or tmt's Authorization: Bearer.
+        given = fields.get("api_key") or request.query_params.get("api_key")
+        check_key(request.headers.get("authorization", ""), service.api_key, given)
         return await _translate(service, request, fields)
 
 

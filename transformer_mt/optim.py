@@ -4,10 +4,13 @@ fits the run's budget (optim.schedule=budget)."""
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from transformer_mt.config import ModelConfig, OptimConfig
+
+logger = logging.getLogger(__name__)
 
 
 def noam_lr(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
@@ -108,15 +111,24 @@ class BudgetSchedule:
         """A time budget's plan, or 0 when none is due: made once the rate since `since` (step,
         time) is measured, then once more two updates before its decay (agreed during the
         first, applied from the second, still at the peak) at the rate since that plan, which
-        includes the validations and checkpoints the first measure did not see."""
+        includes the validations and checkpoints the first measure did not see; sooner, when the
+        clock would stop the run before its decay began. After that (and in a resumed session)
+        the clock may cut off at most a quarter of the decay, at the rate since the last plan
+        (5 updates at least), or the plan is made again, shorter: the run ends in its decay, not
+        at its peak, even when validations cost more than the first measure saw."""
         done = step - since[0]
-        if self.retimed or done < 5:
+        if done < 5:
             return 0
-        if self.timed and step + 2 < self.decay_start:
-            return 0
-        if not self.timed and measuring(self, budget_s, elapsed_s, step):
-            return 0
-        return time_plan(self, budget_s, elapsed_s, step, done / max(now - since[1], 1e-9))
+        rate = done / max(now - since[1], 1e-9)
+        if not self.timed:
+            due = not measuring(self, budget_s, elapsed_s, step)
+        else:
+            reach = step + rate * (budget_s - elapsed_s)  # where the clock would stop the run
+            if not self.retimed:  # the check before the decay, or the clock stops it before
+                due = step + 2 >= self.decay_start or reach < self.decay_start
+            else:  # then the clock may cut off at most a quarter of the decay
+                due = reach < self.total - 0.25 * (self.total - self.decay_start)
+        return time_plan(self, budget_s, elapsed_s, step, rate) if due else 0
 
     def continue_with(self, planned: int, after: int) -> bool:
         """Continue with rank 0's plan of the time budget from update `after`; True for the
@@ -182,3 +194,19 @@ def measuring(schedule: BudgetSchedule, budget_s: float, elapsed_s: float, step:
     if schedule.fraction:
         return elapsed_s < min(0.05, schedule.fraction / 2) * budget_s
     return elapsed_s < 0.05 * budget_s and step < schedule.warmup_steps // 2
+
+
+def warn_if_undecayed(schedule: BudgetSchedule | None, step: int, stop: str) -> None:
+    """Say so when the clock stopped a budget schedule before its decay had done its work
+    (a plan is made after 5 updates: a budget that holds fewer has none)."""
+    if schedule is None or stop != "max_minutes" or step >= schedule.total > 0:
+        return
+    rate = schedule.lr(step)
+    if rate > 0.25 * schedule.peak:
+        logger.warning(
+            "the clock stopped the run at update %d at learning rate %.3g (%.0f %% of the peak),"
+            " before its planned decay (%s): train.max_minutes is too short for a plan to fit, or"
+            " the machine slowed down; its checkpoints are not annealed",
+            step, rate, 100 * rate / schedule.peak,
+            f"to update {schedule.total}" if schedule.total else "none was planned",
+        )  # fmt: skip

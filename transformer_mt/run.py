@@ -73,13 +73,14 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 
 def start(
-    run_dir: Path, cfg: Config, tokenizer: Tokenizer, step: int, checkpoint_bytes: int
-) -> None:
+    run_dir: Path, cfg: Config, tokenizer: Tokenizer, step: int, checkpoint_bytes: int,
+    finished: bool = False,
+) -> None:  # fmt: skip
     """Prepare the run directory for a session resuming at `step` (0: a new run).
 
     Refuses to start without room for checkpoints: a new one is written beside the last, so twice
     a checkpoint's size must be free. Metrics past `step` are dropped (those steps are trained
-    again)."""
+    again), unless the run is `finished`: it trains nothing, and its log stays as it is."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=run_dir).close()
@@ -98,7 +99,8 @@ def start(
     try:
         files.atomic_write(run_dir / files.CONFIG_FILE, to_yaml(cfg).encode())
         files.atomic_write(run_dir / files.TOKENIZER_FILE, tokenizer.model_bytes)
-        metrics.trim(run_dir, step)
+        if not finished:
+            metrics.trim(run_dir, step)
     except OSError as err:
         raise TmtError(
             f"{run_dir}: cannot write the run's files ({err.strerror or err})",
@@ -131,9 +133,11 @@ class RunLock:
         self.path = run_dir / LOCK_FILE
         self.hint, self.mentions = hint, mentions  # what else the refused user can do
         self.fd: int | None = None
+        self.created = False  # the directory was made for the lock: gone again if left empty
 
     def acquire(self) -> None:
         try:
+            self.created = not self.path.parent.exists()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
@@ -182,6 +186,12 @@ class RunLock:
                 os.ftruncate(self.fd, 0)  # a clean end leaves no holder behind
             os.close(self.fd)  # releases the flock
             self.fd = None
+            # A run refused before its first file (a config the data cannot serve) leaves no
+            # directory behind that it made only to hold its lock.
+            if self.created and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+                    self.path.parent.rmdir()
 
 
 # --- resume ------------------------------------------------------------------------------------

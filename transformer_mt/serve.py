@@ -50,13 +50,23 @@ from transformer_mt.alignment import pharaoh
 from transformer_mt.batching import Batcher
 from transformer_mt.config import ServeConfig, apply_overrides
 from transformer_mt.exits import TmtError, first_line
-from transformer_mt.service import ServeError, Service, Stats, check_key, curves, model_card
+from transformer_mt.service import (
+    ServeError,
+    Service,
+    Stats,
+    check_key,
+    curves,
+    model_card,
+    served_checkpoint,
+)
 from transformer_mt.translate import Translator, detokenize
 
 logger = logging.getLogger("tmt.serve")
 
-PUBLIC = ("/health", "/", "/favicon.ico")  # what needs no API key: the page asks for the key
-KEY_IN_BODY = ("/translate",)  # LibreTranslate clients send api_key in the body
+# What needs no API key: the page asks for the key; LibreTranslate's server asks none for its
+# languages and settings (its clients send a key there, or none).
+PUBLIC = ("/health", "/", "/favicon.ico", "/languages", "/frontend/settings")
+KEY_IN_BODY = ("/translate",)  # LibreTranslate clients send api_key in the body or the query
 
 
 class TranslateRequest(BaseModel):
@@ -109,8 +119,9 @@ def create_app(
 
 def _add_endpoints(app: FastAPI, service: Service) -> None:
     translator = service.translator
+    served = served_checkpoint(translator)  # the curves are of this checkpoint's run only
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # monitors probe with HEAD
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
@@ -120,7 +131,8 @@ def _add_endpoints(app: FastAPI, service: Service) -> None:
 
     @app.get("/v1/curves.png")
     async def training_curves() -> Response:  # drawn away from the event loop (a second or so)
-        return Response(await asyncio.to_thread(curves, translator), media_type="image/png")
+        drawn = await asyncio.to_thread(curves, translator, served)
+        return Response(drawn, media_type="image/png")
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -216,9 +228,11 @@ class Gate:
                 status[0] = message["status"]
             await send(message)
 
+        read = [False]  # the whole body was read (or refused while it came)
         try:
             self._admit(scope)
             body = await self._body(receive)
+            read[0] = True
             replayed = [False]
 
             async def replay() -> dict[str, Any]:  # the body once, then the client's own events
@@ -230,6 +244,8 @@ class Gate:
             await self.app(scope, replay, watched)
         except ServeError as err:
             if not status[0]:
+                if not read[0] and err.status in (401, 413):
+                    await self._discard(scope, receive)
                 await _send_error(watched, err.status, err.message, err.headers)
         except Exception as err:
             logger.error("%s %s: %s: %s", scope["method"], scope["path"], type(err).__name__,
@@ -237,6 +253,27 @@ class Gate:
             if not status[0]:
                 await _send_error(watched, 500, f"the server failed ({type(err).__name__})")
         self._account(scope, status[0], time.monotonic() - start)
+
+    async def _discard(self, scope: dict[str, Any], receive: Any) -> None:
+        """Read and drop what is left of a refused request's body, within bounds (64 MiB or 16
+        times serve.max_body_bytes, serve.body_seconds), before answering: an answer sent
+        while the body still comes makes the connection close with unread bytes, a reset that
+        a client sending its whole body before it reads (Python's http.client, requests) gets
+        instead of the answer (nginx's lingering close, for the same reason). A client that
+        waits for 100 Continue has sent nothing: it gets the answer at once."""
+        headers = dict(scope.get("headers", ()))
+        if headers.get(b"expect", b"").lower() == b"100-continue":
+            return
+        deadline = time.monotonic() + self.service.cfg.body_seconds
+        left = max(64 << 20, 16 * self.limit)
+        while left > 0:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return
+            left -= len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
 
     async def _body(self, receive: Any) -> bytes:
         """The whole request body, refused (413) as soon as it passes the limit, and (408) when
@@ -288,6 +325,58 @@ async def _send_error(send: Any, status: int, message: str, headers: Any = None)
 # --- running it --------------------------------------------------------------------------------
 
 
+def _http_protocol(header_seconds: float) -> type:
+    """uvicorn's HTTP/1.1 (h11) with the bound it lacks: a request's headers have
+    `header_seconds` to come whole from their first byte (or from the connection's start), else
+    408 and the connection is closed; a client that trickles headers (slowloris) or connects and
+    says nothing holds no connection for ever. The body has its own bound (Gate._body)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeout(H11Protocol):  # type: ignore[misc]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.headers_timer = self.loop.call_later(header_seconds, self.headers_late)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            waiting = self.conn.their_state is h11.IDLE and bool(self.conn.trailing_data[0])
+            if not waiting and self.conn.their_state is not h11.IDLE:  # the headers came
+                self._disarm()
+            elif waiting and self.headers_timer is None:  # a next request has begun
+                self.headers_timer = self.loop.call_later(header_seconds, self.headers_late)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _disarm(self) -> None:
+            if self.headers_timer is not None:
+                self.headers_timer.cancel()
+                self.headers_timer = None
+
+        def headers_late(self) -> None:
+            self.headers_timer = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            if self.conn.trailing_data[0]:  # headers begun, never finished: say why
+                body = json.dumps(
+                    {
+                        "error": "the request headers did not come whole within"
+                        f" serve.header_seconds ({header_seconds:g} s)"
+                    }
+                )
+                self.transport.write(
+                    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                    + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+                    + body.encode()
+                )  # fmt: skip
+                logger.info("a request's headers did not come within %g s: closed", header_seconds)
+            self.transport.close()
+
+    return HeaderTimeout
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (port 0: any free one), or one line saying why it cannot be."""
     try:
@@ -331,6 +420,7 @@ def serve(
     app = create_app(translator, cfg, api_key, decoder_thread=False)
     config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="on",
+        http=_http_protocol(cfg.header_seconds),
         timeout_graceful_shutdown=max(1, math.ceil(cfg.drain_seconds)),
     )  # fmt: skip
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)

@@ -19,12 +19,12 @@ from typing import Any
 import prometheus_client as prom
 from starlette.requests import Request
 
-from transformer_mt import checkpoint, metrics, plot
+from transformer_mt import checkpoint, files, metrics, plot
 from transformer_mt.batching import Batcher, Job, QueueFull
 from transformer_mt.config import ServeConfig, apply_overrides, to_dict
 from transformer_mt.decoding import language_token
 from transformer_mt.exits import TmtError
-from transformer_mt.translate import Translator, check_engine, source_ids
+from transformer_mt.translate import Translator, check_engine, check_options, source_ids
 
 
 class ServeError(Exception):
@@ -53,6 +53,7 @@ class Service:
         if key not in self.options:
             try:
                 config = apply_overrides(self.translator.config, overrides)
+                check_options(config, overrides)
                 check_engine(config, self.translator.device)
                 language_token(dataclasses.replace(self.translator, config=config))
             except TmtError as err:
@@ -200,9 +201,28 @@ def _last_validation(run_dir: Path) -> dict[str, Any]:
     return {}
 
 
-def curves(translator: Translator) -> bytes:
+def served_checkpoint(translator: Translator) -> str:
+    """SHA-256 of the served checkpoint's manifest (its files' checksums, its step): what ties a
+    run directory's curves to the model served, "" for a model of no run."""
+    if translator.run_dir is None or translator.path is None:
+        return ""
+    try:
+        return files.sha256_plain(translator.path / files.MANIFEST_FILE)
+    except OSError:
+        return ""
+
+
+def curves(translator: Translator, served: str) -> bytes:
+    """The curves of the served model's run, while its run directory still holds that model
+    (`served`: served_checkpoint at the start): a run directory replaced since holds another
+    run's curves."""
     if translator.run_dir is None:
         raise ServeError(404, "the model did not come from a run directory: no curves")
+    if not served or served_checkpoint(translator) != served:
+        raise ServeError(
+            404, f"{translator.run_dir} no longer holds the served model (its checkpoint"
+            f" {translator.path} changed or is gone): no curves",
+        )  # fmt: skip
     try:
         return plot.render_curves([translator.run_dir], "png")[0]
     except plot.NoMatplotlib:

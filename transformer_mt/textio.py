@@ -22,6 +22,7 @@ import io
 import logging
 import os
 import queue
+import stat
 import sys
 import threading
 import zlib
@@ -73,14 +74,33 @@ def decode_line(
         return ("" if errors == "skip" else line.decode("utf-8", "replace")), True
 
 
+def regular_file(path: str | Path, param: str, pipes: bool = False) -> Path:
+    """`path`, if it is a regular file (or a link to one), or with `pipes` a FIFO (what a shell's
+    `<(command)` gives, for a file read once); else one line saying what it is: no such file, a
+    directory, a FIFO, a device or a socket (the caller's parameter `param`)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise TmtError(f"{path}: no such file", param=param) from None
+    except OSError as err:
+        raise TmtError(f"{path}: {err.strerror or err}", param=param) from None
+    if stat.S_ISREG(mode) or (pipes and stat.S_ISFIFO(mode)):
+        return Path(path)
+    kinds = [
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (a named pipe)"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+        (stat.S_ISSOCK, "a socket"),
+    ]
+    what = next((name for test, name in kinds if test(mode)), "not a regular file")
+    raise TmtError(f"{path}: is {what}, expected a regular file", param=param)
+
+
 def read_text_file(path: str | Path, param: str) -> list[str]:
     """Lines of a plain or .gz text file to score (strict UTF-8), which the caller's parameter
     `param` names; an empty file is an error: there would be nothing to score."""
-    file = Path(path)
-    if file.is_dir():
-        raise TmtError(f"{path}: is a directory, expected a text file", param=param)
-    if not file.is_file():
-        raise TmtError(f"{path}: no such file", param=param)
+    file = regular_file(path, param, pipes=True)
     lines = [
         decode_line(raw, str(file), n, "strict", hint=" (the file must be UTF-8)")[0]
         for n, raw in enumerate(read_lines(file), 1)

@@ -37,7 +37,7 @@ from transformer_mt import (
 )
 from transformer_mt.checkpoint import Checkpoint
 from transformer_mt.config import Config
-from transformer_mt.data import Batch, PreparedData, SubwordSampling, prepare_data
+from transformer_mt.data import Batch, PreparedData, prepare_data
 from transformer_mt.distributed import DistInfo
 from transformer_mt.exits import StopSignals, TmtError
 from transformer_mt.faults import fault_point
@@ -143,13 +143,17 @@ class _Session:
         tokenizer = (saved or parent).tokenizer if (saved or parent) else None
         # Tokenizer and data: rank 0 fills the cache first, then the other ranks read it warm.
         self.data = _prepare_data_rank0_first(cfg, tokenizer, info)
-        _check_validation_split(cfg, self.data, info)
+        # What the data cannot do for this config, refused before anything is written.
+        self.sampling = dry_run.check_prepared(cfg, self.data, info.world_size)
         self.model, self.opt, self.progress, window = _build(
             cfg, self.data.tokenizer, info, saved, parent
         )
+        self.schedule = optim.budget_schedule(self.opt.scheduler)  # None: the paper's schedule
+        # A run that ended writes nothing when run again, not even a trim of its last record.
+        ended = saved is not None and budget_spent(self.progress, cfg, self.planned) is not None
         if info.is_main:
             size = _checkpoint_bytes(self.model, self.data)
-            run.start(self.run_dir, cfg, self.data.tokenizer, step=self.step, checkpoint_bytes=size)
+            run.start(self.run_dir, cfg, self.data.tokenizer, self.step, size, finished=ended)
             _announce(cfg, self.model, self.data, info)
         # The training view of the model, compiled and/or DDP-wrapped; the raw one saves.
         if info.device.type == "cuda":
@@ -161,8 +165,6 @@ class _Session:
             cfg.data.max_tokens, cfg.train.seed, info.rank, info.world_size
         )
         self.epoch_batches: tuple[int, list[np.ndarray]] = (-1, [])
-        self.sampling = SubwordSampling.of(cfg, self.data.tokenizer)  # data.subword_alpha
-        self.schedule = optim.budget_schedule(self.opt.scheduler)  # None: the paper's schedule
         self.rate_from: tuple[int, float] | None = None  # (step, time) a time budget is timed from
         self._plan_steps(fresh=saved is None)
         self.valid_batches = _valid_batches(self.data, cfg, info)
@@ -170,25 +172,34 @@ class _Session:
         # Validation BLEU reads the raw validation text: scored exactly as tmt evaluate scores it.
         bleu = cfg.train.bleu_every
         self.valid_text = corpus.read_split(cfg.data, "data.valid") if bleu else None
-        self.metrics = metrics.MetricsLog(
-            self.run_dir, info, max_steps=cfg.train.max_steps, step=self.step,
-            tensorboard=cfg.train.tensorboard,
-        )  # fmt: skip
-        if window is not None:
-            self.metrics.restore(window)
-        if parent is not None:
-            self.metrics.write(
-                {"step": 0, "init_from": cfg.train.init_from, "init_checkpoint": str(parent.path),
-                 "init_step": parent.step}
-            )  # fmt: skip
+        self.metrics = self._open_metrics(window, saved, parent)
         self.scores: tuple[int, dict[str, float]] = (-1, {})  # the newest validation's
         self.curves = cfg.train.curves and info.is_main
-        changed = run.drift(saved.config, cfg) if saved else []
-        if changed:  # only with train.resume=force: run.resume refuses it otherwise
-            self.metrics.write({"step": self.step, "config_changed": changed})
         self.last_save_time = time.monotonic()
         self.last_saved_step = self.step if saved is not None else -1
         self.first_attempt = self.step + self.progress.skipped  # update attempts before this one
+
+    def _open_metrics(
+        self, window: dict | None, saved: Checkpoint | None, parent: Checkpoint | None
+    ) -> metrics.MetricsLog:
+        """The session's metrics log: the resumed window restored, then what this session starts
+        from (a fine-tuning's parent; settings a forced resume changed)."""
+        cfg = self.cfg
+        log = metrics.MetricsLog(
+            self.run_dir, self.info, max_steps=cfg.train.max_steps, step=self.step,
+            tensorboard=cfg.train.tensorboard,
+        )  # fmt: skip
+        if window is not None:
+            log.restore(window)
+        if parent is not None:
+            log.write(
+                {"step": 0, "init_from": cfg.train.init_from, "init_checkpoint": str(parent.path),
+                 "init_step": parent.step}
+            )  # fmt: skip
+        changed = run.drift(saved.config, cfg) if saved else []
+        if changed:  # only with train.resume=force: run.resume refuses it otherwise
+            log.write({"step": self.step, "config_changed": changed})
+        return log
 
     @property
     def step(self) -> int:
@@ -257,7 +268,7 @@ class _Session:
         self.rate_from = (self.step, time.monotonic())  # the next plan's rate is timed from here
         self.metrics.write({"step": self.step, "planned_updates": planned})
         fault_point("plan", 1 if first else 2)
-        what = "at the rate measured" if first else "at the rate since, checked before the decay"
+        what = "at the rate measured" if first else "at the rate since, so that the decay fits"
         self.metrics.show(
             f"learning rate planned for {planned} updates (the time budget {what}):"
             f" warmup {self.schedule.warmup}, decay from {self.schedule.decay_start}"
@@ -395,6 +406,7 @@ class _Session:
         averaged = None if stop in exits.SIGNAL_EXIT else self._average()
         if self.info.is_main:
             logger.info("stopped at step %d (%s)", self.step, stop)
+            optim.warn_if_undecayed(self.schedule, self.step, stop)
         progress = self.progress
         return {
             "step": progress.step,
@@ -414,9 +426,9 @@ class _Session:
         the last record of a session that trained: why it stopped (a run run again after its end
         writes nothing). Every rank calls this: flush all-reduces."""
         progress = self.progress
-        if self.metrics.updates:
-            self.metrics.flush(progress.step, progress.epoch, partial=True)
         if progress.step + progress.skipped > self.first_attempt:  # a session that trained
+            if self.metrics.updates:
+                self.metrics.flush(progress.step, progress.epoch, partial=True)
             self.metrics.write({"step": progress.step, "epoch": progress.epoch, "stop": stop})
 
     def _average(self) -> dict[str, Any] | None:
@@ -450,19 +462,6 @@ def _prepare_data_rank0_first(
     if info.is_main:
         distributed.barrier(info)
     return data
-
-
-def _check_validation_split(cfg: Config, data: PreparedData, info: DistInfo) -> None:
-    """Validation (loss, BLEU, the best checkpoint, early stopping) needs a validation split
-    with a pair per rank at least: refuse to train without one rather than silently skip it."""
-    if (cfg.train.valid_every or cfg.train.bleu_every) and len(data.valid) < info.world_size:
-        counts = data.counts["data.valid"]
-        raise TmtError(
-            f"data.valid ({cfg.data.valid}): {len(data.valid)} pairs after filtering"
-            f" ({counts.read} read), fewer than the {info.world_size} rank(s) that validate:"
-            " validation, the best checkpoint and early stopping need it; fix the split, or set"
-            " train.valid_every=0 and train.bleu_every=0 to train without them"
-        )
 
 
 def _valid_batches(data: PreparedData, cfg: Config, info: DistInfo) -> list[Batch]:

@@ -12,9 +12,10 @@ length, output in input order); here they become text, exactly one output per in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
-import itertools
+import io
 import logging
 import re
 from collections.abc import Sequence
@@ -24,10 +25,26 @@ from typing import Any, BinaryIO, TextIO
 
 import torch
 
-from transformer_mt import averaging, corpus, ct2, distributed, ensemble, kernels, run, textio
+from transformer_mt import (
+    averaging,
+    corpus,
+    ct2,
+    distributed,
+    ensemble,
+    files,
+    kernels,
+    run,
+    textio,
+)
 from transformer_mt.alignment import check_layer, pharaoh
 from transformer_mt.config import MODEL_SECTIONS, Config, apply_overrides, changed_keys
-from transformer_mt.decoding import check_engine, output_limits, source_ids, translate_lines
+from transformer_mt.decoding import (
+    check_engine,
+    check_options,
+    output_limits,
+    source_ids,
+    translate_lines,
+)
 from transformer_mt.exits import TmtError
 from transformer_mt.files import METRICS_FILE
 from transformer_mt.model import Transformer, count_parameters
@@ -103,6 +120,7 @@ class Translator:
         translator = self
         if decode:
             config = apply_overrides(self.config, _keyword_overrides(decode))
+            check_options(config, _keyword_overrides(decode))
             translator = dataclasses.replace(self, config=config)
         return translate_text(translator, list(lines), prefix)
 
@@ -144,6 +162,7 @@ def load_translator(
         origin = str(saved.path)
     assert saved.model is not None  # a checkpoint read whole, or an average: its model is built
     cfg = apply_overrides(saved.config, overrides)
+    check_options(cfg, overrides)
     fixed = changed_keys(saved.config, cfg, MODEL_SECTIONS)
     if fixed:
         raise TmtError(f"{', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
@@ -213,6 +232,7 @@ def _load_export(directory: Path, overrides: Sequence[str | tuple[str, str]]) ->
     """A CTranslate2 export of tmt (tmt export, or a cache beside a model) as a Translator."""
     export = ct2.read(directory)
     cfg = apply_overrides(export.config, overrides)
+    check_options(cfg, overrides)
     fixed = changed_keys(export.config, cfg, MODEL_SECTIONS)
     if fixed:
         raise TmtError(f"{', '.join(fixed)}: fixed by the export ({directory})")
@@ -249,7 +269,7 @@ def _ctranslate2_cache(translator: Translator) -> Translator:
             " `tmt export --format ctranslate2` and decode it with -m EXPORT_DIR"
         )
     with ct2.cache_lock(root):
-        export = ct2.read_cache(final)
+        export = ct2.read_cache(final, made_from=translator.fingerprint)
         if export is None:
             logger.info(
                 "making the CTranslate2 export of %s in %s (once)", translator.origin, final
@@ -261,7 +281,8 @@ def _ctranslate2_cache(translator: Translator) -> Translator:
             expected = [h[0].tokens for h in translate_lines(torch_greedy, lines)]
             ids = source_ids(translator, lines)
             report = {"source": translator.origin, "step": translator.step,
-                      "parameters": translator.parameters}  # fmt: skip
+                      "parameters": translator.parameters,
+                      "made_from": translator.fingerprint}  # fmt: skip
             check = ct2.Check(lines, ids, output_limits(translator, ids), expected)
             ct2.make_cache(final, translator.model, translator.tokenizer, translator.config,
                            report, check)  # fmt: skip
@@ -376,47 +397,44 @@ def translate_stream(
             sink.write("".join(rows))
         sink.flush()
         count += len(chunk)
-    if prefixes:
-        prefixes.check_end(count)
     return count
 
 
 class Prefixes:
-    """A target prefix file read in step with the input (translate --prefix), line by line and as
-    the input is read (bytes split on b"\\n", invalid UTF-8 replaced and reported): one line
-    (maybe empty) for each input line; a file with another line count is refused, naming it."""
+    """The target prefixes of the input's lines, read whole before anything is translated (the
+    counts compared first: a refusal comes before any output), handed out in step with the
+    input (translate --prefix)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        try:
-            self._handle = open(path, "rb")  # noqa: SIM115  (closed by close())
-        except OSError as err:
-            raise TmtError(f"{path}: {err.strerror or err}", param="prefix") from None
-        self._lines = textio.stream_lines(self._handle, path)
-        self._read = 0
+    def __init__(self, lines: list[str]) -> None:
+        self._lines, self._read = lines, 0
 
     def take(self, count: int) -> list[str]:
         """The prefixes of the next `count` input lines."""
-        lines = list(itertools.islice(self._lines, count))
-        self._read += len(lines)
-        if len(lines) < count:
-            raise TmtError(self._mismatch(self._read, "more"), param="prefix")
-        return lines
+        taken = self._lines[self._read : self._read + count]
+        self._read += count
+        return taken
 
-    def check_end(self, input_lines: int) -> None:
-        """Refuse a file with lines left once the input (`input_lines` lines) has ended."""
-        extra = sum(1 for _ in self._lines)
-        if extra:
-            raise TmtError(self._mismatch(self._read + extra, str(input_lines)), param="prefix")
 
-    def close(self) -> None:
-        self._handle.close()
-
-    def _mismatch(self, prefixes: int, input_lines: str) -> str:
-        return (
-            f"{self.path}: {prefixes} lines, but the input has {input_lines}: one target prefix"
-            " (maybe empty) an input line"
-        )
+def _read_prefixes(prefix_path: str, input_path: str) -> tuple[Prefixes, BinaryIO | None]:
+    """The prefix file read whole and checked against the input's line count; an input that is
+    no regular file (stdin, a FIFO) is read whole here too, to be counted before anything is
+    written (returned as a stream), so --prefix gives up streaming stdin."""
+    with textio.open_input(prefix_path, param="prefix") as handle:
+        prefixes = list(textio.stream_lines(handle, prefix_path))
+    held = None
+    if input_path == textio.STDIO or not Path(input_path).is_file():
+        with textio.open_input(input_path) as source:
+            held = io.BytesIO(source.read())
+        lines = sum(1 for _ in files.split_lines(held))
+        held.seek(0)
+    else:
+        lines = textio.count_lines(input_path)
+    if len(prefixes) != lines:  # refused before anything is written
+        raise TmtError(
+            f"{prefix_path}: {len(prefixes)} lines, but the input has {lines}: one target prefix"
+            " (maybe empty) an input line", param="prefix",
+        )  # fmt: skip
+    return Prefixes(prefixes), held
 
 
 def translate_file(
@@ -429,24 +447,14 @@ def translate_file(
     """Translate `input_path` ("-": stdin, streamed) into `output_path` ("-": stdout). A file
     output appears complete or not at all (an interrupted or failed translation leaves the old
     content); textio.check_output says what it may be. Returns the line count. `prefix_path`: a
-    target prefix for each input line; a file's line counts are compared before anything runs."""
+    target prefix for each input line; the line counts are compared before anything runs (so,
+    with a prefix file, stdin is read whole first)."""
     inputs = [input_path] + ([prefix_path] if prefix_path else [])
     textio.check_output(output_path, inputs=inputs, overwrite=overwrite)
-    if prefix_path and input_path != textio.STDIO and Path(input_path).is_file():
-        counts = textio.count_lines(prefix_path, "prefix"), textio.count_lines(input_path)
-        if counts[0] != counts[1]:  # refused before anything is written
-            raise TmtError(
-                f"{prefix_path}: {counts[0]} lines, but the input has {counts[1]}: one target"
-                " prefix (maybe empty) an input line", param="prefix",
-            )  # fmt: skip
-    prefixes = Prefixes(prefix_path) if prefix_path else None
+    prefixes, held = _read_prefixes(prefix_path, input_path) if prefix_path else (None, None)
     where = "stdin" if input_path == textio.STDIO else input_path
-    try:
-        with (
-            textio.open_input(input_path) as source,
-            textio.open_output(output_path) as sink,
-        ):
-            return translate_stream(translator, source, sink, where=where, prefixes=prefixes)
-    finally:
-        if prefixes:
-            prefixes.close()
+    with (
+        contextlib.nullcontext(held) if held else textio.open_input(input_path) as source,
+        textio.open_output(output_path) as sink,
+    ):
+        return translate_stream(translator, source, sink, where=where, prefixes=prefixes)

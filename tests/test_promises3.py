@@ -1,0 +1,338 @@
+"""The promises a third outside probe broke (issue "Keep the promises, round 3"), one section per
+class; each test failed before its fix. docs/reliability.md lists each (P20-P32) with its test.
+The server's share (slowloris, a refused body's answer, LibreTranslate's clients, HEAD, curves of
+a replaced run, sampling options per request) is in tests/test_serve.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, reverse_pairs
+from test_promises import one_line_error
+from typer.testing import CliRunner
+
+from transformer_mt import ensemble, optim, translate
+from transformer_mt.cli import app
+from transformer_mt.config import Config, ModelConfig, OptimConfig, apply_overrides
+from transformer_mt.data import TokenBucketSampler
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three source lines, their references, and prefix files of 3 and 5 lines."""
+    root = tmp_path_factory.mktemp("texts")
+    pairs = reverse_pairs(3, seed=5)
+    files = {"src": [s for s, _ in pairs], "ref": [t for _, t in pairs],
+             "prefix3": ["", pairs[1][1].split()[0], ""], "prefix5": ["", "", "", "", ""]}  # fmt: skip
+    paths = {}
+    for name, lines in files.items():
+        paths[name] = root / f"{name}.txt"
+        paths[name].write_text("".join(line + "\n" for line in lines))
+    return paths
+
+
+def refused(args: list[str], *named: str) -> str:
+    """Run tmt with `args`: exit 2, one line, naming each of `named`."""
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    line = one_line_error(result.stderr)
+    for name in named:
+        assert name in line, line
+    return line
+
+
+# --- 20. options a command would not read are refused, never ignored ---------------------------
+
+
+def test_evaluate_refuses_what_the_way_chosen_would_not_read(
+    trained_run: Path, texts: dict[str, Path]
+) -> None:
+    model, src, ref = str(trained_run), str(texts["src"]), str(texts["ref"])
+    # A score reported for a model that did not make it (the probe's case): -m with --hyp.
+    refused(["evaluate", "-m", model, "--hyp", ref, "--ref", ref], "-m", "--hyp")
+    refused(["evaluate", "-i", src, "--hyp", ref, "--ref", ref], "-i", "--hyp")
+    for flag, value in [
+        ("--beam", "2"),
+        ("--weights", "1"),
+        ("--last", "2"),
+        ("--engine", "torch"),
+    ]:
+        refused(["evaluate", "--hyp", ref, "--ref", ref, flag, value], flag, "--hyp")
+    refused(["evaluate", "--hyp", ref, "--hyp", ref, "--ref", ref, "--beam", "2"], "--beam")
+    refused(["evaluate", "-i", src, "--ref", ref], "-i", "give the model with -m")
+    # One side given, the other taken from a split, would pair another input's references.
+    refused(["evaluate", "-m", model, "-i", src], "-i needs --ref")
+    refused(["evaluate", "-m", model, "--ref", ref], "--ref needs -i")
+    refused(["evaluate", "--hyp", ref, "--ref", ref, "--split", "valid"], "--split")
+    scored = runner.invoke(app, ["evaluate", "-m", model, "-i", src, "--ref", ref, "--json"])
+    assert scored.exit_code == 0, scored.output
+
+
+def test_an_option_given_twice_is_refused_not_reduced_to_its_last_value(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    model = str(trained_run)
+    args = [
+        "export",
+        "-m",
+        model,
+        "-m",
+        model,
+        "--format",
+        "huggingface",
+        "-o",
+        str(tmp_path / "x"),
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "--model/-m given more than once" in result.output
+    assert not (tmp_path / "x").exists()
+    result = runner.invoke(app, ["translate", "-m", model, "--beam", "2", "--beam", "3"])
+    assert result.exit_code == 2 and "--beam given more than once" in result.output
+    # What may be repeated still is: an ensemble's -m, --set, --hyp; a flag twice says one thing.
+    both = runner.invoke(app, ["evaluate", "--hyp", __file__, "--hyp", __file__, "--ref",
+                               __file__, "--json", "--json"])  # fmt: skip
+    assert both.exit_code == 0, both.output
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--temperature", "0.5"], "--temperature 0.5: applies to sampling only"),
+        (["--seed", "3"], "--seed 3: applies to sampling only"),
+        (["--sampling", "full", "--beam", "3"], "--beam 3: not used while sampling"),
+        (["--set", "decode.early_stopping=current", "--engine", "ctranslate2"], "tmt's search"),
+    ],
+    ids=["temperature", "seed", "beam_while_sampling", "stopping_rule_for_ctranslate2"],
+)
+def test_decoding_options_the_decoding_would_not_read_are_refused(
+    trained_run: Path, texts: dict[str, Path], flags: list[str], named: str
+) -> None:
+    refused(["translate", "-m", str(trained_run), "-i", str(texts["src"]), *flags], named)
+
+
+def test_sampling_nbest_does_not_depend_on_the_beam(trained_run: Path) -> None:
+    # The README's --sampling topk:10 --nbest 4 on a model whose beam is below 4.
+    narrow = translate.load_translator(trained_run, ["decode.beam_size=2"])
+    lines = [s for s, _ in reverse_pairs(3, seed=6)]
+    sampled = narrow.translate(lines, sampling="topk:10", nbest=4, seed=1)
+    assert len(sampled) == 3
+    config = apply_overrides(narrow.config, ["decode.sampling=topk:10", "decode.nbest=4"])
+    rows = translate.translate_lines(dataclasses.replace(narrow, config=config), lines)
+    assert [len(r) for r in rows] == [4, 4, 4]
+
+
+# --- 21. weights: each valid, their sum overflowing -------------------------------------------
+
+
+def test_weights_whose_sum_overflows_are_normalised_without_it(
+    trained_run: Path, texts: dict[str, Path]
+) -> None:
+    assert ensemble.normalized_weights([1e308, 1e308], 2) == (0.5, 0.5)
+    assert ensemble.normalized_weights([1e308, 1e307], 2) == pytest.approx((1 / 1.1, 0.1 / 1.1))
+    assert ensemble.normalized_weights([0.6, 0.4], 2) == (0.6, 0.4)  # bit for bit as before
+    model, src = str(trained_run), str(texts["src"])
+    huge = runner.invoke(app, ["translate", "-m", model, "-m", model, "--weights", "1e308,1e308",
+                               "-i", src])  # fmt: skip
+    equal = runner.invoke(app, ["translate", "-m", model, "-m", model, "-i", src])
+    assert huge.exit_code == equal.exit_code == 0
+    assert huge.stdout == equal.stdout and huge.stdout.strip()
+    # A corpus mixture's weights too: equal shares, not every pair dropped.
+    ones = np.ones(10, dtype=np.int64)
+    groups = np.array([0] * 5 + [1] * 5)
+    sampler = TokenBucketSampler(ones, ones, 100, 0, groups=groups, weights=[1e308, 1e308])
+    assert np.bincount(sampler.epoch_draw(0) >= 5).tolist() == [5, 5]
+
+
+# --- 22. the budget schedule's decay fits the clock -------------------------------------------
+
+
+def clocked_run(budget_s: float, update_s: float, validation_s: float, every: int) -> dict:
+    """A run on a simulated clock, planned as train.py plans it (rank 0's time_plan_due, then
+    continue_with): updates of `update_s`, a validation of `validation_s` every `every`; the
+    clock stops it as train.max_minutes does. Returns the last update's learning rate and the
+    plan."""
+    schedule = optim.BudgetSchedule(ModelConfig(d_model=64), OptimConfig(schedule="budget",
+                                                                       warmup_steps=800))  # fmt: skip
+    now, step, since, plans = 0.0, 0, (0, 0.0), []
+    while now < budget_s and (not schedule.total or step < schedule.total):
+        step += 1
+        now += update_s + (validation_s if step % every == 0 else 0.0)
+        planned = schedule.time_plan_due(budget_s, now, step, since, now)
+        if planned:
+            schedule.continue_with(planned, after=step)
+            since = (step, now)
+            plans.append(planned)
+    return {"step": step, "lr": schedule.lr(step), "peak": schedule.peak, "plans": plans}
+
+
+@pytest.mark.parametrize("budget_s", [3.0, 15.0, 600.0])
+def test_the_decay_fits_the_clock_when_validations_cost_more_than_measured(
+    budget_s: float,
+) -> None:
+    # The probe: train.max_minutes 0.05 and 0.25 stopped at the peak. The first plan is measured
+    # before any validation; a validation then takes a third of the update time of the budget.
+    run = clocked_run(budget_s, update_s=budget_s / 400, validation_s=budget_s / 12, every=40)
+    assert run["plans"], run
+    assert run["lr"] <= 0.2 * run["peak"], run  # it ended in its decay, not at its peak
+
+
+def test_a_run_the_clock_stops_at_its_peak_says_so(
+    tiny_cfg: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformer_mt.train import train
+
+    # One update a budget (the clock already run out after the first): no plan can be made.
+    cfg = dataclasses.replace(
+        tiny_cfg,
+        optim=dataclasses.replace(tiny_cfg.optim, schedule="budget", warmup_steps=1),
+        train=dataclasses.replace(tiny_cfg.train, out_dir=str(tmp_path), max_steps=0,
+                                  max_minutes=1e-6, valid_every=0),
+    )  # fmt: skip
+    with caplog.at_level("WARNING"):
+        summary = train(cfg)
+    assert summary["stop"] == "max_minutes"
+    assert any("before its planned decay" in r.message for r in caplog.records), caplog.text
+
+
+def test_training_refuses_shares_of_the_budget_that_exceed_it(
+    tiny_cfg: Config, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    args = ["--set", "optim.schedule=budget", "--set", "optim.warmup_fraction=0.9",
+            "--set", "optim.decay_fraction=0.2", "--set", f"train.out_dir={out}"]  # fmt: skip
+    for dry in ([], ["--dry-run"]):
+        line = refused(["train", "-c", str(REPO / "configs" / "tiny.yaml"), *args, *dry],
+                       "optim.warmup_fraction 0.9 + optim.decay_fraction 0.2 > 1")  # fmt: skip
+        assert line
+        assert not out.exists()
+
+
+def test_the_dry_run_refuses_what_the_run_refuses(tiny_cfg: Config, tmp_path: Path) -> None:
+    from transformer_mt.dry_run import dry_run
+    from transformer_mt.exits import TmtError
+
+    unigram = dataclasses.replace(
+        tiny_cfg,
+        tokenizer=dataclasses.replace(tiny_cfg.tokenizer, model_type="unigram"),
+        data=dataclasses.replace(tiny_cfg.data, subword_alpha=0.1,
+                                 cache_dir=str(tmp_path / "cache")),
+        train=dataclasses.replace(tiny_cfg.train, out_dir=str(tmp_path / "run")),
+    )  # fmt: skip
+    with pytest.raises(TmtError, match="BPE-dropout needs a bpe tokenizer"):
+        dry_run(unigram)
+    from transformer_mt.train import train
+
+    with pytest.raises(TmtError, match="BPE-dropout needs a bpe tokenizer"):
+        train(unigram)
+    assert not (tmp_path / "run").exists()  # refused before its first file
+
+
+# --- 23. a refusal comes before anything is written; files named for what they are ------------
+
+
+def test_a_prefix_file_longer_than_stdin_is_refused_before_any_output(
+    trained_run: Path, texts: dict[str, Path]
+) -> None:
+    command = [sys.executable, "-m", "transformer_mt", "translate", "-m", str(trained_run)]
+    source = texts["src"].read_text()
+    long = subprocess.run([*command, "--prefix", str(texts["prefix5"])], input=source,
+                          capture_output=True, text=True, cwd=REPO, timeout=300)  # fmt: skip
+    assert long.returncode == 2 and long.stdout == ""
+    assert "5 lines, but the input has 3" in one_line_error(long.stderr)
+    fits = subprocess.run([*command, "--prefix", str(texts["prefix3"])], input=source,
+                          capture_output=True, text=True, cwd=REPO, timeout=300)  # fmt: skip
+    assert fits.returncode == 0 and len(fits.stdout.splitlines()) == 3
+
+
+def test_a_directory_or_a_fifo_is_named_as_such(
+    trained_run: Path, texts: dict[str, Path], tmp_path: Path
+) -> None:
+    model, src = str(trained_run), str(texts["src"])
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    out = str(tmp_path / "out.txt")
+    refused(["translate", "-m", model, "-i", str(folder), "-o", out], "is a directory")
+    refused(["translate", "-m", model, "-i", src, "--prefix", str(folder), "-o", out],
+            "--prefix", "is a directory")  # fmt: skip
+    # A FIFO is read as a stream (a file job would read it again on a resume): the same lines.
+    expected = runner.invoke(app, ["translate", "-m", model, "-i", src,
+                                   "--prefix", str(texts["prefix3"])]).stdout  # fmt: skip
+    for role in ("-i", "--prefix"):
+        fifo = tmp_path / f"fifo{role.strip('-')}"
+        os.mkfifo(fifo)
+        content = texts["src" if role == "-i" else "prefix3"].read_bytes()
+        writer = threading.Thread(target=fifo.write_bytes, args=(content,), daemon=True)
+        writer.start()
+        args = {"-i": src, "--prefix": str(texts["prefix3"])} | {role: str(fifo)}
+        result = runner.invoke(app, ["translate", "-m", model, "-o", out, "--overwrite",
+                                     "-i", args["-i"], "--prefix", args["--prefix"]])  # fmt: skip
+        writer.join(timeout=60)
+        assert result.exit_code == 0, result.output
+        assert Path(out).read_text() == expected
+    # A hypothesis file from a shell's <(command) is a FIFO too: read once, scored.
+    fifo = tmp_path / "hyp"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_bytes, args=(texts["ref"].read_bytes(),))
+    writer.start()
+    scored = runner.invoke(app, ["evaluate", "--hyp", str(fifo), "--ref", str(texts["ref"])])
+    writer.join(timeout=60)
+    assert scored.exit_code == 0 and "BLEU = 100.00" in scored.stdout
+
+
+# --- 24. a paired test needs enough sentences --------------------------------------------------
+
+
+def test_a_paired_test_on_a_handful_of_sentences_reports_no_p_value(tmp_path: Path) -> None:
+    from transformer_mt.evaluate import MIN_TEST_SENTENCES
+
+    for n in (1, MIN_TEST_SENTENCES - 1):
+        ref, worse = tmp_path / f"ref{n}", tmp_path / f"worse{n}"
+        ref.write_text("a dog runs on the grass .\n" * n)
+        worse.write_text("cat\n" * n)
+        result = runner.invoke(app, ["evaluate", "--hyp", str(worse), "--hyp", str(ref),
+                                     "--ref", str(ref)])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert "*" not in result.stdout and f"no paired test: {n} sentences" in result.stdout
+        report = runner.invoke(app, ["evaluate", "--hyp", str(worse), "--hyp", str(ref),
+                                     "--ref", str(ref), "--json"])  # fmt: skip
+        import json
+
+        rows = json.loads(report.stdout)["systems"]
+        assert all(row["bleu"]["p_bootstrap"] is None for row in rows)
+        assert math.isclose(rows[1]["chrf"]["score"], 100.0)
+
+
+# --- 25. the CTranslate2 cache names the model it was made from --------------------------------
+
+
+def test_a_ctranslate2_cache_of_another_model_is_made_again(
+    trained_run: Path, multi30k_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("ctranslate2")
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for source, copy in ((trained_run, ours), (multi30k_run, theirs)):
+        shutil.copytree(source, copy, ignore=shutil.ignore_patterns("ctranslate2-*"))
+    engine = ["decode.engine=ctranslate2", "decode.beam_size=1"]
+    lines = [s for s, _ in reverse_pairs(5, seed=8)]
+    expected = translate.translate_text(translate.load_translator(ours, engine), lines)
+    (cache,) = list(ours.glob("**/ctranslate2-float32-*"))
+    # Their export under our cache's name: what a name alone cannot tell apart.
+    translate.load_translator(theirs, engine)
+    (foreign,) = list(theirs.glob("**/ctranslate2-float32-*"))
+    shutil.rmtree(cache)
+    shutil.copytree(foreign, cache)
+    with caplog.at_level("WARNING"):
+        again = translate.translate_text(translate.load_translator(ours, engine), lines)
+    assert again == expected
+    assert any("not made from this model" in r.message for r in caplog.records), caplog.text

@@ -1,0 +1,326 @@
+"""Corpus cleaning: the cheap rules that OpusCleaner, OpusFilter, bicleaner-hardrules, Mozilla's
+pipeline and OpenNMT-py's `clean` transform agree on, applied pair by pair in one fixed order,
+each removed pair counted under the first rule that removes it (`tmt clean`, and `data.clean` at
+training time).
+
+The order: empty, encoding, length, ratio, copy, script, symbols, overlap, duplicate,
+near_duplicate, langid. Every rule reads only the pair (and, for overlap, the validation and test
+sets; for the duplicates, the hashes of the pairs kept before it): a pair's reason is the same
+however the corpus is chunked or shared among processes, so the output is too.
+
+A name or a number that both sides share is never the reason a pair goes: the script, symbol and
+language rules look at what is left of each side once the tokens found on both sides are set
+aside, and a copy must have `clean.copy_min_words` words with letters (a shorter one is a name, a
+number or a title, which the model must learn to copy). Thresholds and their sources: README,
+"Clean what you train on"; the measurements: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import itertools
+import multiprocessing
+import os
+import re
+import unicodedata
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from transformer_mt import corpus
+from transformer_mt.config import CleanConfig, Config
+from transformer_mt.exits import TmtError
+
+FILTERS = ("empty", "encoding", "length", "ratio", "copy", "script", "symbols", "overlap",
+           "duplicate", "near_duplicate", "langid")  # fmt: skip
+KEPT = 0  # a pair's reason code: 0 kept, else 1 + its filter's index in FILTERS
+# Scripts by language (ISO 639-1), as unicodedata names a letter's first word; a language not
+# listed is not checked by the script rule.
+_BY_SCRIPT = {
+    "LATIN": "af az cs cy da de en eo es et eu fi fr ga gl hr hu id is it lt lv ms mt nb nl nn no"
+    " pl pt ro sk sl sq sv sw tl tr uz vi",
+    "CYRILLIC": "be bg kk ky mk mn ru sr tg uk",
+    "ARABIC": "ar fa ur", "DEVANAGARI": "hi mr ne", "GREEK": "el", "HEBREW": "he",
+    "BENGALI": "bn", "TAMIL": "ta", "TELUGU": "te", "THAI": "th", "GEORGIAN": "ka",
+    "ARMENIAN": "hy", "CJK": "zh",
+}  # fmt: skip
+SCRIPTS: dict[str, tuple[str, ...]] = {
+    **{lang: (script,) for script, langs in _BY_SCRIPT.items() for lang in langs.split(" ")},
+    "ko": ("HANGUL", "CJK"), "ja": ("CJK", "HIRAGANA", "KATAKANA"),
+}  # fmt: skip
+# Languages written without spaces between words: lengths in characters, ratios in UTF-8 bytes
+# (bicleaner's rule for CJK), no word counts.
+NO_SPACES = frozenset(["zh", "ja", "th", "lo", "km", "my"])
+# Mis-decoded UTF-8 read as Latin-1 or cp1252 (mojibake): a lead byte's character (Ã, Â, â, Å)
+# before a continuation byte's (U+0080-U+00BF, or what cp1252 makes of 0x80-0x9F: € „ ™ œ ž ...),
+# as in "CafÃ©", "â€žHalloâ€œ" (bicleaner's no_bad_encoding, sharpened so that Portuguese "SÃO"
+# or "À bientôt" stay).
+_CONTINUATION = "\u0080-\u00bf" + bytes(range(0x80, 0xA0)).decode("cp1252", "ignore")
+_MOJIBAKE = re.compile(f"[ÃÂÅ][{_CONTINUATION}]|â[{_CONTINUATION}][{_CONTINUATION}]")
+_PUNCT_EDGES = re.compile(r"^\W+|\W+$")
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What the rules of one run need besides the pair: the settings, the languages, the
+    normalised validation and test sentences (the overlap rule), and the language identifier."""
+
+    cfg: CleanConfig
+    src_lang: str
+    tgt_lang: str
+    eval_sources: frozenset[int] = frozenset()
+    eval_targets: frozenset[int] = frozenset()
+
+
+def normalised(text: str) -> str:
+    """A sentence with case, spaces and punctuation set aside: its letters and digits, casefolded
+    (what copies, near duplicates and test overlap are compared by)."""
+    return "".join(ch for ch in unicodedata.normalize("NFKC", text).casefold() if ch.isalnum())
+
+
+def digest(text: str) -> int:
+    """8 bytes of BLAKE2b as a signed int64: what duplicates are remembered by (8 bytes a pair,
+    not its text; a false match is about n²/2⁶⁵, 3·10⁻⁴ at 10⁸ pairs)."""
+    raw = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True)
+
+
+@functools.lru_cache(maxsize=65_536)
+def _script(ch: str) -> str:
+    name = unicodedata.name(ch, "")
+    return name.split(" ", 1)[0] if name else ""
+
+
+def _tokens(text: str) -> set[str]:
+    return {_PUNCT_EDGES.sub("", t).casefold() for t in text.split()} - {""}
+
+
+def _own_part(text: str, shared: set[str]) -> str:
+    """`text` without the tokens found on both sides of its pair (names, numbers, URLs)."""
+    return " ".join(t for t in text.split() if _PUNCT_EDGES.sub("", t).casefold() not in shared)
+
+
+def _bad_encoding(text: str) -> bool:
+    for ch in text:
+        if ch == "\ufffd" or (unicodedata.category(ch) == "Cc" and ch != "\t"):
+            return True
+    return bool(_MOJIBAKE.search(text))
+
+
+def _length_problem(text: str, lang: str, cfg: CleanConfig) -> bool:
+    if len(text) > cfg.max_chars:
+        return True
+    if lang in NO_SPACES:
+        return False
+    words = len(text.split())
+    return words < cfg.min_words or words > cfg.max_words
+
+
+def _size(text: str, bytes_: bool) -> int:
+    return len(text.encode("utf-8", "surrogatepass")) if bytes_ else len(text)
+
+
+def _script_share(text: str, lang: str) -> float | None:
+    """The share of `text`'s letters in `lang`'s script; None when it has no letter or the
+    language's script is not known."""
+    expected = SCRIPTS.get(lang)
+    letters = [ch for ch in text if ch.isalpha()]
+    if expected is None or not letters:
+        return None
+    return sum(_script(ch) in expected for ch in letters) / len(letters)
+
+
+def _symbol_share(text: str) -> float | None:
+    """The share of digits, punctuation and symbols among `text`'s non-space characters."""
+    chars = [ch for ch in text if not ch.isspace()]
+    if not chars:
+        return None
+    return sum(unicodedata.category(ch)[0] in "NPS" for ch in chars) / len(chars)
+
+
+def pair_reason(src: str, tgt: str, rules: Rules, identify: Identify | None) -> int:
+    """The first rule (reason code, KEPT = 0) that removes (src, tgt), among those that read the
+    pair alone or the evaluation sets (the duplicates are the caller's: they need the corpus)."""
+    cfg, langs = rules.cfg, (rules.src_lang, rules.tgt_lang)
+    code = FILTERS.index
+    if cfg.empty and (not src.strip() or not tgt.strip()):
+        return 1 + code("empty")
+    if cfg.encoding and (_bad_encoding(src) or _bad_encoding(tgt)):
+        return 1 + code("encoding")
+    sides = list(zip((src, tgt), langs, strict=True))
+    if cfg.length and any(_length_problem(text, lang, cfg) for text, lang in sides):
+        return 1 + code("length")
+    if cfg.ratio:
+        in_bytes = bool(NO_SPACES & set(langs))
+        a, b = _size(src.strip(), in_bytes), _size(tgt.strip(), in_bytes)
+        if max(a, b) > cfg.max_ratio * max(min(a, b), 1):
+            return 1 + code("ratio")
+    src_norm, tgt_norm = normalised(src), normalised(tgt)
+    copied = bool(src_norm) and src_norm == tgt_norm
+    if cfg.copy and copied:
+        worded = sum(any(ch.isalpha() for ch in word) for word in src.split())
+        if worded >= cfg.copy_min_words:
+            return 1 + code("copy")
+    shared = _tokens(src) & _tokens(tgt)
+    # A short copy is a name, a number or a title both sides share: nothing of its own to judge.
+    own = ("", "") if copied else (_own_part(src, shared), _own_part(tgt, shared))
+    if cfg.script:
+        shares = [_script_share(t, lang) for t, lang in zip(own, langs, strict=True)]
+        if any(s is not None and s < cfg.min_script_share for s in shares):
+            return 1 + code("script")
+    if cfg.symbols:
+        shares = [_symbol_share(t) for t in own]
+        if any(s is not None and s > cfg.max_symbol_share for s in shares):
+            return 1 + code("symbols")
+    if cfg.overlap and (
+        (src_norm and digest(src_norm) in rules.eval_sources)
+        or (tgt_norm and digest(tgt_norm) in rules.eval_targets)
+    ):
+        return 1 + code("overlap")
+    if cfg.langid and identify is not None:
+        for text, lang in zip(own, langs, strict=True):
+            if len(text) >= cfg.langid_min_chars and identify(text, lang) < cfg.langid_min_prob:
+                return 1 + code("langid")
+    return KEPT
+
+
+class Identify:
+    """Language identification by py3langid (the `clean` extra): its model ships inside the
+    package (nothing is downloaded), BSD-licensed, 97 languages, OpusFilter's default. A side
+    goes when its language's probability is under clean.langid_min_prob, not whenever another
+    language ranks first: on Multi30k, 0.08 % of English lines rank another language first, none
+    has P(en) < 0.1, and 99.96 % of French lines do (docs/benchmarks.md). Loaded once per
+    process."""
+
+    def __init__(self) -> None:
+        try:
+            from py3langid.langid import MODEL_DIR, MODEL_FILE, LanguageIdentifier
+        except ImportError:
+            raise TmtError(
+                "clean.langid needs the clean extra (py3langid is missing):"
+                " pip install 'transformer_mt[clean]'"
+            ) from None
+        self._identifier = LanguageIdentifier.from_modelpath(
+            MODEL_DIR / MODEL_FILE, norm_probs=True
+        )
+
+    def __call__(self, text: str, lang: str) -> float:
+        """The probability that `text` is in `lang` (0 for a language the model lacks)."""
+        return float(dict(self._identifier.rank(text)).get(lang, 0.0))
+
+
+def duplicate_reasons(
+    chunk: Sequence[tuple[str, str]],
+    reasons: np.ndarray,
+    seen: dict[str, np.ndarray],
+    cfg: CleanConfig,
+    alive_codes: Sequence[int] = (KEPT,),
+) -> None:
+    """Mark, in `reasons` (the chunk's codes so far, changed in place), the pairs that passed
+    the rules before the duplicates (`alive_codes`: kept, or removed by a later rule only) and
+    repeat such a pair before them: exactly ("duplicate") or once case, spaces and punctuation
+    are set aside ("near_duplicate"). `seen`: the sorted hashes of those pairs in the chunks
+    before, updated with this chunk's."""
+    for name, on in (("duplicate", cfg.duplicate), ("near_duplicate", cfg.near_duplicate)):
+        if not on:
+            continue
+        alive = np.flatnonzero(np.isin(reasons, alive_codes))
+        if not len(alive):
+            continue
+        if name == "duplicate":
+            keys = [chunk[i][0] + "\t" + chunk[i][1] for i in alive]
+        else:
+            keys = [normalised(chunk[i][0]) + "\t" + normalised(chunk[i][1]) for i in alive]
+        hashes = np.fromiter((digest(k) for k in keys), dtype=np.int64, count=len(keys))
+        known = seen.get(name, np.zeros(1, dtype=np.int64)[:0])
+        at = np.minimum(np.searchsorted(known, hashes), max(len(known) - 1, 0))
+        before = known[at] == hashes if len(known) else np.zeros(len(hashes), dtype=bool)
+        _, first = np.unique(hashes, return_index=True)
+        repeated = np.ones(len(hashes), dtype=bool)
+        repeated[first] = False
+        hit = before | repeated
+        reasons[alive[hit]] = 1 + FILTERS.index(name)
+        seen[name] = np.union1d(known, hashes[~hit])
+
+
+def eval_digests(lines: Iterable[str]) -> frozenset[int]:
+    return frozenset(digest(n) for n in map(normalised, lines) if n)
+
+
+# --- a corpus: its chunks judged, on several processes -------------------------------------------
+
+CHUNK = 20_000  # pairs a process judges at a time
+LANGID = 1 + FILTERS.index("langid")
+
+
+_RULES: Rules | None = None  # this process's rules (a worker's, set by _start)
+_IDENTIFY: Identify | None = None  # ... and its language identifier, loaded once
+
+
+def _start(rules: Rules) -> None:
+    global _RULES, _IDENTIFY
+    _RULES, _IDENTIFY = rules, Identify() if rules.cfg.langid else None
+
+
+def _judge(chunk: list[tuple[str, str]]) -> np.ndarray:
+    assert _RULES is not None
+    return np.asarray([pair_reason(s, t, _RULES, _IDENTIFY) for s, t in chunk], np.int8)
+
+
+def reasons(
+    pairs: Iterator[list[tuple[str, str]]], rules: Rules, num_proc: int
+) -> Iterator[tuple[list[tuple[str, str]], np.ndarray]]:
+    """Each chunk of `pairs` with its pairs' reason codes (KEPT: kept), in order. The rules
+    that read a pair alone run on `num_proc` processes (at most 2 chunks each in flight: memory
+    stays bounded); the duplicates here, in order, so that the result does not depend on the
+    process count."""
+    seen: dict[str, np.ndarray] = {}
+    workers = min(num_proc, os.cpu_count() or 1)
+    alive = (KEPT, LANGID)  # the duplicates come before langid in the order
+    if workers <= 1:
+        _start(rules)
+        for chunk in pairs:
+            codes = _judge(chunk)
+            duplicate_reasons(chunk, codes, seen, rules.cfg, alive)
+            yield chunk, codes
+        return
+    context = multiprocessing.get_context("spawn")  # no fork of a process that holds torch
+    with context.Pool(workers, initializer=_start, initargs=(rules,)) as pool:
+        window: collections.deque[tuple[list[tuple[str, str]], Any]] = collections.deque()
+        for chunk in itertools.chain(pairs, [None]):
+            if chunk is not None:
+                window.append((chunk, pool.apply_async(_judge, (chunk,))))
+            while window and (chunk is None or len(window) >= 2 * workers):
+                done, result = window.popleft()
+                codes = result.get()
+                duplicate_reasons(done, codes, seen, rules.cfg, alive)
+                yield done, codes
+
+
+def eval_sets(cfg: Config) -> tuple[Rules, list[str]]:
+    """The rules of this config, with the validation and test sentences the overlap rule keeps
+    out of training (a split that cannot be read is named in the notes and left out)."""
+    sources: list[str] = []
+    targets: list[str] = []
+    notes = []
+    if cfg.clean.overlap:
+        for key in ("data.valid", "data.test"):
+            try:
+                src, tgt = corpus.read_split(cfg.data, key)
+            except TmtError as err:
+                notes.append(f"overlap: {key} not checked ({err})")
+                continue
+            sources += src
+            targets += tgt
+    rules = Rules(cfg.clean, cfg.data.src_lang, cfg.data.tgt_lang,
+                        eval_digests(sources), eval_digests(targets))  # fmt: skip
+    return rules, notes
+
+
+def dataset_chunks(dataset: Any) -> Iterator[list[tuple[str, str]]]:
+    for batch in dataset.iter(batch_size=CHUNK):
+        yield list(zip(batch["src"], batch["tgt"], strict=True))
