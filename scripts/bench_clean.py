@@ -63,14 +63,19 @@ def labels(out: Path) -> None:
         what = "kept" if kind == "clean" else "removed"
         print(f"{kind:<10}{by_kind[kind]:>8}{removed_kind[kind]:>10}{100 * shown:>8.2f}% {what}"
               f"   {dict(by.most_common())}")  # fmt: skip
-    print(f"\n{'filter':<16}{'removed':>8}{'precision':>11}{'recall':>9}  (recall: of its kind)")
+    print(
+        f"\n{'filter':<16}{'removed':>8}{'precision':>11}{'recall':>9}  (recall: of the kind it is"
+        " for, by the filters for that kind)"
+    )
     filters = Counter(r for r in reasons if r)
     for name, count in filters.most_common():
         noise = sum(1 for k, r in zip(kinds, reasons, strict=True) if r == name and k != "clean")
         kind = next((k for k, meant in MEANT.items() if name in meant), None)
         recall = ""
-        if kind:
-            hits = sum(1 for k, r in zip(kinds, reasons, strict=True) if k == kind and r == name)
+        if kind:  # of the kind, the share removed by the filters meant for it (this one too)
+            hits = sum(
+                1 for k, r in zip(kinds, reasons, strict=True) if k == kind and r in MEANT[kind]
+            )
             recall = f"{100 * hits / by_kind[kind]:.2f}%"
         print(f"{name:<16}{count:>8}{100 * noise / count:>10.2f}%{recall:>9}")
 
