@@ -18,10 +18,8 @@ import argparse
 import gzip
 import json
 import random
-import resource
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -80,7 +78,40 @@ def labels(out: Path) -> None:
         print(f"{name:<16}{count:>8}{100 * noise / count:>10.2f}%{recall:>9}")
 
 
-def speed(pairs: int, num_proc: int, out: Path) -> None:
+def measured(command: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in MiB of the command and its processes) of one command, run in a
+    fresh Python that reports its children's peak."""
+    probe = ("import resource, subprocess, sys, time; t = time.monotonic(); "
+             "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+             "peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
+             "print(time.monotonic() - t, peak)")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", probe, *command], check=True, cwd=REPO,
+                            capture_output=True, text=True)  # fmt: skip
+    seconds, peak_kib = result.stdout.split()
+    return float(seconds), int(peak_kib) / 1024
+
+
+OPUSFILTER = """common:
+  output_directory: {out}
+steps:
+  - type: filter
+    parameters:
+      inputs: [{corpus}.de, {corpus}.en]
+      outputs: [opusfilter.de, opusfilter.en]
+      filters:
+        - LengthFilter: {{unit: word, min_length: 1, max_length: 150}}
+        - LengthFilter: {{unit: char, min_length: 1, max_length: 1024}}
+        - LengthRatioFilter: {{unit: char, threshold: 3}}
+        - CharacterScoreFilter: {{scripts: [Latin, Latin], thresholds: [0.5, 0.5]}}
+        - AlphabetRatioFilter: {{threshold: 0.5, exclude_whitespace: true}}
+  - type: remove_duplicates
+    parameters:
+      inputs: [opusfilter.de, opusfilter.en]
+      outputs: [opusfilter_dedup.de, opusfilter_dedup.en]
+"""
+
+
+def speed(pairs: int, num_proc: int, out: Path, opusfilter: str) -> None:
     corpus = out / f"synthetic{pairs}"
     if not Path(f"{corpus}.en").exists():
         rng = random.Random(1)
@@ -95,18 +126,21 @@ def speed(pairs: int, num_proc: int, out: Path) -> None:
                 src, tgt = rng.choice(base)
                 de_out.write(f"{src} (Nr. {i})\n")
                 en_out.write(f"{tgt} (No. {i})\n")
-    start = time.monotonic()
     command = [*TMT, "clean", *files_config(corpus), "--set", f"data.num_proc={num_proc}",
                "-o", str(out / f"cleaned{pairs}"), "--overwrite", "--json"]  # fmt: skip
-    subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-    seconds = time.monotonic() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    print(
-        f"tmt clean, {pairs:,} pairs, {num_proc} process(es): {seconds:.1f} s, "
-        f"{pairs / seconds:,.0f} pairs/s (whole command), peak RSS {peak:,.0f} MiB"
-    )
+    seconds, peak = measured(command)
     report = json.loads(Path(f"{out / f'cleaned{pairs}'}.report.json").read_text())
-    print(f"kept {report['pairs_out']:,}; cleaning alone {report['pairs_per_s']:,.0f} pairs/s")
+    kept = report["pairs_out"]
+    print(f"tmt clean, {pairs:,} pairs, {num_proc} process(es): {seconds:.1f} s,"
+          f" {pairs / seconds:,.0f} pairs/s, peak RSS {peak:,.0f} MiB, kept {kept:,}")  # fmt: skip
+    if opusfilter:  # OpusFilter's nearest rules (no language identification), the same corpus
+        config = out / f"opusfilter{pairs}.yaml"
+        config.write_text(OPUSFILTER.format(out=out, corpus=corpus))
+        seconds_of, peak_of = measured([opusfilter, "--overwrite", str(config)])
+        kept = (out / "opusfilter_dedup.de").read_text(encoding="utf-8").count("\n")
+        print(f"OpusFilter, {pairs:,} pairs: {seconds_of:.1f} s, {pairs / seconds_of:,.0f} pairs/s,"
+              f" peak RSS {peak_of:,.0f} MiB, kept {kept:,}")  # fmt: skip
+        print(f"tmt clean / OpusFilter: {seconds_of / seconds:.2f}x the speed")
 
 
 def main() -> None:
@@ -115,11 +149,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "clean_bench")
     parser.add_argument("--pairs", type=int, default=1_000_000)
     parser.add_argument("--num-proc", type=int, default=2)
+    parser.add_argument("--opusfilter", default="", help="OpusFilter's command, run after tmt")
     args = parser.parse_args()
     if args.what == "labels":
         labels(args.out)
     else:
-        speed(args.pairs, args.num_proc, args.out)
+        speed(args.pairs, args.num_proc, args.out, args.opusfilter)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ def prepare_data(cfg: Config, tokenizer: Tokenizer | None = None) -> PreparedDat
 def _prepare(cfg: Config, tokenizer: Tokenizer | None, cache: Path) -> PreparedData:
     # Scratch and staging entries of runs that were killed: hidden names, older than a day (a
     # live build is younger than that). They never look complete: meta.json is written last.
-    files.remove_leftovers(cache, (".work.*", "encoded/.*", "tokenizers/.*"), older_than_s=86_400)
+    leftovers = (".work.*", ".clean.*", "encoded/.*", "tokenizers/.*", "cleaned/.*")
+    files.remove_leftovers(cache, leftovers, older_than_s=86_400)
     corpora = corpus.open_training(cfg.data)
     valid = corpus.open_split(cfg.data, "data.valid")
     splits = {split.key: split for split in [*corpora, valid]}
