@@ -60,8 +60,25 @@ NO_SPACES = frozenset(["zh", "ja", "th", "lo", "km", "my"])
 # as in "CafÃ©", "â€žHalloâ€œ" (bicleaner's no_bad_encoding, sharpened so that Portuguese "SÃO"
 # or "À bientôt" stay).
 _CONTINUATION = "\u0080-\u00bf" + bytes(range(0x80, 0xA0)).decode("cp1252", "ignore")
-_MOJIBAKE = re.compile(f"[ÃÂÅ][{_CONTINUATION}]|â[{_CONTINUATION}][{_CONTINUATION}]")
+_MOJIBAKE = f"[ÃÂÅ][{_CONTINUATION}]|â[{_CONTINUATION}][{_CONTINUATION}]"
+# Control characters (Unicode's Cc, the tab aside) and U+FFFD, or mojibake: one regex, one pass.
+_BAD_ENCODING = re.compile(f"[\x00-\x08\x0a-\x1f\x7f-\x9f\ufffd]|{_MOJIBAKE}")
 _PUNCT_EDGES = re.compile(r"^\W+|\W+$")
+_NOT_ALNUM = re.compile(r"[\W_]+")  # what str.isalnum rejects (re's \w is isalnum or "_")
+_SYMBOLS = re.compile(r"[^\w\s]|[\d_]")  # digits, punctuation and symbols (and marks)
+
+
+def _latin_letters() -> re.Pattern[str]:
+    """A class of the letters unicodedata names LATIN (the script most languages here use),
+    so that a Latin side's script share is counted by one regex, not letter by letter."""
+    blocks = [(0x41, 0x2FFF), (0xA720, 0xA7FF), (0xAB30, 0xAB6F), (0xFB00, 0xFB06),
+              (0xFF21, 0xFF5A)]  # fmt: skip
+    chars = (chr(c) for lo, hi in blocks for c in range(lo, hi + 1))
+    letters = [ch for ch in chars if ch.isalpha() and unicodedata.name(ch, "").startswith("LATIN")]
+    return re.compile("[" + re.escape("".join(letters)) + "]")
+
+
+_LATIN = _latin_letters()
 
 
 @dataclass(frozen=True)
@@ -79,7 +96,7 @@ class Rules:
 def normalised(text: str) -> str:
     """A sentence with case, spaces and punctuation set aside: its letters and digits, casefolded
     (what copies, near duplicates and test overlap are compared by)."""
-    return "".join(ch for ch in unicodedata.normalize("NFKC", text).casefold() if ch.isalnum())
+    return _NOT_ALNUM.sub("", unicodedata.normalize("NFKC", text).casefold())
 
 
 def digest(text: str) -> int:
@@ -95,20 +112,18 @@ def _script(ch: str) -> str:
     return name.split(" ", 1)[0] if name else ""
 
 
-def _tokens(text: str) -> set[str]:
-    return {_PUNCT_EDGES.sub("", t).casefold() for t in text.split()} - {""}
+def _keys(text: str) -> list[tuple[str, str]]:
+    """(token, its key): the token without the punctuation at its edges, casefolded."""
+    return [(t, (t if t.isalnum() else _PUNCT_EDGES.sub("", t)).casefold()) for t in text.split()]
 
 
-def _own_part(text: str, shared: set[str]) -> str:
-    """`text` without the tokens found on both sides of its pair (names, numbers, URLs)."""
-    return " ".join(t for t in text.split() if _PUNCT_EDGES.sub("", t).casefold() not in shared)
+def _own_part(keys: list[tuple[str, str]], shared: set[str]) -> str:
+    """A side without the tokens found on both sides of its pair (names, numbers, URLs)."""
+    return " ".join(t for t, key in keys if key not in shared)
 
 
 def _bad_encoding(text: str) -> bool:
-    for ch in text:
-        if ch == "\ufffd" or (unicodedata.category(ch) == "Cc" and ch != "\t"):
-            return True
-    return bool(_MOJIBAKE.search(text))
+    return _BAD_ENCODING.search(text) is not None
 
 
 def _length_problem(text: str, lang: str, cfg: CleanConfig) -> bool:
@@ -128,18 +143,18 @@ def _script_share(text: str, lang: str) -> float | None:
     """The share of `text`'s letters in `lang`'s script; None when it has no letter or the
     language's script is not known."""
     expected = SCRIPTS.get(lang)
-    letters = [ch for ch in text if ch.isalpha()]
+    letters = sum(map(str.isalpha, text))
     if expected is None or not letters:
         return None
-    return sum(_script(ch) in expected for ch in letters) / len(letters)
+    if expected == ("LATIN",):
+        return len(_LATIN.findall(text)) / letters
+    return sum(_script(ch) in expected for ch in text if ch.isalpha()) / letters
 
 
 def _symbol_share(text: str) -> float | None:
     """The share of digits, punctuation and symbols among `text`'s non-space characters."""
-    chars = [ch for ch in text if not ch.isspace()]
-    if not chars:
-        return None
-    return sum(unicodedata.category(ch)[0] in "NPS" for ch in chars) / len(chars)
+    chars = len(text) - sum(map(str.isspace, text))
+    return len(_SYMBOLS.findall(text)) / chars if chars else None
 
 
 def pair_reason(src: str, tgt: str, rules: Rules, identify: Identify | None) -> int:
@@ -165,9 +180,12 @@ def pair_reason(src: str, tgt: str, rules: Rules, identify: Identify | None) -> 
         worded = sum(any(ch.isalpha() for ch in word) for word in src.split())
         if worded >= cfg.copy_min_words:
             return 1 + code("copy")
-    shared = _tokens(src) & _tokens(tgt)
     # A short copy is a name, a number or a title both sides share: nothing of its own to judge.
-    own = ("", "") if copied else (_own_part(src, shared), _own_part(tgt, shared))
+    own = ("", "")
+    if not copied:
+        keys = _keys(src), _keys(tgt)
+        shared = {k for _, k in keys[0]} & {k for _, k in keys[1]}
+        own = (_own_part(keys[0], shared), _own_part(keys[1], shared))
     if cfg.script:
         shares = [_script_share(t, lang) for t, lang in zip(own, langs, strict=True)]
         if any(s is not None and s < cfg.min_script_share for s in shares):
@@ -213,38 +231,49 @@ class Identify:
         return float(dict(self._identifier.rank(text)).get(lang, 0.0))
 
 
+def pair_hashes(chunk: Sequence[tuple[str, str]], cfg: CleanConfig) -> np.ndarray:
+    """(2, N) int64: each pair's hash as it is ("duplicate") and once case, spaces and
+    punctuation are set aside ("near_duplicate"); computed where the pairs are judged."""
+    hashes = np.zeros((2, len(chunk)), dtype=np.int64)
+    if cfg.duplicate:
+        exact = (digest(s + "\t" + t) for s, t in chunk)
+        hashes[0] = np.fromiter(exact, np.int64, len(chunk))
+    if cfg.near_duplicate:
+        near = (digest(normalised(s) + "\t" + normalised(t)) for s, t in chunk)
+        hashes[1] = np.fromiter(near, np.int64, len(chunk))
+    return hashes
+
+
 def duplicate_reasons(
     chunk: Sequence[tuple[str, str]],
     reasons: np.ndarray,
     seen: dict[str, np.ndarray],
     cfg: CleanConfig,
     alive_codes: Sequence[int] = (KEPT,),
+    hashes: np.ndarray | None = None,
 ) -> None:
     """Mark, in `reasons` (the chunk's codes so far, changed in place), the pairs that passed
     the rules before the duplicates (`alive_codes`: kept, or removed by a later rule only) and
     repeat such a pair before them: exactly ("duplicate") or once case, spaces and punctuation
     are set aside ("near_duplicate"). `seen`: the sorted hashes of those pairs in the chunks
-    before, updated with this chunk's."""
-    for name, on in (("duplicate", cfg.duplicate), ("near_duplicate", cfg.near_duplicate)):
-        if not on:
-            continue
+    before, updated with this chunk's; `hashes`: pair_hashes(chunk), if computed already."""
+    if hashes is None:
+        hashes = pair_hashes(chunk, cfg)
+    for row, (name, on) in enumerate((("duplicate", cfg.duplicate),
+                                      ("near_duplicate", cfg.near_duplicate))):  # fmt: skip
         alive = np.flatnonzero(np.isin(reasons, alive_codes))
-        if not len(alive):
+        if not on or not len(alive):
             continue
-        if name == "duplicate":
-            keys = [chunk[i][0] + "\t" + chunk[i][1] for i in alive]
-        else:
-            keys = [normalised(chunk[i][0]) + "\t" + normalised(chunk[i][1]) for i in alive]
-        hashes = np.fromiter((digest(k) for k in keys), dtype=np.int64, count=len(keys))
+        mine = hashes[row, alive]
         known = seen.get(name, np.zeros(1, dtype=np.int64)[:0])
-        at = np.minimum(np.searchsorted(known, hashes), max(len(known) - 1, 0))
-        before = known[at] == hashes if len(known) else np.zeros(len(hashes), dtype=bool)
-        _, first = np.unique(hashes, return_index=True)
-        repeated = np.ones(len(hashes), dtype=bool)
+        at = np.minimum(np.searchsorted(known, mine), max(len(known) - 1, 0))
+        before = known[at] == mine if len(known) else np.zeros(len(mine), dtype=bool)
+        _, first = np.unique(mine, return_index=True)
+        repeated = np.ones(len(mine), dtype=bool)
         repeated[first] = False
         hit = before | repeated
         reasons[alive[hit]] = 1 + FILTERS.index(name)
-        seen[name] = np.union1d(known, hashes[~hit])
+        seen[name] = np.union1d(known, mine[~hit])
 
 
 def eval_digests(lines: Iterable[str]) -> frozenset[int]:
@@ -266,9 +295,11 @@ def _start(rules: Rules) -> None:
     _RULES, _IDENTIFY = rules, Identify() if rules.cfg.langid else None
 
 
-def _judge(chunk: list[tuple[str, str]]) -> np.ndarray:
+def _judge(chunk: list[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's reason codes (the duplicates aside) and its pairs' hashes, in a worker."""
     assert _RULES is not None
-    return np.asarray([pair_reason(s, t, _RULES, _IDENTIFY) for s, t in chunk], np.int8)
+    codes = np.asarray([pair_reason(s, t, _RULES, _IDENTIFY) for s, t in chunk], np.int8)
+    return codes, pair_hashes(chunk, _RULES.cfg)
 
 
 def reasons(
@@ -284,8 +315,8 @@ def reasons(
     if workers <= 1:
         _start(rules)
         for chunk in pairs:
-            codes = _judge(chunk)
-            duplicate_reasons(chunk, codes, seen, rules.cfg, alive)
+            codes, hashes = _judge(chunk)
+            duplicate_reasons(chunk, codes, seen, rules.cfg, alive, hashes)
             yield chunk, codes
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process that holds torch
@@ -296,8 +327,8 @@ def reasons(
                 window.append((chunk, pool.apply_async(_judge, (chunk,))))
             while window and (chunk is None or len(window) >= 2 * workers):
                 done, result = window.popleft()
-                codes = result.get()
-                duplicate_reasons(done, codes, seen, rules.cfg, alive)
+                codes, hashes = result.get()
+                duplicate_reasons(done, codes, seen, rules.cfg, alive, hashes)
                 yield done, codes
 
 
@@ -319,8 +350,3 @@ def eval_sets(cfg: Config) -> tuple[Rules, list[str]]:
     rules = Rules(cfg.clean, cfg.data.src_lang, cfg.data.tgt_lang,
                         eval_digests(sources), eval_digests(targets))  # fmt: skip
     return rules, notes
-
-
-def dataset_chunks(dataset: Any) -> Iterator[list[tuple[str, str]]]:
-    for batch in dataset.iter(batch_size=CHUNK):
-        yield list(zip(batch["src"], batch["tgt"], strict=True))

@@ -6,10 +6,10 @@ pairs each filter removed (each counted once, under the first filter that remove
 examples. `annotate` writes every pair and PREFIX.reason, the filter that would remove each
 ("" when kept), removing nothing.
 
-Memory is bounded by the chunk, not the corpus: the corpora are read as datasets' memory-mapped
-Arrow tables, and the duplicates are remembered by 8-byte hashes (a sorted int64 array: 80 MB for
-10 million pairs). The outputs appear whole or not at all (written aside, renamed at the end);
-the inputs are never written.
+Memory is bounded by the chunk, not the corpus: text corpora are streamed line by line (datasets
+sources from their memory-mapped Arrow data), and the duplicates are remembered by 8-byte hashes
+(a sorted int64 array: 80 MB for 10 million pairs). The outputs appear whole or not at all
+(written aside, renamed at the end); the inputs are never written.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from transformer_mt import clean, corpus, data, files, textio
+import numpy as np
+
+from transformer_mt import clean, corpus, files, textio
 from transformer_mt.config import Config, to_dict
 
 logger = logging.getLogger(__name__)
@@ -46,18 +47,15 @@ def clean_corpus(cfg: Config, prefix: str, annotate: bool = False, overwrite: bo
     if cfg.clean.langid:
         clean.Identify()  # the missing extra, said before any work
     rules, notes = clean.eval_sets(cfg)
-    cache = data.cache_root(cfg.data)
-    cache.mkdir(parents=True, exist_ok=True)
     staged = {k: p.with_name(f".{p.name}.tmp-{os.getpid()}") for k, p in outputs.items()}
     try:
-        with tempfile.TemporaryDirectory(prefix=".clean.", dir=cache) as work:
-            texts = {k: p for k, p in staged.items() if k != "report"}
-            handles = {k: open(p, "w", encoding="utf-8") for k, p in texts.items()}  # noqa: SIM115
-            try:
-                report = _clean_all(cfg, corpora, rules, Path(work), handles, annotate)
-            finally:
-                for handle in handles.values():
-                    handle.close()
+        texts = {k: p for k, p in staged.items() if k != "report"}
+        handles = {k: open(p, "w", encoding="utf-8") for k, p in texts.items()}  # noqa: SIM115
+        try:
+            report = _clean_all(cfg, corpora, rules, handles, annotate)
+        finally:
+            for handle in handles.values():
+                handle.close()
         report.update(notes=notes, settings=to_dict(cfg)["clean"], annotated=annotate,
                       outputs={k: str(p) for k, p in outputs.items()},
                       seconds=round(time.monotonic() - start, 2))  # fmt: skip
@@ -72,8 +70,8 @@ def clean_corpus(cfg: Config, prefix: str, annotate: bool = False, overwrite: bo
 
 
 def _clean_all(
-    cfg: Config, corpora: list[corpus.RawSplit], rules: clean.Rules, work: Path,
-    handles: dict[str, Any], annotate: bool,
+    cfg: Config, corpora: list[corpus.RawSplit], rules: clean.Rules, handles: dict[str, Any],
+    annotate: bool,
 ) -> dict[str, Any]:  # fmt: skip
     from tqdm import tqdm
 
@@ -82,21 +80,22 @@ def _clean_all(
     examples: dict[str, list[dict[str, str]]] = {name: [] for name in clean.FILTERS}
     rows = []
     for split in corpora:
-        dataset = split.load(work / split.key)
         counts = _empty_counts()
-        bar = tqdm(total=len(dataset), unit="pair", desc=split.key, dynamic_ncols=True,
-                   disable=None, mininterval=1.0)  # fmt: skip
-        for chunk, codes in clean.reasons(clean.dataset_chunks(dataset), rules, cfg.data.num_proc):
-            for (src, tgt), code in zip(chunk, codes.tolist(), strict=True):
-                name = clean.FILTERS[code - 1] if code else ""
-                counts[name or "kept"] += 1
-                if annotate or not code:
-                    handles[src_lang].write(_line(src))
-                    handles[tgt_lang].write(_line(tgt))
-                if annotate:
-                    handles["reason"].write(name + "\n")
-                if code and len(examples[name]) < cfg.clean.examples:
-                    examples[name].append({"src": src[:300], "tgt": tgt[:300]})
+        bar = tqdm(unit="pair", desc=split.key, dynamic_ncols=True, disable=None, mininterval=1.0)
+        for chunk, codes in clean.reasons(split.pairs(clean.CHUNK), rules, cfg.data.num_proc):
+            names = [clean.FILTERS[c - 1] if c else "" for c in codes.tolist()]
+            shown = range(len(chunk)) if annotate else np.flatnonzero(codes == clean.KEPT).tolist()
+            handles[src_lang].write("".join(_line(chunk[i][0]) for i in shown))
+            handles[tgt_lang].write("".join(_line(chunk[i][1]) for i in shown))
+            if annotate:
+                handles["reason"].write("".join(name + "\n" for name in names))
+            for i in np.flatnonzero(codes != clean.KEPT).tolist():
+                if len(examples[names[i]]) < cfg.clean.examples:
+                    examples[names[i]].append({"src": chunk[i][0][:300], "tgt": chunk[i][1][:300]})
+            found = np.bincount(codes.astype(np.int64), minlength=len(clean.FILTERS) + 1)
+            counts["kept"] += int(found[0])
+            for index, name in enumerate(clean.FILTERS, 1):
+                counts[name] += int(found[index])
             bar.update(len(chunk))
         bar.close()
         rows.append(_summary(split.key, split.origin, counts))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import tempfile
 from collections.abc import Iterator
@@ -44,6 +45,26 @@ class RawSplit:
     weight: float = 1.0  # a training corpus of a mixture: its share of each epoch
     tag: str = ""  # ... and the tag prepended to its sources
 
+    def pairs(self, chunk: int) -> Iterator[list[tuple[str, str]]]:
+        """The split's (source, target) pairs in chunks, streamed: text sources are read line by
+        line (no Arrow copy), datasets sources from their Arrow data."""
+        if self.cfg.source in ("hf", "hf_disk"):
+            for batch in self.load(Path()).iter(batch_size=chunk):
+                yield list(zip(batch["src"], batch["tgt"], strict=True))
+            return
+        gen, kwargs = self._generator()
+        records = gen(**kwargs, cfg=self.cfg)
+        while block := [(r["src"], r["tgt"]) for r in itertools.islice(records, chunk)]:
+            yield block
+
+    def _generator(self) -> tuple[Any, dict[str, str]]:
+        if self.cfg.source in ("multi30k", "files"):
+            src, tgt = _parallel_paths(self.cfg, self.key, self.location)
+            return _generate_parallel, {"src_path": str(src), "tgt_path": str(tgt)}
+        if self.cfg.source == "tsv":
+            return _generate_tsv, {"path": self.location}
+        return _generate_jsonl, {"path": self.location}
+
     def load(self, work_dir: Path) -> datasets.Dataset:
         """The split as a Dataset: `src`, `tgt` and, for text files, an `invalid` flag column."""
         quiet_datasets()  # tmt reports its own progress; datasets' bars would interleave with it
@@ -52,13 +73,7 @@ class RawSplit:
             return _text_columns(_load_hf(self.cfg, self.key, self.location), self.cfg, self.origin)
         import datasets
 
-        if source in ("multi30k", "files"):
-            src, tgt = _parallel_paths(self.cfg, self.key, self.location)
-            gen, kwargs = _generate_parallel, {"src_path": str(src), "tgt_path": str(tgt)}
-        elif source == "tsv":
-            gen, kwargs = _generate_tsv, {"path": self.location}
-        else:
-            gen, kwargs = _generate_jsonl, {"path": self.location}
+        gen, kwargs = self._generator()
         kwargs["cfg"] = self.cfg
         features = datasets.Features(
             {

@@ -174,10 +174,8 @@ class _Cleaner:
             logger.warning("%s does not match its SHA-256: judging the pairs again", path)
         except (OSError, ValueError):
             pass  # not there yet (or unreadable): judged below
-        with tempfile.TemporaryDirectory(prefix=".clean.", dir=_mkdir(cache)) as work:
-            logger.info("cleaning %s (data.clean)", split.key)
-            chunks = clean.dataset_chunks(split.load(Path(work)))
-            found = [c for _, c in clean.reasons(chunks, self.rules, num_proc)]
+        logger.info("cleaning %s (data.clean)", split.key)
+        found = [c for _, c in clean.reasons(split.pairs(clean.CHUNK), self.rules, num_proc)]
         judged = np.concatenate([np.zeros(0, np.int8), *found])
         staging = _mkdir(cache / "cleaned") / f".{key}.{os.getpid()}.npy"
         np.save(staging, judged)
