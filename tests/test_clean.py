@@ -43,7 +43,8 @@ PLANTED = {
     "script": [("Собака бежит по зелёному лугу.", "A dog runs across a green meadow."),
                ("Ein Hund rennt über eine Wiese.", "Собака бежит по лугу.")],
     "symbols": [("### 12 34 56 $$ %% @@", "A dog runs across a meadow."),
-                ("Ein Hund rennt.", "1 2 3 4 5 6 7 8 9 ## ** //")],
+                ("Ein Hund rennt.", "1 2 3 4 5 6 7 8 9 ## ** //"),
+                ("$$ *** ### ***", "@@ @@ % ###")],  # punctuation alone is no shared name
 }  # fmt: skip
 KEEP = [
     GOOD,

@@ -184,7 +184,7 @@ def pair_reason(src: str, tgt: str, rules: Rules, identify: Identify | None) -> 
     own = ("", "")
     if not copied:
         keys = _keys(src), _keys(tgt)
-        shared = {k for _, k in keys[0]} & {k for _, k in keys[1]}
+        shared = ({k for _, k in keys[0]} & {k for _, k in keys[1]}) - {""}  # "": punctuation
         own = (_own_part(keys[0], shared), _own_part(keys[1], shared))
     if cfg.script:
         shares = [_script_share(t, lang) for t, lang in zip(own, langs, strict=True)]
