@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -186,6 +187,19 @@ def test_bad_input_is_one_line_and_the_input_is_never_written(tmp_path: Path) ->
     assert replaced.exit_code == 0 and "encoding" in replaced.stdout
     exists = runner.invoke(app, clean_args(prefix, tmp_path / "o3"))
     assert exists.exit_code == 2 and "--overwrite" in one_line_error(exists.stderr)
+
+
+def test_a_killed_runs_staged_outputs_are_swept_and_a_live_ones_kept(tmp_path: Path) -> None:
+    prefix = write_parallel(tmp_path / "c", [GOOD])
+    dead = tmp_path / ".tmp-o.de-999999999"  # a pid no process has
+    live = tmp_path / f".tmp-o.en-{os.getppid()}"  # a live process, not this one
+    mine = tmp_path / ".tmp-notours-999999999"
+    for path in (dead, live, mine):
+        path.write_text("half\n")
+    result = runner.invoke(app, clean_args(prefix, tmp_path / "o"))
+    assert result.exit_code == 0, result.output
+    assert not dead.exists() and live.exists() and mine.exists()
+    assert (tmp_path / "o.de").read_text() == GOOD[0] + "\n"
 
 
 def test_language_identification_removes_another_language(tmp_path: Path) -> None:

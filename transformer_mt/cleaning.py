@@ -47,7 +47,9 @@ def clean_corpus(cfg: Config, prefix: str, annotate: bool = False, overwrite: bo
     if cfg.clean.langid:
         clean.Identify()  # the missing extra, said before any work
     rules, notes = clean.eval_sets(cfg)
-    staged = {k: p.with_name(f".{p.name}.tmp-{os.getpid()}") for k, p in outputs.items()}
+    for directory in {p.parent for p in outputs.values()}:  # what a killed run left staged
+        files.recover(directory, live_writers=True, names=[p.name for p in outputs.values()])
+    staged = {k: p.with_name(f".tmp-{p.name}-{os.getpid()}") for k, p in outputs.items()}
     try:
         texts = {k: p for k, p in staged.items() if k != "report"}
         handles = {k: open(p, "w", encoding="utf-8") for k, p in texts.items()}  # noqa: SIM115
