@@ -152,7 +152,9 @@ def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
 
 
 def test_missing_config_lists_presets() -> None:
-    with pytest.raises(TmtError, match="no such file or preset .*base, big, multi30k, tiny"):
+    with pytest.raises(
+        TmtError, match="no such file or preset .*base, big, multi30k, student, tiny"
+    ):
         load_config("nope.yaml")
 
 

@@ -65,6 +65,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("serving", {"batching", "service", "libretranslate", "serve"}),
     # the training loop: the only module that knows a whole run; where it stands, why it stops
     ("training", {"train", "progress"}),
+    # recipes over whole runs: distillation translates with a teacher, then trains a student
+    ("workflows", {"distill"}),
     # the command line's options: spellings, help, decoding flags as overrides (typer only)
     ("options", {"flags"}),
     # the faces: the command line, `python -m transformer_mt`, the Python API

@@ -189,6 +189,7 @@ def train(
 ) -> None:
     """Train a model. Multi-GPU: torchrun --nproc_per_node=N -m transformer_mt train -c CONFIG."""
     from transformer_mt import dry_run as dry_run_lib
+    from transformer_mt import progress
     from transformer_mt import train as train_lib
 
     overrides = [*(set_ or []), *([f"train.init_from={init_from}"] if init_from else [])]
@@ -199,27 +200,9 @@ def train(
         return
     summary = train_lib.train(cfg)
     if summary.pop("rank") == 0:  # a single process, or rank 0 of a distributed run
-        _echo(summary, as_json, _train_text(summary))
+        _echo(summary, as_json, progress.format_summary(summary))
     if summary["stop"] in exits.SIGNAL_EXIT:  # stopped by a signal, after saving
         raise typer.Exit(exits.SIGNAL_EXIT[summary["stop"]])
-
-
-def _train_text(summary: dict[str, Any]) -> str:
-    lines = [
-        f"stopped at step {summary['step']} ({summary['stop']}), epoch {summary['epoch']},"
-        f" {summary['skipped_updates']} updates skipped",
-        f"checkpoint: {summary['checkpoint']}",
-    ]
-    if summary["best_value"] is not None:
-        lines.append(
-            f"best {summary['best_metric']}: {summary['best_value']:.4f}"
-            f" at step {summary['best_step']}"
-        )
-    if "average" in summary:
-        average = summary["average"]
-        scores = "".join(f", {k} {v:.2f}" for k, v in average.items() if k.startswith("val_"))
-        lines.append(f"average: {average['path']} ({average['checkpoints']} checkpoints{scores})")
-    return "\n".join(lines)
 
 
 @command()
@@ -415,6 +398,24 @@ def clean(
 
 @command()
 @_user_errors
+def distill(
+    output: Output,
+    model: Ensemble = None,
+    weights: Weights = None,
+    config: ConfigOption = "student",
+    set_: Overrides = None,
+    as_json: AsJson = False,
+) -> None:
+    """Distil a teacher (-m; several: an ensemble) into the config's model in -o DIR: the teacher
+    translates data.train, the student trains on that, is compared with it and exported."""
+    from transformer_mt import distill as lib
+
+    report = lib.distill(load_config(config, set_ or []), _models(model, None), output, weights)
+    _echo(report, as_json, lib.format_report(report))
+
+
+@command()
+@_user_errors
 def average(
     output: Output,
     models: Models = None,
@@ -478,10 +479,8 @@ def serve(
     try:
         from transformer_mt import serve as lib
     except ImportError as err:
-        raise TmtError(
-            f"tmt serve needs the serve extra ({err.name} is missing):"
-            " pip install 'transformer_mt[serve]'"
-        ) from None
+        raise TmtError(f"tmt serve needs the serve extra ({err.name} is missing): pip install"
+                       " 'transformer_mt[serve]'") from None  # fmt: skip
 
     overrides = flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,

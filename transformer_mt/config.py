@@ -264,6 +264,20 @@ class CleanConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """`tmt distill`: sequence-level knowledge distillation (Kim & Rush, 2016). The teacher
+    translates data.train's sources; the config's model (the student) trains on its outputs."""
+
+    beam_size: Count = 4  # the teacher's beam (Kim & Rush: 5; Marian's students: 4-8)
+    nbest: Count = 4  # hypotheses a source; the one nearest its reference is kept (1: the best)
+    select_by: Literal["chrf", "bleu"] = "chrf"  # sentence-level score against the reference
+    original_weight: Annotated[float, Interval(0.0)] = 0.0  # the original pairs in the mixture
+    eval_split: Literal["valid", "test"] = "valid"  # where student and teacher are compared
+    export: Literal["none", "ctranslate2", "huggingface"] = "ctranslate2"  # the student's export
+    quantization: Literal["none", "int8"] = "none"  # ... its weights (ctranslate2 only)
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     lr_scale: Amount = 1.0  # §5.3 multiplier of d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)
     warmup_steps: Count = 4000  # §5.3
@@ -406,6 +420,7 @@ class Config:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     clean: CleanConfig = field(default_factory=CleanConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         for section in dataclasses.fields(self):
@@ -448,6 +463,14 @@ class Config:
             (  # sampling draws nbest samples; beam_size is not used
                 self.decode.nbest <= self.decode.beam_size or self.decode.sampling != "none",
                 "decode.nbest must be <= decode.beam_size (or sample: decode.sampling)",
+            ),
+            (
+                self.distill.nbest <= self.distill.beam_size,
+                "distill.nbest must be <= distill.beam_size",
+            ),
+            (
+                self.distill.quantization == "none" or self.distill.export == "ctranslate2",
+                "distill.quantization needs distill.export=ctranslate2",
             ),
         ]
         for ok, message in checks:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from transformer_mt import metrics
 from transformer_mt.config import Config
@@ -95,3 +96,22 @@ def record_skip(
     )  # fmt: skip
     record = {"step": progress.step, "skipped": stats.skipped, "epoch": progress.epoch}
     log.write({**record, "batch_index": progress.batch_index})
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """What `tmt train` prints for people: where the run stopped, its best and its average."""
+    lines = [
+        f"stopped at step {summary['step']} ({summary['stop']}), epoch {summary['epoch']},"
+        f" {summary['skipped_updates']} updates skipped",
+        f"checkpoint: {summary['checkpoint']}",
+    ]
+    if summary["best_value"] is not None:
+        lines.append(
+            f"best {summary['best_metric']}: {summary['best_value']:.4f}"
+            f" at step {summary['best_step']}"
+        )
+    if "average" in summary:
+        average = summary["average"]
+        scores = "".join(f", {k} {v:.2f}" for k, v in average.items() if k.startswith("val_"))
+        lines.append(f"average: {average['path']} ({average['checkpoints']} checkpoints{scores})")
+    return "\n".join(lines)

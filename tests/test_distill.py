@@ -1,0 +1,218 @@
+"""tmt distill: the distilled corpus is the teacher's output (the hypothesis nearest each reference),
+a second run reuses every step, a killed run resumes where it stopped, what it wrote is verified,
+and another teacher or corpus is refused rather than mixed in."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from sacrebleu.metrics import CHRF
+
+from transformer_mt import bulk, distill, textio, train, translate
+from transformer_mt.config import Config, apply_overrides
+from transformer_mt.exits import TmtError
+
+REPO = Path(__file__).resolve().parent.parent
+# A one-layer decoder student of the tiny config; the tiny teacher's outputs are long, so the
+# length-ratio filter is relaxed; chunks of 100 lines make the 300 sources a 3-chunk file job.
+STUDENT = ["model.n_decoder_layers=1", "train.max_steps=10", "train.average_last=2",
+           "distill.beam_size=2", "distill.nbest=2", "decode.chunk_lines=100",
+           "data.max_len_ratio=50"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def student_cfg(tiny_cfg: Config) -> Config:
+    return apply_overrides(tiny_cfg, STUDENT)
+
+
+@pytest.fixture(scope="module")
+def distilled(student_cfg: Config, trained_run: Path, tmp_path_factory) -> dict:
+    """One uninterrupted distillation of the tiny teacher: its directory and report."""
+    out = tmp_path_factory.mktemp("distilled") / "d"
+    return {"out": out, "report": distill.distill(student_cfg, [trained_run], out)}
+
+
+def lines(path: Path) -> list[str]:
+    return textio.read_text_file(path, "input")
+
+
+def test_the_distilled_corpus_is_the_teachers_hypothesis_nearest_each_reference(
+    distilled: dict, student_cfg: Config, trained_run: Path
+) -> None:
+    out = distilled["out"]
+    sources = lines(Path(student_cfg.data.train + ".de"))
+    references = lines(Path(student_cfg.data.train + ".en"))
+    teacher = translate.load_translator(trained_run, ["decode.beam_size=2", "decode.nbest=2"])
+    hypotheses = translate.translate_lines(teacher, sources)
+    chrf = CHRF()
+    expected = []
+    for source, reference, hyps in zip(sources, references, hypotheses, strict=True):
+        texts = translate.detokenize(teacher, [h.tokens for h in hyps])
+        scores = [chrf.sentence_score(t, [reference]).score for t in texts]
+        best = texts[scores.index(max(scores))]  # the first of equals: the teacher's better one
+        if best.strip():
+            expected.append((source, best))
+    assert list(zip(lines(out / "distilled0.de"), lines(out / "distilled0.en"))) == expected
+    # Some hypothesis other than the teacher's best was chosen: the n-best list was used.
+    firsts = translate.detokenize(teacher, [h[0].tokens for h in hypotheses])
+    assert any(b != f for (_, b), f in zip(expected, [f for f in firsts if f.strip()]))
+    row = distilled["report"]["corpora"][0]
+    assert row["pairs"] == len(expected)
+    assert row["empty_left_out"] == len(sources) - len(expected)
+
+
+def test_nbest_1_keeps_the_teachers_best(
+    student_cfg: Config, trained_run: Path, tmp_path: Path
+) -> None:
+    cfg = apply_overrides(student_cfg, ["distill.nbest=1", "distill.export=none"])
+    distill.distill(cfg, [trained_run], tmp_path / "d")
+    sources = lines(Path(cfg.data.train + ".de"))
+    teacher = translate.load_translator(trained_run, ["decode.beam_size=2"])
+    best = [t for t in translate.translate_text(teacher, sources) if t.strip()]
+    assert lines(tmp_path / "d" / "distilled0.en") == best
+
+
+def test_the_student_trains_on_the_distilled_pairs_is_compared_and_exported(
+    distilled: dict, student_cfg: Config
+) -> None:
+    out, report = distilled["out"], distilled["report"]
+    saved = yaml.safe_load((out / "student" / "config.yaml").read_text())
+    assert saved["model"]["n_decoder_layers"] == 1
+    assert [c["split"] for c in saved["data"]["train"]] == [str(out / "distilled0")]
+    assert (out / "student" / "average").is_dir()
+    systems = report["evaluation"]["comparison"]["systems"]
+    assert [s["system"] for s in systems] == ["teacher", "student"]
+    for name in ("teacher", "student"):  # the hypotheses scored are the files kept
+        assert len(lines(out / "eval" / f"{name}.valid.en")) == 40
+        assert report["evaluation"]["speed"][name]["sentences_per_s"] > 0
+    assert report["export"]["check_lines"] == 40
+    assert (out / "student-ctranslate2" / "model.bin").is_file()
+    assert "teacher" in distill.format_report(report) and "student" in distill.format_report(report)
+
+
+def test_a_second_run_reuses_every_step(
+    distilled: dict, student_cfg: Config, trained_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = distilled["out"]
+    before = {p: p.stat().st_mtime_ns for p in out.glob("[!.]*.*") if p.is_file()}
+    record = (out / distill.MANIFEST).read_text()
+
+    def refused(*args, **kwargs):
+        raise AssertionError("translated again")
+
+    monkeypatch.setattr(bulk, "translate_job", refused)
+    report = distill.distill(student_cfg, [trained_run], out)
+    assert report["reused"] == ["originals", "distilled", "student", "evaluation", "export"]
+    assert report["evaluation"] == distilled["report"]["evaluation"]
+    after = {p: p.stat().st_mtime_ns for p in out.glob("[!.]*.*") if p.is_file()}
+    assert {p: t for p, t in after.items() if p.name != distill.MANIFEST} == {
+        p: t for p, t in before.items() if p.name != distill.MANIFEST
+    }
+    assert (out / distill.MANIFEST).read_text() == record
+
+
+def test_a_changed_file_is_made_again_and_the_student_kept(
+    student_cfg: Config, trained_run: Path, tmp_path: Path
+) -> None:
+    cfg, out = apply_overrides(student_cfg, ["distill.export=none"]), tmp_path / "d"
+    distill.distill(cfg, [trained_run], out)
+    good = (out / "distilled0.en").read_bytes()
+    (out / "distilled0.en").write_bytes(good[: len(good) // 2])  # a truncated copy
+    (out / "teacher0.txt").write_text("not the teacher's\n")
+    report = distill.distill(cfg, [trained_run], out)
+    assert (out / "distilled0.en").read_bytes() == good  # translated and chosen again
+    assert "distilled" not in report["reused"] and "student" in report["reused"]
+
+
+def test_a_killed_run_resumes_its_file_job_and_its_training(
+    distilled: dict, student_cfg: Config, trained_run: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "d"
+    config = tmp_path / "student.yaml"
+    from transformer_mt.config import to_dict
+
+    config.write_text(yaml.safe_dump(to_dict(student_cfg)))
+    command = [sys.executable, "-m", "transformer_mt", "distill", "-m", str(trained_run),
+               "-c", str(config), "-o", str(out)]  # fmt: skip
+    for fault in ("chunk@2:kill", "step@6:kill"):  # in the teacher's job, then in training
+        env = {**os.environ, "TMT_FAULT": fault, "OMP_NUM_THREADS": "1"}
+        killed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+    report = distill.distill(student_cfg, [trained_run], out)
+    assert report["reused"][:2] == ["originals", "distilled"]
+    assert (out / "teacher0.txt.tmt-job").exists() is False
+    for name in ("distilled0.de", "distilled0.en"):  # the same bytes as an uninterrupted run
+        assert (out / name).read_bytes() == (distilled["out"] / name).read_bytes()
+    trained = [json.loads(x) for x in (out / "student" / "metrics.jsonl").read_text().split("\n")
+               if x]  # fmt: skip
+    assert max(r["step"] for r in trained) == 10
+
+
+def test_a_killed_file_job_resumes_its_committed_chunks(
+    student_cfg: Config, trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMT_FAULT", "chunk@2:raise")
+    with pytest.raises(RuntimeError):
+        distill.distill(student_cfg, [trained_run], tmp_path / "d")
+    monkeypatch.delenv("TMT_FAULT")
+    stop = dataclasses.replace(student_cfg.distill, export="none")
+    report = distill.distill(dataclasses.replace(student_cfg, distill=stop), [trained_run],
+                             tmp_path / "d")  # fmt: skip
+    assert report["corpora"][0]["resumed_chunks"] == 2
+
+
+def test_another_teacher_corpus_or_setting_is_refused(
+    distilled: dict, student_cfg: Config, trained_run: Path, tmp_path: Path
+) -> None:
+    other = trained_run / "checkpoints" / "step_00000010"
+    with pytest.raises(TmtError, match="another teacher"):
+        distill.distill(student_cfg, [other], distilled["out"])
+    with pytest.raises(TmtError, match="decode.beam_size"):
+        distill.distill(apply_overrides(student_cfg, ["distill.beam_size=3"]), [trained_run],
+                        distilled["out"])  # fmt: skip
+    with pytest.raises(TmtError, match=r"data.train\[0\] differs"):
+        smaller = apply_overrides(student_cfg, [f"data.train=[{{split: {student_cfg.data.valid},"
+                                                " source: files}]"])  # fmt: skip
+        distill.distill(smaller, [trained_run], distilled["out"])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / distill.MANIFEST).write_text("{")
+    with pytest.raises(TmtError, match="not a record tmt wrote"):
+        distill.distill(student_cfg, [trained_run], tmp_path / "bad")
+
+
+def test_originals_mixed_in_by_weight(
+    student_cfg: Config, trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = {}
+
+    def stop_before_training(cfg: Config) -> dict:
+        seen["train"] = cfg.data.train
+        raise TmtError("stopped here")
+
+    monkeypatch.setattr(train, "train", stop_before_training)
+    cfg = apply_overrides(student_cfg, ["distill.original_weight=0.5"])
+    with pytest.raises(TmtError, match="stopped here"):
+        distill.distill(cfg, [trained_run], tmp_path / "d")
+    out = tmp_path / "d"
+    assert [(c.split, c.weight) for c in seen["train"]] == [
+        (str(out / "distilled0"), 1.0), (str(out / "original0"), 0.5)]  # fmt: skip
+
+
+def test_the_command_line(trained_run: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from transformer_mt.cli import app
+
+    result = CliRunner().invoke(app, ["distill", "-o", str(tmp_path / "d")])
+    assert result.exit_code == 2 and "no model" in result.stderr
+    env = {"WORLD_SIZE": "2"}
+    result = CliRunner().invoke(app, ["distill", "-m", str(trained_run), "-o", str(tmp_path)],
+                                env=env)  # fmt: skip
+    assert result.exit_code == 2 and "one process" in result.stderr
