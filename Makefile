@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow test-reliability test-browser lint format demo finetune bench clean
+.PHONY: install test test-slow test-reliability test-browser lint format demo finetune distill bench clean
 
 install: $(STAMP)
 
@@ -50,6 +50,11 @@ demo: install
 # Fine-tuning end to end: a parent on 10k Multi30k pairs, children with --init-from, BLEU of each.
 finetune: install
 	bash scripts/finetune.sh
+
+# Fast students: a teacher, a deep-encoder shallow-decoder student on references and one distilled
+# from the teacher (tmt distill), each 2,100 updates; BLEU, chrF and speed of all (docs/benchmarks.md).
+distill: install
+	bash scripts/distill.sh
 
 bench: install
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

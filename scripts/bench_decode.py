@@ -22,6 +22,16 @@ tmt beam 4 ÷ CTranslate2 fp32 beam 4 and ÷ HF generate beam 4 (same stopping r
 oneDNN linear layers ÷ PyTorch's (decode.cpu_linear), tmt
 --engine ctranslate2 ÷ raw CTranslate2 (greedy, beam 4, int8 beam 4), int8 ÷ fp32 per engine;
 "bleu_int8_minus_fp32" the BLEU cost of int8 per engine. The machine's ISA is printed first.
+
+Several models (a teacher and its students, `tmt distill`), each through tmt's engines only:
+
+    python scripts/bench_decode.py --model teacher=runs/teacher --model student=runs/student
+
+greedy and beam 4 through tmt's own engine (fp32, and torchao int8) and through
+`--engine ctranslate2` (fp32 and int8), BLEU and chrF of each, sentences/s and each model's
+speed over the first model's beam 4 at fp32. `--breakdown` instead profiles one model's greedy
+and beam-4 decoding (torch.profiler): where a step's time goes (encoder, decoder layers, output
+projection, embedding and cache, log-softmax, search).
 """
 
 from __future__ import annotations
@@ -123,15 +133,123 @@ def run_ct2(model_dir: Path, translator, lines, beam: int, compute_type: str = "
     return time.perf_counter() - start, outputs
 
 
+def _timed(run, warm):
+    """A warm-up pass on a few lines, then the faster of two timed passes."""
+    warm()
+    return min((run() for _ in range(2)), key=lambda r: r[0])
+
+
+def compare_models(models: dict[str, str], split: str, lines: int) -> dict:
+    """Each model greedy and beam 4, tmt's engine (fp32, int8) and CTranslate2's (fp32, int8)."""
+    from transformer_mt import corpus, evaluate, translate
+
+    base = ["decode.length_penalty_form=power", "decode.device=cpu"]
+    first = translate.load_translator(next(iter(models.values())), base)
+    key = {"valid": "data.valid", "test": "data.test"}[split]
+    sources, references = corpus.read_split(first.config.data, key)
+    sources, references = sources[:lines], references[:lines]
+    # Every PyTorch row before the first CTranslate2 one (two OpenMP runtimes: see main()).
+    rows = [(engine, precision) for engine in ("torch", "ctranslate2") for precision in
+            ("fp32", "int8")]  # fmt: skip
+    results: dict[str, dict] = {name: {} for name in models}
+    for engine, precision in rows:
+        for name, path in models.items():
+            changes = [*base, f"decode.engine={engine}", f"decode.precision={precision}"]
+            translator = translate.load_translator(path, changes)
+            for beam in (1, 4):
+                seconds, out = _timed(
+                    lambda t=translator, b=beam: run_tmt(t, sources, b),
+                    lambda t=translator, b=beam: run_tmt(t, sources[:100], b),
+                )
+                texts = translator.tokenizer.decode(out)
+                score = evaluate.score(texts, references, all_metrics=False)
+                row = f"{engine}_{precision}_beam{beam}"
+                results[name][row] = {
+                    "sentences_per_s": round(len(sources) / seconds, 1),
+                    "bleu": score["bleu"], "chrf": score["chrf"],
+                    "parameters": translator.parameters,
+                }  # fmt: skip
+                r = results[name][row]
+                print(f"{name:<12} {row:<24} {r['sentences_per_s']:>8.1f} sent/s"
+                      f"  BLEU {r['bleu']:.2f}  chrF {r['chrf']:.2f}", flush=True)  # fmt: skip
+    reference = results[next(iter(models))]["torch_fp32_beam4"]["sentences_per_s"]
+    for rows_of in results.values():
+        for r in rows_of.values():
+            r["speed_over_first_beam4"] = round(r["sentences_per_s"] / reference, 2)
+    return {"split": split, "sentences": len(sources), "models": models, "results": results}
+
+
+def breakdown(path: str, lines: int) -> dict:
+    """Where tmt's greedy and beam-4 time goes, by torch.profiler over labelled parts."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from transformer_mt import corpus, translate
+
+    translator = translate.load_translator(path, ["decode.device=cpu"])
+    model = translator.model
+
+    def labelled(module, method: str, label: str) -> None:
+        inner = getattr(module, method)
+
+        def wrapper(*args, **kwargs):
+            with record_function(label):
+                return inner(*args, **kwargs)
+
+        setattr(module, method, wrapper)
+
+    labelled(model, "encode", "encoder")
+    labelled(model, "decode", "decoder step")
+    labelled(model.output_projection, "forward", "output projection")
+    for layer in model.decoder_layers:
+        labelled(layer, "forward", "decoder layers")
+    sources = corpus.read_split(translator.config.data, "data.test")[0][:lines]
+    report = {"model": path, "sentences": len(sources)}
+    for beam in (1, 4):
+        run_tmt(translator, sources[:50], beam)  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("total"):
+            run_tmt(translator, sources, beam)
+        times = {e.key: e.cpu_time_total for e in prof.key_averages()}
+        total = times["total"]
+        parts = {
+            "encoder": times.get("encoder", 0),
+            "decoder layers": times.get("decoder layers", 0),
+            "output projection": times.get("output projection", 0),
+        }
+        step = times.get("decoder step", 0)
+        parts["embedding, final norm, cache"] = step - parts["decoder layers"] - parts[
+            "output projection"]  # fmt: skip
+        parts["log-softmax"] = times.get("aten::log_softmax", 0)
+        parts["search and batching"] = total - step - parts["encoder"] - parts["log-softmax"]
+        shares = {k: round(100 * v / total, 1) for k, v in parts.items()}
+        report[f"beam{beam}"] = shares
+        print(f"beam {beam}: " + ", ".join(f"{k} {v} %" for k, v in shares.items()), flush=True)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="runs/bench_decode", help="a model or a run")
     parser.add_argument("--lines", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="compare these models (tmt's engines only), the first the baseline",
+    )
+    parser.add_argument("--split", choices=("valid", "test"), default="test")
+    parser.add_argument("--breakdown", action="store_true", help="profile --checkpoint instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     isa = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...: what decides the winner
     print(f"CPU capability: {isa}, {args.threads} threads", flush=True)
+    if args.breakdown or args.model:
+        models = dict(m.split("=", 1) for m in args.model)
+        summary = (breakdown(args.checkpoint, args.lines) if args.breakdown
+                   else compare_models(models, args.split, args.lines))  # fmt: skip
+        print(json.dumps({"isa": isa, "threads": args.threads, **summary}))
+        return
 
     import transformers
 

@@ -187,7 +187,7 @@ def test_another_teacher_corpus_or_setting_is_refused(
         distill.distill(student_cfg, [trained_run], tmp_path / "bad")
 
 
-def test_originals_mixed_in_by_weight(
+def test_originals_mixed_in_by_weight_and_tags_kept(
     student_cfg: Config, trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen = {}
@@ -197,12 +197,17 @@ def test_originals_mixed_in_by_weight(
         raise TmtError("stopped here")
 
     monkeypatch.setattr(train, "train", stop_before_training)
-    cfg = apply_overrides(student_cfg, ["distill.original_weight=0.5"])
+    tagged = f"data.train=[{{split: {student_cfg.data.train}, weight: 2, tag: '<BT>'}}]"
+    cfg = apply_overrides(student_cfg, ["distill.original_weight=0.5", tagged])
     with pytest.raises(TmtError, match="stopped here"):
         distill.distill(cfg, [trained_run], tmp_path / "d")
     out = tmp_path / "d"
-    assert [(c.split, c.weight) for c in seen["train"]] == [
-        (str(out / "distilled0"), 1.0), (str(out / "original0"), 0.5)]  # fmt: skip
+    assert [(c.split, c.weight, c.tag) for c in seen["train"]] == [
+        (str(out / "distilled0"), 2.0, "<BT>"), (str(out / "original0"), 1.0, "<BT>")]  # fmt: skip
+    # The teacher read each source as training reads a tagged corpus: the tag, a space, the source.
+    sources = lines(out / "original0.de")
+    assert lines(out / "teacher0.input") == [f"<BT> {x}" for x in sources]
+    assert lines(out / "distilled0.de")[0] in sources  # the student's sources stay untagged
 
 
 def test_the_command_line(trained_run: Path, tmp_path: Path) -> None:

@@ -45,17 +45,19 @@ class RawSplit:
     weight: float = 1.0  # a training corpus of a mixture: its share of each epoch
     tag: str = ""  # ... and the tag prepended to its sources
 
-    def pairs(self, chunk: int) -> Iterator[list[tuple[str, str]]]:
+    def pairs(self, chunk: int, as_trained: bool = False) -> Iterator[list[tuple[str, str]]]:
         """The split's (source, target) pairs in chunks, streamed: text sources are read line by
-        line (no Arrow copy), datasets sources from their Arrow data."""
+        line (no Arrow copy), datasets sources from their Arrow data. `as_trained`: without the
+        lines data.encoding_errors=skip leaves out of training."""
         if self.cfg.source in ("hf", "hf_disk"):
             for batch in self.load(Path()).iter(batch_size=chunk):
                 yield list(zip(batch["src"], batch["tgt"], strict=True))
             return
         gen, kwargs = self._generator()
         records = gen(**kwargs, cfg=self.cfg)
-        while block := [(r["src"], r["tgt"]) for r in itertools.islice(records, chunk)]:
-            yield block
+        skip = as_trained and self.cfg.encoding_errors == "skip"
+        while block := list(itertools.islice(records, chunk)):
+            yield [(r["src"], r["tgt"]) for r in block if not (skip and r["invalid"])]
 
     def _generator(self) -> tuple[Any, dict[str, str]]:
         if self.cfg.source in ("multi30k", "files"):

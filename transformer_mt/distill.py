@@ -120,7 +120,7 @@ class _Distillation:
             with files.atomic_file(_side(prefix, self.src)) as src, \
                     files.atomic_file(_side(prefix, self.tgt)) as tgt:  # fmt: skip
                 pairs = 0
-                for chunk in split.pairs(20_000):
+                for chunk in split.pairs(20_000, as_trained=True):
                     src.write("".join(_line(s) for s, _ in chunk).encode())
                     tgt.write("".join(_line(t) for _, t in chunk).encode())
                     pairs += len(chunk)

@@ -15,7 +15,9 @@ from typer.core import TyperCommand
 ConfigOption = Annotated[
     str,
     typer.Option(
-        "--config", "-c", help="A YAML file or a shipped preset: tiny, multi30k, base, big."
+        "--config",
+        "-c",
+        help="A YAML file or a shipped preset: tiny, multi30k, student, base, big.",
     ),
 ]
 Overrides = Annotated[
