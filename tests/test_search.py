@@ -302,6 +302,30 @@ def test_best_continuations_equal_a_stable_sort_of_all(rows, width, vocab, count
     assert scores.shape == (rows, count) and bool((scores[:, kept:] == -math.inf).all())
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.sampled_from([1, 7, 127, 128, 130, 192, 257, 8000]),
+    ties=st.sampled_from(["none", "few values", "-inf", "zeros"]),
+    seed=st.integers(0, 10_000),
+)
+def test_row_max_equals_torch_max(rows, vocab, ties, seed):
+    # Greedy's block-wise argmax against torch's: the same maxima, the first of equal indices.
+    from transformer_mt.search import row_max
+
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, vocab, generator=g)
+    if ties == "few values":
+        values = torch.randint(-2, 1, values.shape, generator=g).float()
+    elif ties == "-inf":
+        values[torch.rand(values.shape, generator=g) < 0.8] = -math.inf
+    elif ties == "zeros":
+        values = torch.where(torch.rand(values.shape, generator=g) < 0.5, -0.0, 0.0)
+    best, index = row_max(values)
+    expected = values.max(dim=-1)
+    assert torch.equal(best, expected.values) and torch.equal(index, expected.indices)
+
+
 def test_unknown_early_stopping_rule_is_refused() -> None:
     with pytest.raises(ValueError, match="early_stopping"):
         beam_search(toy_step(), ToyState([0]), [5], BOS, EOS, 2, early_stopping="never")

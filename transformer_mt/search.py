@@ -75,7 +75,7 @@ def greedy(
     """The argmax token at every step until EOS or the sentence's maximum length (EOS forced)."""
 
     def argmax(log_probs: torch.Tensor, live: torch.Tensor, t: int) -> tuple[torch.Tensor, ...]:
-        return log_probs.max(dim=-1)
+        return row_max(log_probs)
 
     return _one_path(
         step_fn, state, max_lengths, bos_id=bos_id, eos_id=eos_id, banned=banned, alpha=alpha,
@@ -303,6 +303,27 @@ def _best_continuations(
         scores = torch.cat([scores, scores.new_full((m, missing), -math.inf)], dim=1)
         index = torch.cat([index, index.new_zeros(m, missing)], dim=1)
     return scores, index
+
+
+def row_max(values: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """values.max(dim=-1) of a (N, V) tensor, the same maxima and indices (the first of equal
+    ones), 4x faster on a CPU at V = 8,000 (torch's max with indices does not vectorise over a
+    row; a plain maximum does): the maxima of blocks of `block` tokens, the first block holding
+    the row's maximum, the first position in it. Greedy's argmax over the vocabulary is a tenth
+    of a one-layer decoder's step (scripts/bench_decode.py --breakdown)."""
+    rows, vocab = values.shape
+    if vocab < 2 * block:
+        return values.max(dim=-1)
+    full = vocab - vocab % block  # tokens in whole blocks; a shorter block ends the row
+    values = values.contiguous()
+    maxima = values.as_strided((rows, full // block, block), (vocab, block, 1)).amax(dim=-1)
+    if full < vocab:
+        maxima = torch.cat([maxima, values[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    best, which = maxima.max(dim=-1)  # (N,): the first block holding the maximum
+    start = which * block
+    # Past a row's end the last token is repeated: after it, so never the first maximum.
+    index = (start[:, None] + torch.arange(block, device=values.device)).clamp(max=vocab - 1)
+    return best, start + values.gather(1, index).max(dim=-1).indices
 
 
 def _ranked(values: torch.Tensor, count: int) -> torch.Tensor:
