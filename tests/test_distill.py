@@ -221,3 +221,17 @@ def test_the_command_line(trained_run: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["distill", "-m", str(trained_run), "-o", str(tmp_path)],
                                 env=env)  # fmt: skip
     assert result.exit_code == 2 and "one process" in result.stderr
+
+
+def test_a_second_distillation_into_the_same_directory_is_refused(
+    student_cfg: Config, trained_run: Path, tmp_path: Path
+) -> None:
+    from transformer_mt import run
+
+    holder = run.RunLock(tmp_path / "d")
+    holder.acquire()
+    try:
+        with pytest.raises(TmtError, match="in use by"):
+            distill.distill(student_cfg, [trained_run], tmp_path / "d")
+    finally:
+        holder.release()
