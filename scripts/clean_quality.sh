@@ -3,8 +3,8 @@
 # with scripts/multi30k.sh's recipe: the budget schedule, dropout 0.1, the last 3 checkpoints
 # averaged, beam 5 at α 1.0) on the clean Multi30k pairs, on the noisy corpus of
 # scripts/noisy_corpus.py, and on that corpus after `tmt clean` (language identification on);
-# test_2016_flickr BLEU and chrF of each, and the share of the BLEU the noise cost that cleaning
-# recovers. Each run resumes when the script runs again; results: runs/clean_quality/<variant>/.
+# test_2016_flickr and validation BLEU and chrF of each, and the share of the BLEU the noise cost
+# that cleaning recovers. Each run resumes when the script runs again; results: runs/clean_quality/<variant>/.
 #   bash scripts/clean_quality.sh
 #   STEPS=630 VARIANTS="noisy cleaned" bash scripts/clean_quality.sh
 set -euo pipefail
@@ -37,16 +37,22 @@ for variant in $VARIANTS; do
     "$TMT" evaluate -m "$run/average" --split test --json > "$run/test.json.tmp"
     mv "$run/test.json.tmp" "$run/test.json"
   fi
+  # The validation split, which no corpus here contains (the noisy one holds test pairs)
+  if [ ! -f "$run/valid.json" ]; then
+    "$TMT" evaluate -m "$run/average" --split valid --json > "$run/valid.json.tmp"
+    mv "$run/valid.json.tmp" "$run/valid.json"
+  fi
 done
 "$PY" - "$OUT" "$STEPS" $VARIANTS <<'EOF'
 import json, sys
 out, steps, variants = sys.argv[1], sys.argv[2], sys.argv[3:]
-scores = {v: json.load(open(f"{out}/{v}_{steps}/test.json")) for v in variants}
-for v, r in scores.items():
-    print(f"{v:<8} BLEU {r['bleu']:.2f}  chrF {r['chrf']:.2f}  ({r['signature']})")
-if {"clean", "noisy", "cleaned"} <= set(scores):
-    cost = scores["clean"]["bleu"] - scores["noisy"]["bleu"]
-    back = scores["cleaned"]["bleu"] - scores["noisy"]["bleu"]
-    print(f"the noise cost {cost:.2f} BLEU; cleaning recovered {back:.2f}"
-          + (f" ({100 * back / cost:.0f} %)" if cost > 0 else ""))
+for split in ("test", "valid"):
+    scores = {v: json.load(open(f"{out}/{v}_{steps}/{split}.json")) for v in variants}
+    for v, r in scores.items():
+        print(f"{split:<5} {v:<8} BLEU {r['bleu']:.2f}  chrF {r['chrf']:.2f}  ({r['signature']})")
+    if {"clean", "noisy", "cleaned"} <= set(scores):
+        cost = scores["clean"]["bleu"] - scores["noisy"]["bleu"]
+        back = scores["cleaned"]["bleu"] - scores["noisy"]["bleu"]
+        print(f"{split}: the noise cost {cost:.2f} BLEU; cleaning recovered {back:.2f}"
+              + (f" ({100 * back / cost:.0f} %)" if cost > 0 else ""))
 EOF
