@@ -181,6 +181,8 @@ def test_another_teacher_corpus_or_setting_is_refused(
         smaller = apply_overrides(student_cfg, [f"data.train=[{{split: {student_cfg.data.valid},"
                                                 " source: files}]"])  # fmt: skip
         distill.distill(smaller, [trained_run], distilled["out"])
+    with pytest.raises(TmtError, match="holds no distillation"):  # the teacher's own run
+        distill.distill(student_cfg, [trained_run], trained_run)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / distill.MANIFEST).write_text("{")
     with pytest.raises(TmtError, match="not a record tmt wrote"):

@@ -68,6 +68,14 @@ def distill(
         raise TmtError("tmt distill runs as one process (its translate and train steps each run"
                        " under torchrun on their own)")  # fmt: skip
     textio.check_directory(out, "-o")
+    foreign = (
+        out.is_dir()
+        and not (out / MANIFEST).exists()
+        and any(not entry.name.startswith(".") for entry in out.iterdir())
+    )
+    if foreign:  # a run directory, a teacher, a user's files: never written into
+        raise TmtError(f"{out}: exists and holds no distillation ({MANIFEST}); choose another"
+                       " {output}", mentions=["output"])  # fmt: skip
     lock = run.RunLock(out, hint="or distill into another {output}", mentions=["output"])
     lock.acquire()
     try:
