@@ -174,6 +174,10 @@ def test_another_teacher_corpus_or_setting_is_refused(
     other = trained_run / "checkpoints" / "step_00000010"
     with pytest.raises(TmtError, match="another teacher"):
         distill.distill(student_cfg, [other], distilled["out"])
+    # Where and in what chunks the teacher runs changes nothing: still the same distillation.
+    moved = apply_overrides(student_cfg, ["decode.chunk_lines=50", "decode.max_tokens=512"])
+    assert distill.distill(moved, [trained_run], distilled["out"])["reused"][:2] == [
+        "originals", "distilled"]  # fmt: skip
     with pytest.raises(TmtError, match="decode.beam_size"):
         distill.distill(apply_overrides(student_cfg, ["distill.beam_size=3"]), [trained_run],
                         distilled["out"])  # fmt: skip

@@ -116,7 +116,7 @@ class _Distillation:
                     for s in splits]  # fmt: skip
         done = self.manifest.get("originals")
         if done and done["identity"] != identity:
-            changed = next(k["key"] for k in identity if k not in done["identity"])
+            changed = next((k["key"] for k in identity if k not in done["identity"]), "data.train")
             raise TmtError(f"{self.out}: distilled from other training corpora ({changed} differs);"
                            " distill into another {output}", mentions=["output"])  # fmt: skip
         if done and self._verified(done["files"]):
@@ -147,16 +147,19 @@ class _Distillation:
             settings = [f"decode.beam_size={d.beam_size}", f"decode.nbest={d.nbest}",
                         f"decode.chunk_lines={self.cfg.decode.chunk_lines}"]  # fmt: skip
             self.teacher = translate.load_ensemble(self.teachers, settings, self.weights)
+            # What changes the teacher's output, as the file job's identity has it (not where, in
+            # what batches or chunks it runs)
+            decode = {k: v for k, v in to_dict(self.teacher.config)["decode"].items()
+                      if k not in (*bulk.NOT_IN_IDENTITY, "chunk_lines")}  # fmt: skip
             identity = {"models": self.teachers, "fingerprint": translate.fingerprint(self.teacher),
-                        "origin": self.teacher.origin, "decode": to_dict(self.teacher.config)[
-                            "decode"]}  # fmt: skip
+                        "origin": self.teacher.origin, "decode": decode}  # fmt: skip
             known = self.manifest.get("teacher")
             if known and known["fingerprint"] != identity["fingerprint"]:
                 raise TmtError(f"{self.out}: distilled from another teacher ({known['origin']});"
                                " distill into another {output}", mentions=["output"])  # fmt: skip
-            if known and known["decode"] != identity["decode"]:
-                changed = sorted(k for k in identity["decode"]
-                                 if identity["decode"][k] != known["decode"].get(k))  # fmt: skip
+            changed = sorted(k for k, v in identity["decode"].items()
+                             if known and known["decode"].get(k) != v)  # fmt: skip
+            if changed:
                 raise TmtError(f"{self.out}: its teacher decoded with other settings (decode."
                                f"{changed[0]}); distill into another {{output}}",
                                mentions=["output"])  # fmt: skip
