@@ -227,6 +227,15 @@ def test_the_command_line(trained_run: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["distill", "-m", str(trained_run), "-o", str(tmp_path)],
                                 env=env)  # fmt: skip
     assert result.exit_code == 2 and "one process" in result.stderr
+    result = CliRunner().invoke(app, ["distill", "-m", str(tmp_path / "nope"), "-o",
+                                      str(tmp_path / "new")])  # fmt: skip
+    assert result.exit_code == 2 and "nope" in result.stderr
+    assert not (tmp_path / "new").exists()  # refused before anything is written
+    (tmp_path / "a_file").write_text("mine\n")
+    result = CliRunner().invoke(app, ["distill", "-m", str(trained_run), "-o",
+                                      str(tmp_path / "a_file")])  # fmt: skip
+    assert result.exit_code == 2 and "not a directory" in result.stderr
+    assert (tmp_path / "a_file").read_text() == "mine\n"
 
 
 def test_a_second_distillation_into_the_same_directory_is_refused(

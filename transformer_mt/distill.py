@@ -68,6 +68,9 @@ def distill(
         raise TmtError("tmt distill runs as one process (its translate and train steps each run"
                        " under torchrun on their own)")  # fmt: skip
     textio.check_directory(out, "-o")
+    if out.exists() and not out.is_dir():
+        raise TmtError(f"{out}: not a directory; {{output}} names the distillation's directory",
+                       mentions=["output"])  # fmt: skip
     foreign = (
         out.is_dir()
         and not (out / MANIFEST).exists()
@@ -99,6 +102,7 @@ class _Distillation:
         self.teacher: translate.Translator | None = None
 
     def run(self) -> dict[str, Any]:
+        self._load_teacher()  # a missing or other teacher is refused before anything is written
         corpora = self._originals()
         distilled = self._distilled(corpora)
         student_run = self._student(corpora, distilled)
