@@ -250,3 +250,35 @@ def test_a_second_distillation_into_the_same_directory_is_refused(
             distill.distill(student_cfg, [trained_run], tmp_path / "d")
     finally:
         holder.release()
+
+
+def test_an_ensemble_teaches_as_it_translates(
+    student_cfg: Config, trained_run: Path, tmp_path: Path
+) -> None:
+    cfg = apply_overrides(student_cfg, ["distill.nbest=1", "distill.export=none",
+                                        "train.max_steps=2"])  # fmt: skip
+    members = [trained_run, trained_run / "checkpoints" / "step_00000010"]
+    report = distill.distill(cfg, members, tmp_path / "d", weights="0.7,0.3")
+    assert report["teacher"]["origin"].startswith("ensemble of")
+    teacher = translate.load_ensemble(members, ["decode.beam_size=2"], [0.7, 0.3])
+    sources = lines(Path(cfg.data.train + ".de"))
+    expected = [t for t in translate.translate_text(teacher, sources) if t.strip()]
+    assert lines(tmp_path / "d" / "distilled0.en") == expected
+
+
+def test_an_imported_opus_mt_model_teaches_a_tagged_corpus(
+    student_cfg: Config, imported: dict, tmp_path: Path
+) -> None:
+    # The multi-target Marian model reads ">>de<<" at the start of a source, as training's tag
+    # prepends it; the student's sources stay untagged, its corpus keeps the tag.
+    tagged = f"data.train=[{{split: {student_cfg.data.train}, tag: '>>de<<'}}]"
+    cfg = apply_overrides(student_cfg, [tagged, "distill.nbest=1", "distill.export=none",
+                                        "train.max_steps=2"])  # fmt: skip
+    distill.distill(cfg, [imported["multi"]], tmp_path / "d")
+    teacher = translate.load_translator(imported["multi"], ["decode.beam_size=2"])
+    sources = lines(tmp_path / "d" / "original0.de")
+    hypotheses = translate.translate_text(teacher, [f">>de<< {x}" for x in sources])
+    kept = [(s, h) for s, h in zip(sources, hypotheses, strict=True) if h.strip()]
+    assert kept, "the teacher translated nothing"
+    assert list(zip(lines(tmp_path / "d" / "distilled0.de"),
+                    lines(tmp_path / "d" / "distilled0.en"))) == kept  # fmt: skip
