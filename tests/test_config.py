@@ -189,6 +189,8 @@ MAY_BE_EMPTY = {
     "data.cache_dir",
     "train.init_from",
     "decode.target_lang",
+    "glossary.path",
+    "serve.glossary_dir",
     "corpus.path",
     "corpus.hf_config",
     "corpus.src_field",

@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "transformer_mt"
 LAYERS: list[tuple[str, set[str]]] = [
     # stdlib only: exit codes and TmtError, file primitives and tmt's file names, fault points,
     # the allocator setting that must run before torch loads
-    ("leaves", {"exits", "files", "faults", "allocator"}),
+    # ... and the one table of language codes
+    ("leaves", {"exits", "files", "faults", "allocator", "languages"}),
     # the config tree (stdlib + yaml), and text in and out (stdlib)
     ("foundations", {"config", "textio"}),
     # one concern each, knowing nothing of runs or commands
@@ -33,11 +34,12 @@ LAYERS: list[tuple[str, set[str]]] = [
             "train_state",
             "metrics",
             "kernels",
+            "glossary",
         },
     ),
     # what decoding adds over the models: several decoding as one (their search states and
-    # probabilities combined), alignments from the cross-attention
-    ("ensembles", {"ensemble", "alignment"}),
+    # probabilities combined), alignments from the cross-attention, constrained search
+    ("ensembles", {"ensemble", "alignment", "constraints"}),
     # what tmt keeps on disk: one checkpoint, a run directory, averages of checkpoints
     # ... and a CTranslate2 export of a model, the engine that decodes it
     ("stores", {"checkpoint", "run", "averaging", "ct2"}),
@@ -48,6 +50,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "engines",
         {
             "translate",
+            "streams",
             "evaluate",
             "step",
             "bulk",
@@ -62,7 +65,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),
     # the server: one worker batching requests, the service that knows the model, the two
     # APIs (tmt's own and LibreTranslate's) and the HTTP app around them
-    ("serving", {"batching", "service", "libretranslate", "serve"}),
+    ("serving", {"batching", "glossary_store", "service", "gate", "libretranslate", "serve"}),
     # the training loop: the only module that knows a whole run; where it stands, why it stops
     ("training", {"train", "progress"}),
     # recipes over whole runs: distillation translates with a teacher, then trains a student
@@ -88,6 +91,8 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("averaging", "run"): "... of a run: its newest or best",
     ("evaluate", "translate"): "scores what translate decodes (validation BLEU too)",
     ("bulk", "translate"): "the file job translates chunks",
+    ("bulk", "streams"): "... into the rows (and glossary reports) a stream gets",
+    ("streams", "translate"): "a stream's lines are translated by a loaded Translator",
     ("export", "translate"): "an export is checked against tmt's own decoding",
     ("export", "huggingface"): "the Hugging Face export is huggingface.py's conversion",
     ("huggingface", "translate"): "converts a loaded Translator's model and tokenizer",
@@ -99,6 +104,10 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("serve", "service"): "the HTTP app answers with the service",
     ("serve", "libretranslate"): "... and mounts the LibreTranslate API",
     ("serve", "batching"): "... and starts and drains the batching worker",
+    ("service", "glossary_store"): "requests name the server's stored glossaries",
+    ("serve", "glossary_store"): "the glossary endpoints manage the stored glossaries",
+    ("gate", "service"): "the outer layer checks the service's key and limits, counts its metrics",
+    ("serve", "gate"): "... around the HTTP app",
     ("train", "progress"): "where the run stands and why it stops",
     ("__main__", "cli"): "python -m transformer_mt is the command line",
     ("__init__", "translate"): "the Python API is the Translator (imported lazily)",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import reverse_pairs
 
-from transformer_mt import checkpoint, decoding, run, translate
+from transformer_mt import checkpoint, decoding, run, streams, translate
 from transformer_mt.config import Config, apply_overrides
 from transformer_mt.exits import TmtError
 
@@ -59,7 +59,7 @@ def test_empty_lines_are_empty_outputs_without_the_model(
     monkeypatch.setattr(
         decoding,
         "_translate_batch",
-        lambda tr, sources, ids, forced: (
+        lambda tr, sources, ids, forced, terms=None: (
             seen.append(len(sources)) or real(tr, sources, ids, forced)
         ),
     )
@@ -88,7 +88,7 @@ def test_stream_keeps_lines_one_to_one(trained_run: Path) -> None:
     )
     raw = raw.replace("\xff".encode(), b"\xff")
     sink = io.StringIO()
-    assert translate.translate_stream(t, io.BytesIO(raw), sink) == 4
+    assert streams.translate_stream(t, io.BytesIO(raw), sink) == 4
     lines = sink.getvalue().split("\n")
     assert len(lines) == 5 and lines[-1] == "" and lines[1] == ""
     assert lines[0] == translate.translate_text(t, [SOURCES[0]])[0]
@@ -98,7 +98,7 @@ def test_stream_keeps_lines_one_to_one(trained_run: Path) -> None:
 def test_stream_nbest_format(trained_run: Path) -> None:
     t = translator(trained_run, "decode.beam_size=3", "decode.nbest=3")
     sink = io.StringIO()
-    translate.translate_stream(t, io.BytesIO(f"{SOURCES[0]}\n\n".encode()), sink)
+    streams.translate_stream(t, io.BytesIO(f"{SOURCES[0]}\n\n".encode()), sink)
     rows = [line.split("\t") for line in sink.getvalue().splitlines()]
     assert [r[0] for r in rows] == ["0", "0", "0", "1", "1", "1"]
     scores = [float(r[1]) for r in rows[:3]]

@@ -45,6 +45,7 @@ class Job:
     key: tuple[Any, ...]  # jobs with the same key may share a decoding call
     tokens: int  # source tokens (what max_tokens counts)
     prefixes: list[str] | None = None  # a target prefix for each line, if any
+    matches: list[list[Any]] | None = None  # the glossary entries each line matched, if any
     arrived: float = field(default_factory=time.monotonic)
     result: concurrent.futures.Future[list[list[Hypothesis]]] = field(
         default_factory=concurrent.futures.Future
@@ -175,9 +176,13 @@ class Batcher:
         prefixes = None
         if any(job.prefixes for job in jobs):
             prefixes = [p for job in jobs for p in job.prefixes or [""] * len(job.lines)]
+        matches = None  # jobs with glossaries and without share the batch: per line
+        if any(job.matches is not None for job in jobs):
+            matches = [m for job in jobs for m in job.matches or [[]] * len(job.lines)]
         start = time.monotonic()
         try:
-            results = translate_lines(jobs[0].translator, lines, prefixes=prefixes)
+            results = translate_lines(jobs[0].translator, lines, prefixes=prefixes,
+                                      matches=matches)  # fmt: skip
         except Exception as err:
             logger.error(
                 "decoding %d lines failed: %s: %s", len(lines), type(err).__name__, first_line(err)

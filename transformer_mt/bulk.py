@@ -20,6 +20,7 @@ stream (search.line_uniforms), so 1 process, N processes and a resumed job write
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from transformer_mt import distributed, exits, faults, files, run, textio, translate
+from transformer_mt import distributed, exits, faults, files, run, streams, textio, translate
 from transformer_mt.config import Config, to_dict
 from transformer_mt.distributed import DistInfo
 from transformer_mt.exits import TmtError
@@ -60,13 +61,20 @@ class Plan:
     missing: list[int]  # chunks not yet committed
     prefix: str | None = None  # the target prefix file (one line an input line), if any
     prefix_offsets: list[int] = dataclasses.field(default_factory=list)  # ... its chunks' starts
+    report: str | None = None  # the glossary report's path, if one is written
 
 
-def is_bulk(input_path: str, output_path: str, prefix_path: str | None = None) -> bool:
+def is_bulk(
+    input_path: str,
+    output_path: str,
+    prefix_path: str | None = None,
+    report_path: str | None = None,
+) -> bool:
     """A file into a file (not stdin, stdout, a device or a FIFO): the resumable path, which
     reads its input (and prefix file) again on a resume. What does not exist, or is a directory,
     comes here too, to be named (textio.regular_file)."""
-    paths = [input_path, output_path, *([prefix_path] if prefix_path else [])]
+    extra = [p for p in (prefix_path, report_path) if p]
+    paths = [input_path, output_path, *extra]
     return all(path != "-" and (not Path(path).exists() or Path(path).is_file()
                                 or Path(path).is_dir()) for path in paths)  # fmt: skip
 
@@ -77,17 +85,18 @@ def translate_job(
     output_path: str,
     overwrite: bool = False,
     prefix_path: str | None = None,
+    report_path: str | None = None,
 ) -> dict[str, Any]:
     """Translate `input_path` into `output_path` as one resumable job on this process group;
-    `prefix_path`: a target prefix for each input line (translate.translate_lines)."""
+    `prefix_path`: a target prefix for each input line (translate.translate_lines);
+    `report_path`: the glossary report, one JSON line an input line, committed with each chunk."""
     info = distributed.setup(str(translator.device), timeout_s=86_400.0)  # ranks finish unevenly
     output = Path(output_path)
     lock = run.RunLock(output.with_name(output.name + JOB_SUFFIX),
                        hint="or translate into another {output}", mentions=["output"])  # fmt: skip
     try:
-        plan = _agree(
-            info, lambda: _plan(translator, input_path, output_path, overwrite, lock, prefix_path)
-        )
+        plan = _agree(info, lambda: _plan(translator, input_path, output_path, overwrite, lock,
+                                           prefix_path, report_path))  # fmt: skip
         mine = plan.missing[info.rank :: info.world_size]
         done = _translate_chunks(translator, input_path, plan, mine, info)
         distributed.barrier(info)
@@ -97,6 +106,8 @@ def translate_job(
         if info.is_main:
             _assemble(plan, translator, input_path, output_path)
             report["output"] = output_path
+            if plan.report:
+                report["glossary_report"] = plan.report
     finally:
         lock.release()
         distributed.cleanup()
@@ -142,6 +153,7 @@ def _plan(
     overwrite: bool,
     lock: run.RunLock,
     prefix_path: str | None,
+    report_path: str | None = None,
 ) -> Plan:
     """Check the job against what is on disk, take the job directory (`lock`), find what is left."""
     source, output = textio.regular_file(input_path, "input"), Path(output_path)
@@ -150,6 +162,8 @@ def _plan(
     digest, offsets, lines = _scan(source, chunk_lines)
     prefix = _scan_prefix(prefix_path, chunk_lines, lines, input_path)
     identity = _identity(translator, source, digest, prefix[0] if prefix else None)
+    if report_path is not None:  # a job writing a report is another job: its chunks hold one
+        identity["glossary_report"] = True
     previous = _read_job(job_dir)
     if previous is not None and previous != identity:
         if not overwrite:
@@ -163,6 +177,9 @@ def _plan(
     # An output of an earlier session of this job (not yet assembled) is its own to replace.
     inputs = [input_path, *([prefix_path] if prefix_path else [])]
     textio.check_output(output_path, inputs, overwrite=overwrite or previous is not None)
+    if report_path is not None:
+        streams.check_report(translator, report_path, [*inputs, output_path],
+                               overwrite=overwrite or previous is not None)  # fmt: skip
     if not output.parent.is_dir():
         raise TmtError(
             f"{output_path}: cannot write in {output.parent} (no such directory)", param="output"
@@ -181,12 +198,14 @@ def _plan(
             exit_code=_exit_code(err),
             param="output",
         ) from None
-    missing, altered = _uncommitted(job_dir, len(offsets), lines, translator)
+    reporting = report_path is not None
+    missing, altered = _uncommitted(job_dir, len(offsets), lines, translator, reporting)
     missing = sorted(missing + altered)
     if previous is not None and len(missing) < len(offsets):
         logger.info("%s: resuming: %d of %d chunks already translated", output_path,
                     len(offsets) - len(missing), len(offsets))  # fmt: skip
-    return Plan(str(job_dir), offsets, lines, missing, prefix_path, prefix[1] if prefix else [])
+    return Plan(str(job_dir), offsets, lines, missing, prefix_path, prefix[1] if prefix else [],
+                report_path)  # fmt: skip
 
 
 def _scan(source: Path, chunk_lines: int) -> tuple[str, list[int], int]:
@@ -216,6 +235,10 @@ def _identity(
     }
     if prefix_digest is not None:  # a job without one keeps the identity of earlier tmt's jobs
         identity["prefix_sha256"] = prefix_digest
+    if translator.glossary is not None:  # as the prefix: another glossary, another job
+        settings = to_dict(translator.config)["glossary"]
+        identity["glossary"] = {k: v for k, v in settings.items() if k != "path"}
+        identity["glossary"]["sha256"] = translator.glossary.sha256
     return identity
 
 
@@ -261,6 +284,10 @@ def _difference(previous: dict[str, Any], identity: dict[str, Any]) -> str:
         return f"another input ({previous.get('input')}, changed since or different)"
     if previous.get("prefix_sha256") != identity.get("prefix_sha256"):
         return "another target prefix file (--prefix), or none where there was one"
+    if previous.get("glossary") != identity.get("glossary"):
+        return "another glossary (--glossary) or glossary settings, or none where there was one"
+    if previous.get("glossary_report") != identity.get("glossary_report"):
+        return "a glossary report (--glossary-report) where there was none, or none where there was"
     old, new = previous.get("decode", {}), identity["decode"]
     changed = [f"decode.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                if old.get(k) != new.get(k)]  # fmt: skip
@@ -272,13 +299,15 @@ def _difference(previous: dict[str, Any], identity: dict[str, Any]) -> str:
 
 
 def _uncommitted(
-    job_dir: Path, chunks: int, lines: int, translator: Translator
+    job_dir: Path, chunks: int, lines: int, translator: Translator, reporting: bool
 ) -> tuple[list[int], list[int]]:
     """(missing, altered): the chunks with no commit record, and the committed ones whose text
     no longer matches their record (each altered one is reported)."""
     missing, altered = [], []
     for chunk in range(chunks):
-        _, problem = _verified(job_dir, chunk, _rows_of(chunk, lines, translator))
+        size = _chunk_size(chunk, lines, translator.config.decode.chunk_lines)
+        report_rows = size if reporting else None
+        _, _, problem = _verified(job_dir, chunk, _rows_of(chunk, lines, translator), report_rows)
         if problem == _NOT_COMMITTED:
             missing.append(chunk)
         elif problem is not None:
@@ -311,34 +340,52 @@ def _record_path(job_dir: str | Path, chunk: int) -> Path:
     return Path(job_dir) / f"{chunk:08d}.json"
 
 
+def _report_path(job_dir: str | Path, chunk: int) -> Path:
+    return Path(job_dir) / f"{chunk:08d}.report.jsonl"
+
+
 _NOT_COMMITTED = "not committed"
 
 
-def _verified(job_dir: Path, chunk: int, rows: int) -> tuple[bytes, str | None]:
-    """(text, None) when the chunk is committed and whole: its record names `rows` rows and its
-    text has them and the record's SHA-256; else (b"", what is wrong), _NOT_COMMITTED when it
-    has no record."""
+def _verified(
+    job_dir: Path, chunk: int, rows: int, report_rows: int | None = None
+) -> tuple[bytes, bytes, str | None]:
+    """(text, report, None) when the chunk is committed and whole: its record names `rows` rows
+    and its text has them and the record's SHA-256 (and so its glossary report, when
+    `report_rows` is given); else (b"", b"", what is wrong), _NOT_COMMITTED when it has no
+    record."""
     try:
         record = json.loads(files.read_plain(_record_path(job_dir, chunk), limit=1 << 16))
     except FileNotFoundError:
-        return b"", _NOT_COMMITTED  # never committed, or killed between its text and its record
+        return b"", b"", _NOT_COMMITTED  # never committed, or killed before its record
     except (OSError, ValueError, RecursionError):
-        return b"", "its commit record is unreadable"
+        return b"", b"", "its commit record is unreadable"
     if not isinstance(record, dict) or record.get("rows") != rows:
-        return b"", f"its commit record does not describe {rows} rows"
-    try:
-        text = files.read_plain(_chunk_path(job_dir, chunk))
-    except OSError as err:
-        return b"", f"its text cannot be read ({err.strerror or err})"
-    if text.count(b"\n") != rows or hashlib.sha256(text).hexdigest() != record.get("sha256"):
-        return b"", "its text does not match its commit record (changed since it was written)"
-    return text, None
+        return b"", b"", f"its commit record does not describe {rows} rows"
+    parts = [(_chunk_path(job_dir, chunk), rows, "sha256", "text")]
+    if report_rows is not None:
+        parts.append((_report_path(job_dir, chunk), report_rows, "report_sha256", "report"))
+    found = []
+    for path, count, key, what in parts:
+        try:
+            data = files.read_plain(path)
+        except OSError as err:
+            return b"", b"", f"its {what} cannot be read ({err.strerror or err})"
+        if data.count(b"\n") != count or hashlib.sha256(data).hexdigest() != record.get(key):
+            return b"", b"", (f"its {what} does not match its commit record (changed since it"
+                              " was written)")  # fmt: skip
+        found.append(data)
+    return found[0], found[1] if len(found) > 1 else b"", None
 
 
-def _commit(job_dir: str, chunk: int, text: bytes, rows: int) -> None:
-    """The chunk's text, then its commit record (rows, SHA-256): the record is the commit."""
+def _commit(job_dir: str, chunk: int, text: bytes, rows: int, report: bytes | None) -> None:
+    """The chunk's text (and glossary report), then its commit record (rows, SHA-256s): the
+    record is the commit."""
     files.atomic_write(_chunk_path(job_dir, chunk), text)
     record = {"rows": rows, "sha256": hashlib.sha256(text).hexdigest()}
+    if report is not None:
+        files.atomic_write(_report_path(job_dir, chunk), report)
+        record["report_sha256"] = hashlib.sha256(report).hexdigest()
     files.atomic_write(_record_path(job_dir, chunk), json.dumps(record).encode())
 
 
@@ -369,9 +416,11 @@ def _translate_chunks(
             if plan.prefix:
                 offset = plan.prefix_offsets[chunk]
                 prefixes = list(_read_chunk(prefix_source, plan.prefix, offset, first, count))
-            rows = list(_rows(translator, lines, first, prefixes))
+            rows, report = _rows(translator, lines, first, prefixes)
+            text = "".join(rows).encode("utf-8")
+            report_text = "".join(report).encode("utf-8") if plan.report else None
             try:
-                _commit(plan.job_dir, chunk, "".join(rows).encode("utf-8"), len(rows))
+                _commit(plan.job_dir, chunk, text, sum(r.count("\n") for r in rows), report_text)
             except OSError as err:
                 raise TmtError(
                     f"{plan.job_dir}: cannot commit chunk {chunk} ({err.strerror or err});"
@@ -394,12 +443,11 @@ def _read_chunk(source: Any, where: str, offset: int, first: int, count: int) ->
 
 def _rows(
     translator: Translator, lines: list[str], first: int, prefixes: list[str] | None
-) -> Iterator[str]:
-    """The output rows of these lines: one per line, or nbest tab-separated rows as translate's."""
-    nbest = translator.config.decode.nbest
-    hypotheses = translate.translate_lines(translator, lines, first_line=first, prefixes=prefixes)
-    for i, hyps in enumerate(hypotheses):
-        yield from translate.output_rows(translator, hyps, index=first + i, nbest=nbest)
+) -> tuple[list[str], list[str]]:
+    """The output rows of these lines (one per line, or nbest tab-separated rows as translate's)
+    and their glossary report lines."""
+    both = streams.output_and_report(translator, lines, first, prefixes)
+    return [rows for rows, _ in both], [line for _, line in both]
 
 
 # --- rank 0: the output ------------------------------------------------------------------------
@@ -411,11 +459,17 @@ def _assemble(plan: Plan, translator: Translator, input_path: str, output_path: 
     (a rank failed) ends the job with what to do."""
     job_dir, start = Path(plan.job_dir), time.perf_counter()
     solo = DistInfo(rank=0, world_size=1, local_rank=0, device=translator.device)
+    chunk_lines = translator.config.decode.chunk_lines
     try:
-        with files.atomic_file(Path(output_path)) as sink:
+        with (
+            files.atomic_file(Path(output_path)) as sink,
+            files.atomic_file(Path(plan.report)) if plan.report
+            else contextlib.nullcontext() as report_sink,
+        ):  # fmt: skip
             for chunk in range(len(plan.offsets)):
                 rows = _rows_of(chunk, plan.lines, translator)
-                text, problem = _verified(job_dir, chunk, rows)
+                report_rows = _chunk_size(chunk, plan.lines, chunk_lines) if plan.report else None
+                text, report, problem = _verified(job_dir, chunk, rows, report_rows)
                 if problem == _NOT_COMMITTED:
                     raise TmtError(
                         f"{job_dir}: chunk {chunk} is missing (a rank failed?); run the same"
@@ -425,10 +479,12 @@ def _assemble(plan: Plan, translator: Translator, input_path: str, output_path: 
                 if problem is not None:
                     _report_altered(job_dir, chunk, problem, translator)
                     _translate_chunks(translator, input_path, plan, [chunk], solo)
-                    text, problem = _verified(job_dir, chunk, rows)
+                    text, report, problem = _verified(job_dir, chunk, rows, report_rows)
                     if problem is not None:
                         raise TmtError(f"{job_dir}: chunk {chunk}: {problem}")
                 sink.write(text)
+                if report_sink is not None:
+                    report_sink.write(report)
     except OSError as err:
         raise TmtError(
             f"{output_path}: cannot write ({err.strerror or err}); the translated chunks are kept"

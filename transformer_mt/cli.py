@@ -25,7 +25,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from transformer_mt import exits
-from transformer_mt.config import load_config
+from transformer_mt.config import apply_overrides, load_config
 from transformer_mt.exits import TmtError
 from transformer_mt.flags import (
     Alignment,
@@ -42,6 +42,8 @@ from transformer_mt.flags import (
     DryRun,
     Engine,
     Ensemble,
+    GlossaryFile,
+    GlossaryReport,
     HfModel,
     Host,
     Hyps,
@@ -162,13 +164,14 @@ def _models(new: list[Path] | None, old: Path | None) -> list[Path]:
 
 def _load(
     models: list[Path], weights: str | None, overrides: list[str], last: int, best: int,
-    by: str | None,
+    by: str | None, keep_model: bool = False,
 ) -> Any:  # fmt: skip
     """The model, average or ensemble the command decodes (translate.load_ensemble)."""
     from transformer_mt import ensemble, translate
 
     chosen = ensemble.parse_weights(weights)
-    return translate.load_ensemble(models, overrides, chosen, last=last, best=best, by=by)
+    return translate.load_ensemble(models, overrides, chosen, last=last, best=best, by=by,
+                                   keep_model=keep_model)  # fmt: skip
 
 
 def _model(new: Path | None, old: Path | None) -> Path:
@@ -226,6 +229,8 @@ def translate(
     prefix: Prefix = None,
     alignment: Alignment = None,
     target_lang: TargetLang = None,
+    glossary: GlossaryFile = None,
+    glossary_report: GlossaryReport = None,
     last: Last = 0,
     best: Best = 0,
     by: By = None,
@@ -237,24 +242,24 @@ def translate(
 
     A file into a file is a resumable job in chunks (decode.chunk_lines): the same command after
     a kill translates only what is missing. Under torchrun the processes share the chunks."""
-    from transformer_mt import bulk
-    from transformer_mt import translate as lib
+    from transformer_mt import bulk, streams
 
     overrides = flag_overrides(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
         precision=precision, engine=engine, sampling=sampling, temperature=temperature,
-        seed=seed, alignment=alignment, target_lang=target_lang,
+        seed=seed, alignment=alignment, target_lang=target_lang, glossary=glossary,
     )  # fmt: skip
     last = _renamed(last, old_last, "--last", "--average-last")
     translator = _load(_models(model, old_model), weights, overrides, last, best, by)
-    if bulk.is_bulk(input_, output, prefix):
-        report = bulk.translate_job(translator, input_, output, overwrite, prefix)
+    if bulk.is_bulk(input_, output, prefix, glossary_report):
+        report = bulk.translate_job(translator, input_, output, overwrite, prefix, glossary_report)
         if "output" in report:  # rank 0
             typer.echo(f"tmt: {output}: {report['lines']} lines in {report['chunks']} chunks"
                        f" ({report['resumed_chunks']} translated before)", err=True)  # fmt: skip
         return
     try:
-        lib.translate_file(translator, input_, output, overwrite=overwrite, prefix_path=prefix)
+        streams.translate_file(translator, input_, output, overwrite=overwrite, prefix_path=prefix,
+                           report_path=glossary_report)  # fmt: skip
     except BrokenPipeError:  # the reader left (e.g. `| head -1`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
@@ -276,6 +281,7 @@ def evaluate(
     precision: Precision = None,
     engine: Engine = None,
     target_lang: TargetLang = None,
+    glossary: GlossaryFile = None,
     last: Last = 0,
     best: Best = 0,
     by: By = None,
@@ -285,9 +291,9 @@ def evaluate(
     old_last: OldLast = 0,
 ) -> None:
     """sacreBLEU (with signature), chrF, chrF++, TER and lowercased BLEU of a model or a
-    hypothesis file; with several --hyp, paired significance tests against the first."""
+    hypothesis file; with several --hyp, paired significance tests against the first; with
+    --glossary, term use (entries used / entries matched)."""
     from transformer_mt import evaluate as lib
-    from transformer_mt import textio
 
     input_ = _renamed(input_, old_input, "--input", "--src")
     translating = {"--weights": weights, "--last": last or old_last, "--best": best, "--by": by,
@@ -295,15 +301,16 @@ def evaluate(
                    "--device": device, "--precision": precision, "--engine": engine,
                    "--target-lang": target_lang}  # fmt: skip
     lib.check_arguments(bool(hyp), bool(model or old_model), input_ is not None, ref is not None,
-                        split is not None, translating)  # fmt: skip
+                        split is not None, translating, glossary is not None)  # fmt: skip
     split = split or "test"
     if hyp and len(hyp) > 1:  # several systems: compared by sacreBLEU's paired tests
-        _compare(hyp, ref, split, set_ or [], as_json)
+        report = lib.compare_files(hyp, ref, split, load_config("multi30k", set_ or []))
+        _echo(report, as_json, lib.format_comparison(report))
         return
 
     overrides = flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
-        engine=engine, target_lang=target_lang,
+        engine=engine, target_lang=target_lang, glossary=glossary,
     )  # fmt: skip
     lib.check_split(split)  # before a model is loaded
     last = _renamed(last, old_last, "--last", "--average-last")
@@ -311,30 +318,10 @@ def evaluate(
     translator = None
     if model or old_model:
         translator = _load(_models(model, old_model), weights, overrides, last, best, by)
-    report = lib.evaluate(
-        translator, split=split,
-        sources=textio.read_text_file(input_, "input") if input_ else None,
-        references=textio.read_text_file(ref, "ref") if ref else None,
-        hypotheses=textio.read_text_file(hyp[0], "hyp") if hyp else None,
-        cfg=translator.config if translator else load_config("multi30k", set_ or []),
-    )  # fmt: skip
+    cfg = translator.config if translator else apply_overrides(load_config("multi30k"), overrides)
+    texts = lib.read_files(input_, ref, hyp[0] if hyp else None)
+    report = lib.evaluate(translator, split, *texts, cfg, lib.glossary_of(translator, cfg))
     _echo(report, as_json, lib.format_report(report))
-
-
-def _compare(
-    hyps: list[Path], ref: Path | None, split: str, set_: list[str], as_json: bool
-) -> None:
-    """tmt evaluate --hyp A --hyp B ...: sacreBLEU's paired tests against the first."""
-    from transformer_mt import evaluate as lib
-    from transformer_mt import textio
-
-    lib.check_split(split)
-    report = lib.compare(
-        [(str(path), textio.read_text_file(path, "hyp")) for path in hyps],
-        textio.read_text_file(ref, "ref") if ref else None,
-        split=split, cfg=load_config("multi30k", set_),
-    )  # fmt: skip
-    _echo(report, as_json, lib.format_comparison(report))
 
 
 @command()
@@ -486,7 +473,8 @@ def serve(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
         engine=engine, host=host, port=port, target_lang=target_lang,
     )  # fmt: skip
-    translator = _load(_models(model, None), weights, overrides, last, best, by)
+    # kept beside a CTranslate2 engine: requests may bring glossaries, decoded by tmt's engine
+    translator = _load(_models(model, None), weights, overrides, last, best, by, keep_model=True)
     lib.serve(translator, overrides, api_key=api_key or "")
 
 

@@ -389,6 +389,21 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class GlossaryConfig:
+    """Glossaries (tmt translate --glossary FILE; the server's glossaries): source terms and the
+    target terms every translation uses (glossary.py; README, "Glossaries")."""
+
+    path: str = ""  # a TSV or CSV glossary; "" = none
+    # strict: every line decoded as usual; a line whose output misses an entry it matched is
+    # decoded again by constrained beam search (constraints.py), which puts every entry in.
+    # check: decoded as usual, and only which entries the output uses is reported.
+    mode: Literal["strict", "check"] = "strict"
+    beam: Count = 8  # the beam of constrained decoding (Post & Vilar's banks need room)
+    case_sensitive: bool = False  # match sources with their case (default: case ignored)
+    max_source_words: Count = 10  # a longer source is refused
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """`tmt serve`: where it listens, how it batches, and the limits that keep it standing."""
 
@@ -408,6 +423,11 @@ class ServeConfig:
     body_seconds: Positive = 30.0  # time a request body has to arrive whole (else 408)
     header_seconds: Positive = 10.0  # time a request's headers have to arrive whole (else 408)
     drain_seconds: Amount = 30.0  # on SIGTERM or SIGINT: time in-flight requests get to finish
+    # Stored glossaries (POST /v1/glossaries): kept here, one file each, written atomically;
+    # "" = <cache>/glossaries ($TMT_CACHE or ~/.cache/transformer_mt).
+    glossary_dir: str = ""
+    max_glossaries: Count = 1000  # stored glossaries (DeepL: 1,000 an account)
+    max_glossary_bytes: Count = 10_485_760  # one glossary's entries (DeepL: 10 MiB)
 
 
 @dataclass(frozen=True)
@@ -419,6 +439,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    glossary: GlossaryConfig = field(default_factory=GlossaryConfig)
     clean: CleanConfig = field(default_factory=CleanConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
 

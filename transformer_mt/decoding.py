@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from transformer_mt import alignment, ct2, distributed, ensemble
+from transformer_mt import glossary as glossaries
 from transformer_mt.config import Config
+from transformer_mt.constraints import Terms, constrained_beam_search
 from transformer_mt.data import TokenBucketSampler
 from transformer_mt.ensemble import EnsembleState
 from transformer_mt.exits import TmtError
@@ -52,6 +54,7 @@ class Decodable(Protocol):
     config: Config
     device: torch.device
     engine: Any
+    glossary: glossaries.Glossary | None
 
 
 def check_engine(cfg: Config, device: torch.device) -> None:
@@ -170,23 +173,52 @@ def translate_lines(
     lines: Sequence[str],
     first_line: int = 0,
     prefixes: Sequence[str] | None = None,
+    matches: Sequence[Sequence[glossaries.Match]] | None = None,
 ) -> list[list[Hypothesis]]:
     """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line.
     `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling);
-    `prefixes`: a target prefix for each line ("" for none) that every output starts with."""
+    `prefixes`: a target prefix for each line ("" for none) that every output starts with;
+    `matches`: the glossary entries each line matched (default: the translator's glossary's),
+    obeyed as glossary.mode says (_obey), each hypothesis telling which it uses (.terms)."""
     if translator.engine is not None:  # decoding options may have changed since the load
         check_engine(translator.config, translator.device)
     if prefixes is not None and len(prefixes) != len(lines):
         raise TmtError(f"{len(prefixes)} target prefixes for {len(lines)} lines: give one a line")
+    if matches is not None and len(matches) != len(lines):
+        raise TmtError(f"{len(matches)} glossary matches for {len(lines)} lines")
     ids = source_ids(translator, lines)
     forced = source_ids(translator, prefixes, "prefix") if prefixes else [[] for _ in lines]
     # empty input: empty output (or its prefix alone), no model call
     results = [[Hypothesis(p, 0.0, 0.0)] if p else [] for p in forced]
     todo = [i for i, seq in enumerate(ids) if seq]
+    _decode_all(translator, ids, forced, todo, first_line, results)
+    if matches is None and translator.glossary is not None:
+        matches = translator.glossary.match_lines(lines)
+    if matches is not None and any(matches):
+        _obey(translator, ids, forced, todo, results, matches)
+    return results
+
+
+def _decode_all(
+    translator: Decodable,
+    ids: list[list[int]],
+    forced: list[list[int]],
+    todo: list[int],
+    first_line: int,
+    results: list[list[Hypothesis]],
+    terms: dict[int, Terms] | None = None,
+) -> None:
+    """results[i] = the hypotheses of line i for each i in `todo`, decoded in batches of
+    decode.max_tokens source tokens (fewer with constraints, `terms` by line: their beam is
+    wider)."""
     if not todo:
-        return results
+        return
+    decode = translator.config.decode
     lengths = np.array([len(ids[i]) + 1 for i in todo])
-    budget = max(translator.config.decode.max_tokens, int(lengths.max()))
+    budget = decode.max_tokens
+    if terms is not None:  # the same rows a batch: glossary.beam rows a sentence, not beam_size
+        budget = budget * decode.beam_size // max(translator.config.glossary.beam, 1)
+    budget = max(budget, int(lengths.max()))
     sampler = TokenBucketSampler(
         src_lengths=lengths, tgt_lengths=lengths, max_tokens=budget, seed=0, shuffle=False
     )
@@ -194,17 +226,115 @@ def translate_lines(
         chosen = [todo[j] for j in batch]
         sources = [ids[i] for i in chosen]
         line_ids, prefix = [first_line + i for i in chosen], [forced[i] for i in chosen]
+        batch_terms = [terms[i] for i in chosen] if terms is not None else None
         try:
-            hypotheses = _translate_batch(translator, sources, line_ids, prefix)
+            hypotheses = _translate_batch(translator, sources, line_ids, prefix, batch_terms)
         except (torch.OutOfMemoryError, RuntimeError, MemoryError) as err:
             if not distributed.is_out_of_memory(err):
                 raise
             raise _out_of_memory(translator, sources) from None
-        if translator.config.decode.alignment != "none":
+        if decode.alignment != "none":
             hypotheses = _aligned(translator, sources, hypotheses)
         for index, hyps in zip(chosen, hypotheses, strict=True):
             results[index] = hyps
-    return results
+
+
+def _obey(
+    translator: Decodable,
+    ids: list[list[int]],
+    forced: list[list[int]],
+    todo: list[int],
+    results: list[list[Hypothesis]],
+    matches: Sequence[Sequence[glossaries.Match]],
+) -> None:
+    """The glossary step (glossary.mode): each hypothesis of a line with matches learns which
+    entries its text uses; with strict, a line one of whose outputs misses an entry is decoded
+    again by constrained beam search (glossary.beam), which puts every entry in. An output that
+    already uses every entry is kept: the model's own best, which a constrained search could at
+    most equal (its outputs are a subset of the search space). A line without matches is left
+    exactly as it was decoded."""
+    tok = translator.tokenizer
+    strict = translator.config.glossary.mode == "strict"
+    with_terms = [i for i in todo if matches[i]]
+    first = {i: [_uses(tok, matches[i], h) for h in results[i]] for i in with_terms}
+    redo = [i for i in with_terms if strict and not all(-1 not in u for u in first[i])]
+    if redo:
+        terms = {i: compile_terms(tok, matches[i]) for i in redo}
+        redo = [i for i in redo if any(terms[i])]  # entries the model cannot write stay out
+        _decode_all(_torch_side(translator), ids, forced, redo, 0, results,
+                    {i: [t for t in terms[i] if t] for i in redo})  # fmt: skip
+    again = set(redo)
+    for i in with_terms:
+        before = first[i][0] if first[i] else [-1] * len(matches[i])
+        annotated = []
+        for h in results[i]:
+            uses = _uses(tok, matches[i], h) if i in again else first[i][results[i].index(h)]
+            terms_used = tuple(
+                (alt, i in again and alt >= 0 and prior < 0)
+                for alt, prior in zip(uses, before, strict=True)
+            )
+            annotated.append(dataclasses.replace(h, terms=terms_used))
+        results[i] = annotated
+
+
+def _uses(tok: Tokenizer, matches: Sequence[glossaries.Match], hyp: Hypothesis) -> list[int]:
+    """The alternative of each matched entry that the hypothesis's text uses, -1 for none."""
+    text = tok.decode([hyp.tokens])[0]
+    return [-1 if (alt := glossaries.used(m.entry, text)) is None else alt for m in matches]
+
+
+_PIECES: dict[tuple[str, str], list[int]] = {}
+
+
+def compile_terms(tok: Tokenizer, matches: Sequence[glossaries.Match]) -> Terms:
+    """Each entry's alternatives as the target tokenizer writes them at a word start, as they
+    stand and with a capital first letter (a sentence's first word); an alternative with a piece
+    the model cannot write (unknown) is left out, and an entry left with none becomes []."""
+    terms = []
+    for match in matches:
+        alternatives: list[list[int]] = []
+        for target in match.entry.targets:
+            for text in dict.fromkeys((target, glossaries.capitalised(target))):
+                key = (tok.sha256, text)
+                if key not in _PIECES:
+                    if len(_PIECES) > 200_000:
+                        _PIECES.clear()
+                    _PIECES[key] = tok.encode([text], side="target")[0]
+                pieces = _PIECES[key]
+                if pieces and tok.unk_id not in pieces and pieces not in alternatives:
+                    alternatives.append(pieces)
+        terms.append(alternatives)
+    return terms
+
+
+_CONTINUES: dict[str, torch.Tensor] = {}
+
+
+def word_continuations(tok: Tokenizer) -> torch.Tensor:
+    """(V,) the target pieces that continue a word: no word-start mark, and a letter, digit or
+    byte first (what may not follow a glossary term: it would make it part of a longer word)."""
+    if tok.sha256 not in _CONTINUES:
+        flags = []
+        for piece in tok.pieces("target"):
+            byte = piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6
+            flags.append(byte or (not piece.startswith("\u2581") and piece[:1].isalnum()))
+        _CONTINUES[tok.sha256] = torch.tensor(flags, dtype=torch.bool)
+    return _CONTINUES[tok.sha256]
+
+
+def _torch_side(translator: Decodable) -> Decodable:
+    """The translator decoded by tmt's own engine: itself, or, for CTranslate2, its PyTorch model
+    where it has one (constrained decoding is tmt's; translate.py keeps the model for it)."""
+    if translator.engine is None:
+        return translator
+    if translator.model is None:
+        raise TmtError(
+            "glossary.mode=strict with decode.engine=ctranslate2: the lines that need"
+            " constrained decoding are decoded by tmt's engine, from the tmt model, which was not"
+            " loaded; load the model with the glossary, or use glossary.mode=check"
+        )
+    device = next(translator.model.parameters()).device
+    return dataclasses.replace(translator, engine=None, device=device)  # type: ignore[type-var]
 
 
 def _aligned(
@@ -246,8 +376,10 @@ def _translate_batch(
     sources: list[list[int]],
     line_ids: Sequence[int],
     prefixes: list[list[int]],
+    terms: list[Terms] | None = None,
 ) -> list[list[Hypothesis]]:
-    """Encode a batch of sources once and search over the decoder: sampling, greedy or beam."""
+    """Encode a batch of sources once and search over the decoder: sampling, greedy, beam, or
+    constrained beam search when `terms` are given (one Terms per source)."""
     model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
     prefixes = prefixes if any(prefixes) else []  # none: the search's plain path
     if translator.engine is not None:
@@ -268,6 +400,15 @@ def _translate_batch(
               "alpha": decode.length_penalty, "form": decode.length_penalty_form,
               "device": translator.device, "prefixes": prefixes}  # fmt: skip
     limits = output_limits(translator, sources, prefixes)
+    if terms is not None:  # room for every term's longest alternative
+        positions = _max_positions(translator)
+        limits = [min(limit + sum(max(map(len, alternatives)) for alternatives in line), positions)
+                  for limit, line in zip(limits, terms, strict=True)]  # fmt: skip
+        return constrained_beam_search(
+            step, state, limits, terms, beam_size=translator.config.glossary.beam,
+            continues=word_continuations(tok).to(translator.device), nbest=decode.nbest,
+            early_stopping=decode.early_stopping, **common,
+        )  # fmt: skip
     if decode.sampling != "none":
         uniforms = torch.stack([
             line_uniforms(decode.seed, line, j, model.cfg.max_positions)

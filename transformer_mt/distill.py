@@ -370,7 +370,7 @@ def choose(candidates: list[list[str]], references: Sequence[str], metric: str) 
 
 def _hypotheses(path: Path, lines: int, nbest: int) -> list[list[str]]:
     """The teacher's output: one line a source, or with nbest > 1 rows "index<TAB>score<TAB>text"
-    (translate.output_rows), grouped by source."""
+    (streams.output_rows), grouped by source."""
     rows = textio.read_text_file(path, "input")
     if nbest == 1:
         found: list[list[str]] = [[row] for row in rows]

@@ -10,17 +10,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from transformer_mt import corpus, distributed
+from transformer_mt import corpus, distributed, textio
+from transformer_mt import glossary as glossaries
 from transformer_mt.config import Config
 from transformer_mt.distributed import DistInfo
 from transformer_mt.exits import TmtError
 from transformer_mt.model import Transformer
 from transformer_mt.tokenizer import Tokenizer
-from transformer_mt.translate import Translator, translate_text
+from transformer_mt.translate import Translator, load_glossary, translate_text
 
 
 def score(
@@ -71,6 +73,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"chrF2++ = {report['chrfpp']:.2f}  ({report['chrfpp_signature']})",
             f"TER = {report['ter']:.2f}  ({report['ter_signature']}; lower is better)",
         ]
+    if report.get("glossary"):
+        g = report["glossary"]
+        use = "-" if g["term_use"] is None else f"{g['term_use']:.2f} %"
+        lines.append(f"term use = {use}  ({g['terms_used']} of {g['terms_matched']} matched"
+                     f" entries used, {g['lines_with_terms']} lines; {g['file']})")  # fmt: skip
     lines += [
         f"BLEU lowercased = {report['bleu_lc']:.2f}",
         f"sentences = {report['sentences']}"
@@ -212,14 +219,23 @@ def validation_bleu(
 
 
 def check_arguments(
-    hyp: bool, model: bool, input_: bool, ref: bool, split: bool, translating: dict[str, Any]
+    hyp: bool,
+    model: bool,
+    input_: bool,
+    ref: bool,
+    split: bool,
+    translating: dict[str, Any],
+    glossary: bool = False,
 ) -> None:
     """tmt evaluate scores a model's translations or hypothesis files: an option (named as the
     command line spells it) that the way chosen would not read is refused, never ignored (a
-    score reported for a model that did not make it, references of another input)."""
+    score reported for a model that did not make it, references of another input). With a
+    glossary, -i gives --hyp's sources (whose terms are matched)."""
     given = [name for name, value in translating.items() if value not in (None, 0)]
-    if hyp and (model or input_ or given):
-        names = ", ".join([*(["-m"] if model else []), *(["-i"] if input_ else []), *given])
+    source_ok = glossary  # term use reads the sources the hypotheses translate
+    if hyp and (model or (input_ and not source_ok) or given):
+        names = ", ".join([*(["-m"] if model else []),
+                           *(["-i"] if input_ and not source_ok else []), *given])  # fmt: skip
         raise TmtError(f"{names}: not with --hyp, whose lines are scored as they are (nothing"
                        " is translated)")  # fmt: skip
     if not hyp and not model:
@@ -234,12 +250,44 @@ def check_arguments(
                        " references: --split)")  # fmt: skip
     if split and ref and (input_ or hyp):
         raise TmtError("--split: not with --ref and -i or --hyp, which give both sides")
+    if hyp and glossary and ref and not input_:
+        raise TmtError("--glossary with --hyp and --ref needs -i, the sources of those"
+                       " hypotheses (their terms are matched there)")  # fmt: skip
 
 
 def check_split(split: str) -> None:
     """A split of a config to score: test, valid or train."""
     if split not in ("test", "valid", "train"):
         raise TmtError(f"{split!r}: expected test, valid or train", param="split")
+
+
+def read_files(
+    sources: Path | None, references: Path | None, hypotheses: Path | None
+) -> tuple[list[str] | None, list[str] | None, list[str] | None]:
+    """tmt evaluate's -i, --ref and --hyp files, each read whole (None where not given)."""
+    return (
+        textio.read_text_file(sources, "input") if sources else None,
+        textio.read_text_file(references, "ref") if references else None,
+        textio.read_text_file(hypotheses, "hyp") if hypotheses else None,
+    )
+
+
+def compare_files(
+    hyps: Sequence[Path], ref: Path | None, split: str, cfg: Config
+) -> dict[str, Any]:
+    """tmt evaluate --hyp A --hyp B ...: sacreBLEU's paired tests against the first."""
+    check_split(split)
+    return compare(
+        [(str(path), textio.read_text_file(path, "hyp")) for path in hyps],
+        textio.read_text_file(ref, "ref") if ref else None, split=split, cfg=cfg,
+    )  # fmt: skip
+
+
+def glossary_of(translator: Translator | None, cfg: Config) -> glossaries.Glossary | None:
+    """The glossary evaluate measures term use with: the translator's, else glossary.path's."""
+    if translator is not None:
+        return translator.glossary
+    return load_glossary(cfg)
 
 
 def evaluate(
@@ -249,9 +297,11 @@ def evaluate(
     references: Sequence[str] | None = None,
     hypotheses: Sequence[str] | None = None,
     cfg: Config | None = None,
+    glossary: glossaries.Glossary | None = None,
 ) -> dict[str, Any]:
     """Score `hypotheses`, or the translator's output for `sources` or a config split, against the
-    references. Returns score()'s figures plus where the text came from."""
+    references. Returns score()'s figures plus where the text came from; with a glossary, term
+    use over the sources' matched entries (glossary.term_use)."""
     if split is not None:
         check_split(split)
     if references is None:
@@ -262,6 +312,8 @@ def evaluate(
             )
         split_sources, references = corpus.read_split(config.data, f"data.{split}")
         sources = sources if sources is not None else split_sources
+    elif sources is None and glossary is not None and split is not None and cfg is not None:
+        sources = corpus.read_split(cfg.data, f"data.{split}")[0]  # --hyp and --ref: the split's
     if hypotheses is None:
         if translator is None or sources is None:
             raise TmtError(
@@ -272,4 +324,10 @@ def evaluate(
                 f"{len(sources)} source lines but {len(references)} references: counts must match"
             )
         hypotheses = translate_text(translator, sources)
-    return {**score(hypotheses, references), "model": translator.origin if translator else None}
+    report = {**score(hypotheses, references), "model": translator.origin if translator else None}
+    if glossary is not None:
+        if sources is None or len(sources) != len(hypotheses):
+            raise TmtError("term use needs the sources the hypotheses translate: a split, or -i")
+        report["glossary"] = {"file": glossary.name, "entries": len(glossary),
+                              **glossaries.term_use(glossary, sources, hypotheses)}  # fmt: skip
+    return report

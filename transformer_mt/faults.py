@@ -12,6 +12,7 @@ Points:
     saveS_bytes while writing checkpoint S (e.g. save8_bytes), once N bytes of it are written
     chunk       after translation chunk N (from 1) is committed (tmt translate -i FILE -o FILE)
     plan        once a time budget is planned (optim.schedule=budget); N is 1
+    glossary_write  while tmt serve stores its N-th glossary: written, not yet renamed into place
 
 Actions:
     kill    SIGKILL this process: a crash or power loss, no cleanup, no flush

@@ -141,8 +141,24 @@ HfModel = Annotated[
 Languages = Annotated[
     str | None, typer.Option(help="The model's language, if its tokenizer_config.json lacks it.")
 ]
+GlossaryFile = Annotated[
+    str | None,
+    typer.Option(
+        "--glossary",
+        help="A TSV or CSV glossary (source, target): every translation uses its entries"
+        " (glossary.path; glossary.mode strict or check).",
+    ),
+]
+GlossaryReport = Annotated[
+    str | None,
+    typer.Option(
+        "--glossary-report",
+        help="Write one JSON object per input line: the glossary entries it matched, whether"
+        " the output uses each, and whether constrained decoding put it there.",
+    ),
+]
 # Each flag is one override of decode.NAME (serve.NAME for host and port) unless named here.
-_KEYS = {"beam": "decode.beam_size", "lenpen": "decode.length_penalty"}
+_KEYS = {"beam": "decode.beam_size", "lenpen": "decode.length_penalty", "glossary": "glossary.path"}
 
 
 def flag_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[str, str]]:

@@ -4,6 +4,11 @@ apps, scripts) work unchanged: POST /translate (q as text or a list, source as a
 {"translatedText": ...}, GET or POST /languages and GET /frontend/settings (no key asked, as
 LibreTranslate's server asks none there). Errors come in its shape, {"error": ...}, with its
 words where it has them. The model serves one pair: another is a 400 naming it.
+
+tmt's extension (LibreTranslate has no glossaries): `glossary` ([[source, target], ...] in a
+JSON body, or TSV text in either) or `glossary_id` (a glossary stored with POST /v1/glossaries);
+the answer then carries "terms" as /v1/translate's does. A request without them is answered
+exactly as before.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from transformer_mt.service import ServeError, Service, check_key
+from transformer_mt.service import ServeError, Service, check_key, terms_of
 from transformer_mt.translate import Translator, detokenize
 
 LANGUAGE_NAMES = {
@@ -65,7 +70,8 @@ def add_endpoints(app: FastAPI, service: Service) -> None:
         return await _translate(service, request, fields)
 
 
-_LT_FIELDS = {"q", "source", "target", "format", "api_key", "alternatives", "secret"}
+_LT_FIELDS = {"q", "source", "target", "format", "api_key", "alternatives", "secret",
+              "glossary", "glossary_id"}  # fmt: skip
 
 
 async def _fields(request: Request) -> dict[str, Any]:
@@ -100,15 +106,7 @@ async def _translate(service: Service, request: Request, fields: dict[str, Any])
         isinstance(fields.get(k, ""), str) for k in ("source", "target", "format")
     ):
         raise ServeError(400, "Invalid request: q, source, target and format are text")
-    targets = _targets(service.translator)
-    known = (data.src_lang, data.tgt_lang, *targets)
-    for code in (source if source != "auto" else data.src_lang, target):
-        if code not in known:
-            raise ServeError(400, f"{code} is not supported")
-    source_code = data.src_lang if source == "auto" else source
-    if source_code != data.src_lang or target not in targets:
-        raise ServeError(400, f"{_name(target)} ({target}) is not available as a target language"
-                              f" from {_name(source_code)} ({source_code})")  # fmt: skip
+    _check_pair(service.translator, source, target)
     text_format = fields.get("format") or "text"
     if text_format not in ("text", "html"):
         raise ServeError(400, f"{text_format} format is not supported")
@@ -129,21 +127,41 @@ async def _translate(service: Service, request: Request, fields: dict[str, Any])
             (f"decode.nbest={alternatives + 1}", typed),
         ]
     chosen = service.translator_for(overrides)
+    glossary = service.glossary_for(fields.get("glossary"), fields.get("glossary_id"))
+    terms = None
     if text_format == "html":
+        if glossary is not None:
+            raise ServeError(400, "glossary: with format text only")
         texts = await _translate_html(service, request, chosen, lines)
         options: list[list[str]] = [[] for _ in lines]
     else:
-        hyps = await service.translate(request, lines, chosen)
+        hyps = await service.translate(request, lines, chosen, glossary=glossary)
         outputs = [detokenize(chosen, [h.tokens for h in line]) if line else [""] for line in hyps]
         texts = [out[0] for out in outputs]
         options = [out[1:] for out in outputs]
+        terms = terms_of(lines, service.matches_of(lines, chosen, glossary), hyps)
     answer: dict[str, Any] = {"translatedText": texts if batch else texts[0]}
+    if terms is not None:
+        answer["terms"] = terms if batch else terms[0]
     if alternatives:
         answer["alternatives"] = options if batch else options[0]
     if source == "auto":  # one source language: the model's (no detection)
         detected = {"confidence": 100.0, "language": data.src_lang}
         answer["detectedLanguage"] = [detected] * len(lines) if batch else detected
     return answer
+
+
+def _check_pair(translator: Translator, source: str, target: str) -> None:
+    """Refuse, in LibreTranslate's words, a pair the model does not translate."""
+    data, targets = translator.config.data, _targets(translator)
+    known = (data.src_lang, data.tgt_lang, *targets)
+    for code in (source if source != "auto" else data.src_lang, target):
+        if code not in known:
+            raise ServeError(400, f"{code} is not supported")
+    source_code = data.src_lang if source == "auto" else source
+    if source_code != data.src_lang or target not in targets:
+        raise ServeError(400, f"{_name(target)} ({target}) is not available as a target language"
+                              f" from {_name(source_code)} ({source_code})")  # fmt: skip
 
 
 class _Segments(HTMLParser):

@@ -264,7 +264,9 @@ def drift(saved: Config, cfg: Config) -> list[str]:
     """The settings that make `cfg` another experiment than the run `saved` comes from, as
     "key old -> new" (model and tokenizer sections aside: those can never change)."""
     old, new = to_dict(saved), to_dict(cfg)
-    sections = [s for s in SECTIONS if s not in MODEL_SECTIONS and s not in ("decode", "serve")]
+    sections = [
+        s for s in SECTIONS if s not in MODEL_SECTIONS and s not in ("decode", "serve", "glossary")
+    ]
     return [
         f"{key} {old[s][k]} -> {new[s][k]}"
         for s in sections

@@ -49,6 +49,9 @@ class Hypothesis:
     log_prob: float  # sum of token log-probabilities, EOS included
     # (source, output) index pairs, when decode.alignment asks for them (alignment.py)
     alignment: tuple[tuple[int, int], ...] | None = None
+    # With a glossary, per entry its line matched: (the alternative the output uses, -1 for
+    # none; whether constrained decoding put it there) (decoding.py)
+    terms: tuple[tuple[int, bool], ...] | None = None
 
 
 def length_penalty(length: int | torch.Tensor, alpha: float, form: str = "gnmt") -> Any:

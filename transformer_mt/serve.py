@@ -2,8 +2,12 @@
 clients speak, a page for people, health, a model card and Prometheus metrics.
 
     POST /v1/translate   {"text": "..." | [...], beam_size, length_penalty, nbest, sampling,
-                         temperature, seed, target_lang} -> {"translations": [...], "model",
-                         "seconds"}
+                         temperature, seed, target_lang, glossary | glossary_id,
+                         glossary_mode} -> {"translations": [...], "model", "seconds",
+                         "terms" (with a glossary)}
+    POST /v1/glossaries  DeepL's: {name, source_lang, target_lang, entries, entries_format}
+                         -> {"glossary_id", ...}; GET /v1/glossaries, GET .../{id},
+                         GET .../{id}/entries (TSV), DELETE .../{id}
     POST /translate      LibreTranslate: q, source, target, format, alternatives, api_key
     GET  /languages      LibreTranslate: [{"code", "name", "targets"}]
     GET  /health         {"status": "ok"}: the model is loaded
@@ -49,24 +53,21 @@ from transformer_mt import libretranslate
 from transformer_mt.alignment import pharaoh
 from transformer_mt.batching import Batcher
 from transformer_mt.config import ServeConfig, apply_overrides
-from transformer_mt.exits import TmtError, first_line
+from transformer_mt.exits import TmtError
+from transformer_mt.gate import Gate
+from transformer_mt.glossary_store import GlossaryStore, StoreError
 from transformer_mt.service import (
     ServeError,
     Service,
     Stats,
-    check_key,
     curves,
     model_card,
     served_checkpoint,
+    terms_of,
 )
 from transformer_mt.translate import Translator, detokenize
 
 logger = logging.getLogger("tmt.serve")
-
-# What needs no API key: the page asks for the key; LibreTranslate's server asks none for its
-# languages and settings (its clients send a key there, or none).
-PUBLIC = ("/health", "/", "/favicon.ico", "/languages", "/frontend/settings")
-KEY_IN_BODY = ("/translate",)  # LibreTranslate clients send api_key in the body or the query
 
 
 class TranslateRequest(BaseModel):
@@ -83,25 +84,45 @@ class TranslateRequest(BaseModel):
     temperature: float | None = None
     seed: int | None = None
     target_lang: str | None = None  # a multi-target model's target language (>>xxx<< first)
+    # A glossary for this request: [[source, target], ...] or TSV text, or a stored one's id.
+    glossary: list[Any] | str | None = None
+    glossary_id: str | None = None
+    glossary_mode: str | None = None  # strict or check (glossary.mode)
 
 
 # --- the application ---------------------------------------------------------------------------
 
 
+def glossary_store(translator: Translator, cfg: ServeConfig) -> GlossaryStore:
+    """The stored glossaries of a server of `translator` (serve.glossary_dir), not yet opened."""
+    config = translator.config
+    pair = (config.data.src_lang, config.decode.target_lang or config.data.tgt_lang)
+    return GlossaryStore(cfg, config.glossary, pair)
+
+
 def create_app(
-    translator: Translator, cfg: ServeConfig, api_key: str = "", decoder_thread: bool = True
+    translator: Translator,
+    cfg: ServeConfig,
+    api_key: str = "",
+    decoder_thread: bool = True,
+    store: GlossaryStore | None = None,
 ) -> FastAPI:
     """The FastAPI application serving `translator`. The batcher opens and stops with the app;
     it decodes on a thread of its own, or (decoder_thread=False) on whichever thread calls
-    app.state.service.batcher.run()."""
+    app.state.service.batcher.run(). `store`: the stored glossaries, opened by the caller; by
+    default the app opens serve.glossary_dir's as it starts."""
     stats = Stats()
     batcher = Batcher(
         cfg.max_tokens, cfg.max_wait_ms / 1000.0, cfg.max_queue, stats, cfg.gap_ms / 1000.0
     )
-    service = Service(translator, cfg, batcher, stats, api_key, model_card(translator))
+    own_store = store is None
+    store = store or glossary_store(translator, cfg)
+    service = Service(translator, cfg, batcher, stats, api_key, model_card(translator), store)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if own_store:
+            store.open()
         if decoder_thread:
             batcher.start()
         else:
@@ -147,34 +168,95 @@ def _add_endpoints(app: FastAPI, service: Service) -> None:
 
     @app.post("/v1/translate")
     async def v1_translate(body: TranslateRequest, request: Request) -> dict[str, Any]:
-        start = time.monotonic()
-        lines = [body.text] if isinstance(body.text, str) else body.text
-        prefixes = [body.prefix] if isinstance(body.prefix, str) else body.prefix
-        if prefixes is not None and isinstance(body.text, str) != isinstance(body.prefix, str):
-            raise ServeError(422, "prefix: a string for a text string, a list for a list")
-        options = body.model_dump(exclude={"text", "prefix"}, exclude_none=True)
-        overrides = [(f"decode.{k}={v}", f"{k}={v!r}") for k, v in options.items()]
-        chosen = service.translator_for(overrides)
-        hyps = await service.translate(request, lines, chosen, prefixes)
-        texts = [detokenize(chosen, [h.tokens for h in line]) for line in hyps]  # best first
-        answer: dict[str, Any] = {
-            "translations": [line[0] if line else "" for line in texts],
-            "model": translator.origin,
-        }
-        aligned = chosen.config.decode.alignment != "none"
-        if aligned:
-            answer["alignments"] = [
-                pharaoh(line[0].alignment or ()) if line else "" for line in hyps
-            ]
-        if chosen.config.decode.nbest > 1:
-            answer["nbest"] = [
-                [{"translation": t, "score": round(h.score, 4)}
-                 | ({"alignment": pharaoh(h.alignment or ())} if aligned else {})
-                 for h, t in zip(line, line_texts, strict=True)]
-                for line, line_texts in zip(hyps, texts, strict=True)
-            ]  # fmt: skip
-        answer["seconds"] = round(time.monotonic() - start, 4)
-        return answer
+        return await _translate(service, body, request)
+
+    _add_glossary_endpoints(app, service)
+
+
+async def _translate(service: Service, body: TranslateRequest, request: Request) -> dict[str, Any]:
+    """POST /v1/translate: the request's lines with its options (and glossary), as translate
+    would write them."""
+    start = time.monotonic()
+    lines = [body.text] if isinstance(body.text, str) else body.text
+    prefixes = [body.prefix] if isinstance(body.prefix, str) else body.prefix
+    if prefixes is not None and isinstance(body.text, str) != isinstance(body.prefix, str):
+        raise ServeError(422, "prefix: a string for a text string, a list for a list")
+    glossary = service.glossary_for(body.glossary, body.glossary_id)
+    not_decoding = {"text", "prefix", "glossary", "glossary_id", "glossary_mode"}
+    options = body.model_dump(exclude=not_decoding, exclude_none=True)
+    overrides = [(f"decode.{k}={v}", f"{k}={v!r}") for k, v in options.items()]
+    if body.glossary_mode is not None:
+        overrides.append((f"glossary.mode={body.glossary_mode}",
+                          f"glossary_mode={body.glossary_mode!r}"))  # fmt: skip
+    chosen = service.translator_for(overrides)
+    hyps = await service.translate(request, lines, chosen, prefixes, glossary)
+    texts = [detokenize(chosen, [h.tokens for h in line]) for line in hyps]  # best first
+    answer: dict[str, Any] = {
+        "translations": [line[0] if line else "" for line in texts],
+        "model": service.translator.origin,
+    }
+    terms = terms_of(lines, service.matches_of(lines, chosen, glossary), hyps)
+    if terms is not None:
+        answer["terms"] = terms
+    aligned = chosen.config.decode.alignment != "none"
+    if aligned:
+        answer["alignments"] = [pharaoh(line[0].alignment or ()) if line else "" for line in hyps]
+    if chosen.config.decode.nbest > 1:
+        answer["nbest"] = [
+            [{"translation": t, "score": round(h.score, 4)}
+             | ({"alignment": pharaoh(h.alignment or ())} if aligned else {})
+             for h, t in zip(line, line_texts, strict=True)]
+            for line, line_texts in zip(hyps, texts, strict=True)
+        ]  # fmt: skip
+    answer["seconds"] = round(time.monotonic() - start, 4)
+    return answer
+
+
+def _add_glossary_endpoints(app: FastAPI, service: Service) -> None:
+    """DeepL's glossary API over the server's store (glossary_store.py)."""
+    store = service.store
+    assert store is not None
+
+    def refused(err: StoreError) -> ServeError:
+        return ServeError(err.status, err.message)
+
+    @app.post("/v1/glossaries", status_code=201)
+    async def create(request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, RecursionError):
+            raise ServeError(400, "the body is not valid JSON") from None
+        try:  # parsing and a write of up to serve.max_glossary_bytes: off the event loop
+            return await asyncio.to_thread(store.create, body)
+        except StoreError as err:
+            raise refused(err) from None
+
+    @app.get("/v1/glossaries")
+    async def listing() -> dict[str, Any]:
+        return {"glossaries": store.list()}
+
+    @app.get("/v1/glossaries/{glossary_id}")
+    async def one(glossary_id: str) -> dict[str, Any]:
+        try:
+            return store.get(glossary_id).info()
+        except StoreError as err:
+            raise refused(err) from None
+
+    @app.get("/v1/glossaries/{glossary_id}/entries")
+    async def entries(glossary_id: str) -> Response:
+        try:
+            text = store.entries(glossary_id)
+        except StoreError as err:
+            raise refused(err) from None
+        return Response(text, media_type="text/tab-separated-values; charset=utf-8")
+
+    @app.delete("/v1/glossaries/{glossary_id}", status_code=204)
+    async def delete(glossary_id: str) -> Response:
+        try:
+            await asyncio.to_thread(store.delete, glossary_id)
+        except StoreError as err:
+            raise refused(err) from None
+        return Response(status_code=204)
 
 
 # --- errors, access, limits --------------------------------------------------------------------
@@ -205,121 +287,6 @@ def _add_errors(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
         return answer(err.status_code, str(err.detail), getattr(err, "headers", None))
-
-
-class Gate:
-    """The outermost ASGI layer: the body limit (413, by Content-Length or as the body streams
-    in: the body is read here, bounded, and handed on whole), the API key (401), the access log
-    and the request metrics, and one line and a 500 for a fault of the server, never a
-    traceback."""
-
-    def __init__(self, app: FastAPI, service: Service) -> None:
-        self.app, self.service, self.limit = app, service, service.cfg.max_body_bytes
-        self.state = app.state
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start, status = time.monotonic(), [0]
-
-        async def watched(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        read = [False]  # the whole body was read (or refused while it came)
-        try:
-            self._admit(scope)
-            body = await self._body(receive)
-            read[0] = True
-            replayed = [False]
-
-            async def replay() -> dict[str, Any]:  # the body once, then the client's own events
-                if replayed[0]:
-                    return await receive()
-                replayed[0] = True
-                return {"type": "http.request", "body": body, "more_body": False}
-
-            await self.app(scope, replay, watched)
-        except ServeError as err:
-            if not status[0]:
-                if not read[0] and err.status in (401, 413):
-                    await self._discard(scope, receive)
-                await _send_error(watched, err.status, err.message, err.headers)
-        except Exception as err:
-            logger.error("%s %s: %s: %s", scope["method"], scope["path"], type(err).__name__,
-                         first_line(err))  # fmt: skip
-            if not status[0]:
-                await _send_error(watched, 500, f"the server failed ({type(err).__name__})")
-        self._account(scope, status[0], time.monotonic() - start)
-
-    async def _discard(self, scope: dict[str, Any], receive: Any) -> None:
-        """Read and drop what is left of a refused request's body, within bounds (64 MiB or 16
-        times serve.max_body_bytes, serve.body_seconds), before answering: an answer sent
-        while the body still comes makes the connection close with unread bytes, a reset that
-        a client sending its whole body before it reads (Python's http.client, requests) gets
-        instead of the answer (nginx's lingering close, for the same reason). A client that
-        waits for 100 Continue has sent nothing: it gets the answer at once."""
-        headers = dict(scope.get("headers", ()))
-        if headers.get(b"expect", b"").lower() == b"100-continue":
-            return
-        deadline = time.monotonic() + self.service.cfg.body_seconds
-        left = max(64 << 20, 16 * self.limit)
-        while left > 0:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                return
-            left -= len(message.get("body", b""))
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                return
-
-    async def _body(self, receive: Any) -> bytes:
-        """The whole request body, refused (413) as soon as it passes the limit, and (408) when
-        it has not all come within serve.body_seconds: a client that promises more bytes than it
-        sends holds no connection for ever."""
-        chunks, size, more = [], 0, True
-        deadline = time.monotonic() + self.service.cfg.body_seconds
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:  # TimeoutError itself only from Python 3.11
-                raise ServeError(408, "the body did not come within serve.body_seconds") from None
-            if message["type"] == "http.disconnect":
-                raise ServeError(499, "the client closed the request")
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                raise ServeError(413, f"a body over {self.limit} bytes (serve.max_body_bytes)")
-            more = message.get("more_body", False)
-        return b"".join(chunks)
-
-    def _admit(self, scope: dict[str, Any]) -> None:
-        headers = dict(scope.get("headers", ()))
-        length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.limit:
-            what = f"a body of {int(length)} bytes" if length.isdigit() else "a bad Content-Length"
-            raise ServeError(413, f"{what}; at most {self.limit} (serve.max_body_bytes)")
-        if scope["path"] not in PUBLIC and scope["path"] not in KEY_IN_BODY:
-            check_key(headers.get(b"authorization", b"").decode("latin-1"), self.service.api_key)
-
-    def _account(self, scope: dict[str, Any], status: int, seconds: float) -> None:
-        route = getattr(scope.get("route"), "path", "other")  # a bounded set of labels
-        stats = self.service.stats
-        stats.requests.labels(route, str(status)).inc()
-        stats.latency.labels(route).observe(seconds)
-        if status >= 400:
-            stats.errors.labels(route).inc()
-        # The path only: a query string could carry a key.
-        logger.info("%s %s %d %.1f ms", scope["method"], scope["path"], status, 1000 * seconds)
-
-
-async def _send_error(send: Any, status: int, message: str, headers: Any = None) -> None:
-    raw = [(b"content-type", b"application/json")]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": json.dumps({"error": message}).encode()})
 
 
 # --- running it --------------------------------------------------------------------------------
@@ -415,9 +382,11 @@ def serve(
     if rows > cfg.max_beam:
         raise TmtError(f"decode.beam_size {decode.beam_size}, decode.nbest {decode.nbest}: more"
                        f" than serve.max_beam ({cfg.max_beam}) hypotheses a sentence")  # fmt: skip
+    store = glossary_store(translator, cfg)
+    store.open()  # the directory made, a killed write's staging swept
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
-    app = create_app(translator, cfg, api_key, decoder_thread=False)
+    app = create_app(translator, cfg, api_key, decoder_thread=False, store=store)
     config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="on",
         http=_http_protocol(cfg.header_seconds),

@@ -20,11 +20,19 @@ import prometheus_client as prom
 from starlette.requests import Request
 
 from transformer_mt import checkpoint, files, metrics, plot
+from transformer_mt import glossary as glossaries
 from transformer_mt.batching import Batcher, Job, QueueFull
 from transformer_mt.config import ServeConfig, apply_overrides, to_dict
 from transformer_mt.decoding import language_token
 from transformer_mt.exits import TmtError
-from transformer_mt.translate import Translator, check_engine, check_options, source_ids
+from transformer_mt.glossary_store import GlossaryStore, StoreError
+from transformer_mt.translate import (
+    Translator,
+    check_engine,
+    check_glossary,
+    check_options,
+    source_ids,
+)
 
 
 class ServeError(Exception):
@@ -45,7 +53,9 @@ class Service:
     stats: Stats
     api_key: str
     card: dict[str, Any]
+    store: GlossaryStore | None = None  # the stored glossaries (POST /v1/glossaries)
     options: dict[tuple[Any, ...], Translator] = dataclasses.field(default_factory=dict)
+    inline: dict[str, glossaries.Glossary] = dataclasses.field(default_factory=dict)
 
     def translator_for(self, overrides: list[tuple[str, str]]) -> Translator:
         """The served model with this request's decoding options (validated as the CLI's)."""
@@ -63,15 +73,50 @@ class Service:
             self.options[key] = dataclasses.replace(self.translator, config=config)
         return self.options[key]
 
+    def glossary_for(self, inline: Any, glossary_id: Any) -> glossaries.Glossary | None:
+        """A request's glossary: inline ([[source, target], ...] or TSV text; compiled once per
+        content, a bounded cache), or a stored one by its id; None for neither."""
+        if inline is not None and glossary_id is not None:
+            raise ServeError(422, "glossary and glossary_id: give one")
+        if glossary_id is not None:
+            if not isinstance(glossary_id, str) or self.store is None:
+                raise ServeError(422, "glossary_id: a string naming a stored glossary")
+            try:
+                return self.store.usable(glossary_id)
+            except StoreError as err:
+                raise ServeError(err.status, err.message) from None
+        if inline is None:
+            return None
+        key = json.dumps(inline, sort_keys=True)
+        if key not in self.inline:
+            settings = self.translator.config.glossary
+            try:
+                if isinstance(inline, str):
+                    made = glossaries.parse(inline, "tsv", "glossary", settings.case_sensitive,
+                                            settings.max_source_words)  # fmt: skip
+                elif isinstance(inline, list):
+                    made = glossaries.from_pairs(inline, "glossary", settings.case_sensitive,
+                                                 settings.max_source_words)  # fmt: skip
+                else:
+                    raise TmtError("glossary: [[source, target], ...] or TSV text")
+            except TmtError as err:
+                raise ServeError(422, str(err)) from None
+            if len(self.inline) >= 64:
+                self.inline.pop(next(iter(self.inline)))
+            self.inline[key] = made
+        return self.inline[key]
+
     async def translate(
         self,
         request: Request,
         lines: list[str],
         translator: Translator,
         prefixes: list[str] | None = None,
+        glossary: glossaries.Glossary | None = None,
     ) -> Any:
         """The hypotheses of `lines` (starting with their target `prefixes`, if given), decoded in
-        a batch with other requests' lines."""
+        a batch with other requests' lines; `glossary` (else the served model's, if any) obeyed,
+        each hypothesis telling which of its line's matches it uses (matches_of says which)."""
         cfg = self.cfg
         if not lines:
             raise ServeError(422, "no text: send at least one sentence")
@@ -94,7 +139,9 @@ class Service:
         # as the model reads them: lone surrogates replaced, cut to its positions
         tokens = sum(len(ids) + 1 for ids in source_ids(translator, lines))
         key = (id(translator), id(lines) if sampled else None)
-        job = Job(lines=lines, translator=translator, key=key, tokens=tokens, prefixes=prefixes)
+        matches = self.matches_of(lines, translator, glossary)
+        job = Job(lines=lines, translator=translator, key=key, tokens=tokens, prefixes=prefixes,
+                  matches=matches)  # fmt: skip
         try:
             future = self.batcher.submit(job)
         except QueueFull as err:
@@ -107,6 +154,31 @@ class Service:
             if await request.is_disconnected():
                 job.cancelled = True
                 raise ServeError(499, "the client closed the request")
+
+    def matches_of(
+        self, lines: list[str], translator: Translator, glossary: glossaries.Glossary | None
+    ) -> list[list[glossaries.Match]] | None:
+        """The entries each line matches in the request's glossary, else the served one's."""
+        glossary = glossary or translator.glossary
+        if glossary is None:
+            return None
+        try:
+            check_glossary(dataclasses.replace(translator, glossary=glossary))
+        except TmtError as err:
+            raise ServeError(422, str(err)) from None
+        return glossary.match_lines(lines)
+
+
+def terms_of(
+    lines: list[str], matches: list[list[glossaries.Match]] | None, hyps: list[Any]
+) -> list[list[dict[str, Any]]] | None:
+    """The "terms" of an answer: per line, its glossary report (glossary.report's fields)."""
+    if matches is None:
+        return None
+    return [
+        glossaries.report(i + 1, line, found, h[0].terms if h else None)["terms"]
+        for i, (line, found, h) in enumerate(zip(lines, matches, hyps, strict=True))
+    ]
 
 
 class Stats:

@@ -12,16 +12,14 @@ length, output in input order); here they become text, exactly one output per in
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import io
 import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TextIO
+from typing import Any
 
 import torch
 
@@ -31,12 +29,12 @@ from transformer_mt import (
     ct2,
     distributed,
     ensemble,
-    files,
     kernels,
     run,
     textio,
 )
-from transformer_mt.alignment import check_layer, pharaoh
+from transformer_mt import glossary as glossaries
+from transformer_mt.alignment import check_layer
 from transformer_mt.config import MODEL_SECTIONS, Config, apply_overrides, changed_keys
 from transformer_mt.decoding import (
     check_engine,
@@ -48,7 +46,6 @@ from transformer_mt.decoding import (
 from transformer_mt.exits import TmtError
 from transformer_mt.files import METRICS_FILE
 from transformer_mt.model import Transformer, count_parameters
-from transformer_mt.search import Hypothesis
 from transformer_mt.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -83,6 +80,7 @@ class Translator:
     # SHA-256 of what decodes (the export's files; the weights before int8); "" until a job asks
     # for it (fingerprint()): hashing every weight is not worth it on each load.
     fingerprint: str = ""
+    glossary: glossaries.Glossary | None = None  # glossary.path, read (and checked) at load
 
     @classmethod
     def load(
@@ -92,26 +90,33 @@ class Translator:
         precision: str = "fp32",
         engine: str = "torch",
         weights: Sequence[float] | None = None,
+        glossary: str | Path | None = None,
         **decode: Any,
     ) -> Translator:
         """A checkpoint, an averaged model or a run directory (its average, else its best, else its
         newest checkpoint), or with engine="ctranslate2" also a CTranslate2 export of tmt; a list
-        of them is an ensemble (`weights`: one per model, equal by default); `decode` sets
-        DecodeConfig fields by name (beam_size=5, ...)."""
+        of them is an ensemble (`weights`: one per model, equal by default); `glossary`: a TSV
+        or CSV glossary every translation obeys; `decode` sets DecodeConfig fields by name
+        (beam_size=5, ...)."""
         settings = {**decode, "device": device, "precision": precision, "engine": engine}
         paths = [path] if isinstance(path, str | Path) else list(path)
-        return load_ensemble(paths, _keyword_overrides(settings), weights)
+        overrides = _keyword_overrides(settings)
+        if glossary is not None:
+            overrides.append((f"glossary.path={glossary}", f"glossary={str(glossary)!r}"))
+        return load_ensemble(paths, overrides, weights)
 
     def translate(
         self,
         lines: Sequence[str],
         beam: int | None = None,
         prefix: Sequence[str] | None = None,
+        glossary: glossaries.Glossary | str | Path | None = None,
         **decode: Any,
     ) -> list[str]:
         """The best translation of each line, in order (one per line; "" for an empty line);
         `prefix`: a target prefix for each line ("" for none) that its translation starts with;
-        `beam` and `decode` (DecodeConfig fields by name) apply to this call only."""
+        `glossary` (a file or a glossary.Glossary), `beam` and `decode` (DecodeConfig fields by
+        name) apply to this call only."""
         if beam is not None:
             decode["beam_size"] = beam
         moved = {"device", "precision", "engine"} & set(decode)
@@ -122,7 +127,50 @@ class Translator:
             config = apply_overrides(self.config, _keyword_overrides(decode))
             check_options(config, _keyword_overrides(decode))
             translator = dataclasses.replace(self, config=config)
+        if glossary is not None:
+            if not isinstance(glossary, glossaries.Glossary):
+                cfg = apply_overrides(translator.config, [f"glossary.path={glossary}"])
+                glossary = load_glossary(cfg)
+            translator = dataclasses.replace(translator, glossary=glossary)
+            check_glossary(translator)
         return translate_text(translator, list(lines), prefix)
+
+
+def load_glossary(cfg: Config) -> glossaries.Glossary | None:
+    """The glossary glossary.path names (None for none), checked against the model's languages:
+    a CSV's language columns must name its pair."""
+    settings = cfg.glossary
+    if not settings.path:
+        return None
+    pair = (cfg.data.src_lang, cfg.decode.target_lang or cfg.data.tgt_lang)
+    return glossaries.load(settings.path, settings.case_sensitive, settings.max_source_words, pair)
+
+
+def check_glossary(translator: Translator) -> None:
+    """Refuse, in one line, a glossary with decoding that cannot obey it."""
+    cfg = translator.config
+    if translator.glossary is None or cfg.glossary.mode != "strict":
+        return
+    if cfg.decode.sampling != "none":
+        raise TmtError(f"glossary.mode=strict: not while sampling (decode.sampling="
+                       f"{cfg.decode.sampling}); use glossary.mode=check")  # fmt: skip
+    if translator.engine is not None and translator.model is None:
+        raise TmtError(
+            f"glossary.mode=strict with decode.engine=ctranslate2 ({translator.origin}): the lines"
+            " that need constrained decoding are decoded by tmt's engine, from the tmt model:"
+            " load the model (not only its CTranslate2 export) with the glossary (--glossary,"
+            " glossary.path, Translator.load(glossary=...)), or use glossary.mode=check"
+        )
+
+
+def _with_glossary(translator: Translator) -> Translator:
+    """The translator with the glossary its config names, read and checked."""
+    glossary = load_glossary(translator.config)
+    if glossary is None:
+        return translator
+    translator = dataclasses.replace(translator, glossary=glossary)
+    check_glossary(translator)
+    return translator
 
 
 def _keyword_overrides(settings: dict[str, Any]) -> list[tuple[str, str]]:
@@ -146,6 +194,7 @@ def load_translator(
     last: int = 0,
     best: int = 0,
     by: str | None = None,
+    keep_model: bool = False,
 ) -> Translator:
     """A checkpoint directory, an averaged model, or a run directory (its average, else its best
     checkpoint, else its newest), read once and put on decode.device in decode.precision; with
@@ -183,8 +232,9 @@ def load_translator(
         parameters=count_parameters(model),
     )  # fmt: skip
     if not torch_engine:  # the cache is named by the weights' fingerprint
+        keep = keep_model or bool(cfg.glossary.path)  # constrained lines are tmt's to decode
         return _ctranslate2_cache(
-            dataclasses.replace(translator, fingerprint=fingerprint(translator))
+            dataclasses.replace(translator, fingerprint=fingerprint(translator)), keep
         )
     if cfg.decode.precision == "int8":  # the fingerprint of the weights, not of their int8
         weights = fingerprint(translator)
@@ -201,13 +251,18 @@ def load_ensemble(
     last: int = 0,
     best: int = 0,
     by: str | None = None,
+    keep_model: bool = False,
 ) -> Translator:
     """Models that decode as one (ensemble.py), each read as load_translator reads one, `weights`
-    one per model (equal ones by default); one path without weights is load_translator's."""
+    one per model (equal ones by default); one path without weights is load_translator's.
+    `keep_model`: with decode.engine=ctranslate2, keep the PyTorch model too (a server: its
+    requests' glossaries may need constrained decoding)."""
     if not paths:
         raise TmtError("no model: name it with -m/--model (a checkpoint or a run directory)")
     if len(paths) == 1 and weights is None:
-        return load_translator(paths[0], overrides, last=last, best=best, by=by)
+        one = load_translator(paths[0], overrides, last=last, best=best, by=by,
+                              keep_model=keep_model)  # fmt: skip
+        return _with_glossary(one)
     normalized = ensemble.normalized_weights(weights, len(paths))
     # Refused before anything loads: a model's first CTranslate2 decoding exports it.
     exports = [p for p in paths if ct2.is_export(Path(p))]
@@ -219,13 +274,13 @@ def load_ensemble(
     members = [load_translator(p, overrides, last=last, best=best, by=by) for p in paths]
     first = members[0]
     ensemble.check_same_vocabulary([m.tokenizer for m in members], [m.origin for m in members])
-    return dataclasses.replace(
+    return _with_glossary(dataclasses.replace(
         first, origin=f"ensemble of {', '.join(m.origin for m in members)}", weights=normalized,
         ensemble=tuple(m.model for m in members[1:] if m.model is not None),
         parameters=sum(m.parameters for m in members), fingerprint="",
         # No one checkpoint's scores or curves describe it.
         step=max(m.step for m in members), path=None, run_dir=None,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def _load_export(directory: Path, overrides: Sequence[str | tuple[str, str]]) -> Translator:
@@ -253,7 +308,7 @@ def _load_export(directory: Path, overrides: Sequence[str | tuple[str, str]]) ->
     )  # fmt: skip
 
 
-def _ctranslate2_cache(translator: Translator) -> Translator:
+def _ctranslate2_cache(translator: Translator, keep_model: bool = False) -> Translator:
     """`translator` decoded by CTranslate2: through the export kept beside its model (in the
     checkpoint's directory), made on first use once the float32 conversion's greedy outputs
     match tmt's on the validation split, and verified whenever it is read back. One process
@@ -288,9 +343,12 @@ def _ctranslate2_cache(translator: Translator) -> Translator:
                            report, check)  # fmt: skip
             export = ct2.read(final)
     engine = ct2.load(export, translator.device, decode.precision, torch.get_num_threads())
+    # The PyTorch model stays (float32, on the CPU) only where a glossary's lines may need
+    # constrained decoding, which is tmt's: with a glossary, or a server (requests bring them).
     return dataclasses.replace(
-        translator, model=None, engine=engine, export=final, fingerprint=export.fingerprint
-    )
+        translator, model=translator.model if keep_model else None, engine=engine,
+        export=final, fingerprint=export.fingerprint,
+    )  # fmt: skip
 
 
 _CHECK_LINES = ["a", "Ein Hund rennt.", "Two people are walking down a street.", "1 2 3 4 5"]
@@ -352,109 +410,3 @@ def detokenize(translator: Translator, outputs: Sequence[Sequence[int]]) -> list
     """Text of each output, on one line: byte pieces could spell a line break, which would break
     the one-output-line-per-input-line promise, so CR and LF become spaces."""
     return [_LINE_BREAKS.sub(" ", text) for text in translator.tokenizer.decode(outputs)]
-
-
-def output_rows(
-    translator: Translator, hyps: Sequence[Hypothesis], index: int, nbest: int
-) -> list[str]:
-    """What translate writes for input line `index` (from 0): its best translation, or with
-    nbest > 1 that many rows "index<TAB>score<TAB>text" (rows of zeros for an empty line).
-    With decode.alignment, each ends with its alignment: "text ||| i-j ..." (Marian's form), or
-    a fourth column of n-best rows."""
-    aligned = translator.config.decode.alignment != "none"
-    if nbest == 1:
-        best = hyps[0] if hyps else Hypothesis([], 0.0, 0.0, ())
-        text = detokenize(translator, [best.tokens])[0]
-        return [f"{text} ||| {pharaoh(best.alignment or ())}\n" if aligned else text + "\n"]
-    texts = detokenize(translator, [h.tokens for h in hyps])
-    rows = [f"{index}\t{h.score:.4f}\t{t}" + (f"\t{pharaoh(h.alignment or ())}" if aligned else "")
-            for h, t in zip(hyps, texts, strict=True)]  # fmt: skip
-    empty = f"{index}\t0.0000\t" + ("\t" if aligned else "")
-    return [row + "\n" for row in rows or [empty] * nbest]
-
-
-# --- streams and files -------------------------------------------------------------------------
-
-
-def translate_stream(
-    translator: Translator,
-    source: BinaryIO,
-    sink: TextIO,
-    where: str = "input",
-    prefixes: Prefixes | None = None,
-) -> int:
-    """Translate lines from `source` to `sink` as they arrive: a chunk is whatever is already
-    waiting (up to decode.buffer_lines), so a pipe is translated in batches and an interactive
-    line right away. Returns the number of lines. Bytes split on b"\\n" only; invalid UTF-8 is
-    replaced (and reported, naming `where`) so every input line gets its output line.
-    `prefixes`: the target prefix of each line, in step with the input."""
-    decode = translator.config.decode
-    count = 0
-    for chunk in textio.waiting_chunks(textio.stream_lines(source, where), decode.buffer_lines):
-        forced = prefixes.take(len(chunk)) if prefixes else None
-        for i, hyps in enumerate(translate_lines(translator, chunk, count, forced)):
-            rows = output_rows(translator, hyps, index=count + i, nbest=decode.nbest)
-            sink.write("".join(rows))
-        sink.flush()
-        count += len(chunk)
-    return count
-
-
-class Prefixes:
-    """The target prefixes of the input's lines, read whole before anything is translated (the
-    counts compared first: a refusal comes before any output), handed out in step with the
-    input (translate --prefix)."""
-
-    def __init__(self, lines: list[str]) -> None:
-        self._lines, self._read = lines, 0
-
-    def take(self, count: int) -> list[str]:
-        """The prefixes of the next `count` input lines."""
-        taken = self._lines[self._read : self._read + count]
-        self._read += count
-        return taken
-
-
-def _read_prefixes(prefix_path: str, input_path: str) -> tuple[Prefixes, BinaryIO | None]:
-    """The prefix file read whole and checked against the input's line count; an input that is
-    no regular file (stdin, a FIFO) is read whole here too, to be counted before anything is
-    written (returned as a stream), so --prefix gives up streaming stdin."""
-    with textio.open_input(prefix_path, param="prefix") as handle:
-        prefixes = list(textio.stream_lines(handle, prefix_path))
-    held = None
-    if input_path == textio.STDIO or not Path(input_path).is_file():
-        with textio.open_input(input_path) as source:
-            held = io.BytesIO(source.read())
-        lines = sum(1 for _ in files.split_lines(held))
-        held.seek(0)
-    else:
-        lines = textio.count_lines(input_path)
-    if len(prefixes) != lines:  # refused before anything is written
-        raise TmtError(
-            f"{prefix_path}: {len(prefixes)} lines, but the input has {lines}: one target prefix"
-            " (maybe empty) an input line", param="prefix",
-        )  # fmt: skip
-    return Prefixes(prefixes), held
-
-
-def translate_file(
-    translator: Translator,
-    input_path: str,
-    output_path: str,
-    overwrite: bool = False,
-    prefix_path: str | None = None,
-) -> int:
-    """Translate `input_path` ("-": stdin, streamed) into `output_path` ("-": stdout). A file
-    output appears complete or not at all (an interrupted or failed translation leaves the old
-    content); textio.check_output says what it may be. Returns the line count. `prefix_path`: a
-    target prefix for each input line; the line counts are compared before anything runs (so,
-    with a prefix file, stdin is read whole first)."""
-    inputs = [input_path] + ([prefix_path] if prefix_path else [])
-    textio.check_output(output_path, inputs=inputs, overwrite=overwrite)
-    prefixes, held = _read_prefixes(prefix_path, input_path) if prefix_path else (None, None)
-    where = "stdin" if input_path == textio.STDIO else input_path
-    with (
-        contextlib.nullcontext(held) if held else textio.open_input(input_path) as source,
-        textio.open_output(output_path) as sink,
-    ):
-        return translate_stream(translator, source, sink, where=where, prefixes=prefixes)

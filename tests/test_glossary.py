@@ -1,0 +1,398 @@
+"""Glossaries: the file forms and their refusals, matching words as a user expects (against a
+plain reference matcher), and every translation path obeying them (tmt translate, the file job,
+evaluate, the Python API, CTranslate2, ensembles, prefixes, n-best, alignments)."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from pathlib import Path
+
+import pytest
+from conftest import multi30k_sentences
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from transformer_mt import glossary as glossaries
+from transformer_mt import streams, translate
+from transformer_mt.cli import app
+from transformer_mt.exits import TmtError
+
+runner = CliRunner()
+LINES = multi30k_sentences(24)
+# Entries that match the Multi30k lines above (Mann, Frau, Hund, ...) with targets the small test
+# model does not say on its own (so strict has to put them there), and one that matches nothing.
+ENTRIES = "Mann\tguy\nFrau\tlady | madam\nHund\thound\nHut\tcap\nGruppe\tbunch\nZebra\tzebra\n"
+
+
+def write(tmp_path: Path, name: str, text: str | bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+# --- the file ----------------------------------------------------------------------------------
+
+
+def test_tsv_and_csv_read_alike(tmp_path: Path) -> None:
+    tsv = write(
+        tmp_path, "g.tsv", "\ufeff# made by hand\nHund\tdog | dogs\n\nT-Shirt\tT-shirt\t12\n"
+    )
+    csv = write(tmp_path, "g.csv", 'Hund,"dog | dogs",de,en\n"T-Shirt","T-shirt"\n')
+    for path in (tsv, csv):
+        g = glossaries.load(path, pair=("de", "en"))
+        assert [(e.source, e.targets) for e in g.entries] == [
+            ("Hund", ("dog", "dogs")),
+            ("T-Shirt", ("T-shirt",)),
+        ]
+    # A file named neither .tsv nor .csv is read by its first entry.
+    assert len(glossaries.load(write(tmp_path, "g.txt", "Hund\tdog\n"))) == 1
+    assert len(glossaries.load(write(tmp_path, "h.txt", "Hund,dog\n"))) == 1
+
+
+def test_both_sides_are_nfc(tmp_path: Path) -> None:
+    decomposed = unicodedata.normalize("NFD", "Tür\tdoor\n")
+    g = glossaries.load(write(tmp_path, "g.tsv", decomposed))
+    assert g.entries[0].source == "Tür"
+    assert [m.entry.source for m in g.match(unicodedata.normalize("NFD", "Die Tür ist zu."))] == [
+        "Tür"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("g.tsv", "Hund\tdog\nKatze\n", "g.tsv:2: 1 tab-separated fields"),
+        ("g.tsv", "Hund\tdog\tx\n", "g.tsv:1: 3 tab-separated fields"),
+        ("g.csv", "Hund,dog,de\n", "g.csv:1: 3 comma-separated fields"),
+        ("g.tsv", "Hund\t \n", "g.tsv:1: the target is empty"),
+        ("g.tsv", "\tdog\n", "g.tsv:1: the source is empty"),
+        ("g.tsv", "Hund\tdog | \n", "g.tsv:1: an empty alternative"),
+        (
+            "g.tsv",
+            "Hund\tdog\nKatze\tcat\nhund\thound\n",
+            "g.tsv:3: the source 'hund' is given two targets: 'hound' here and 'dog' on line 1",
+        ),
+        ("g.csv", "Hund,dog,en,fr\n", "g.csv:1: an entry for en→fr; the model translates de→en"),
+        ("g.csv", "Hund,dog,de,xx\n", "g.csv:1: unknown language code 'xx'"),
+        ("g.tsv", "a b c d e f g h i j k\tx\n", "g.tsv:1: the source has 11 words; at most 10"),
+        ("g.tsv", "Hund\td\x07og\n", "g.tsv:1: a control character in the target"),
+        ("g.tsv", b"Hund\tdog\nK\xe4tze\tcat\n", "g.tsv:2: not UTF-8"),
+    ],
+)
+def test_bad_glossaries_are_refused_in_one_line(tmp_path, name, text, message) -> None:
+    path = write(tmp_path, name, text)
+    with pytest.raises(TmtError) as err:
+        glossaries.load(path, pair=("de", "en"))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_same_entry_twice_is_one_entry_and_deu_is_de(tmp_path: Path) -> None:
+    g = glossaries.load(write(tmp_path, "g.csv", "Hund,dog,deu,eng\nHund,dog,ger,en\n"),
+                        pair=("de", "en"))  # fmt: skip
+    assert len(g) == 1
+
+
+# --- matching ----------------------------------------------------------------------------------
+
+
+def matched(entries: str, line: str, **kw) -> list[str]:
+    g = glossaries.parse(entries, "tsv", "g", **kw)
+    return [line[m.start : m.end] for m in g.match(line)]
+
+
+def test_whole_words_only() -> None:
+    assert matched("Mann\tman\n", "Ein Feuerwehrmann und ein Mann.") == ["Mann"]
+    assert matched("Shirt\tshirt\n", "Ein T-Shirt.") == []
+    assert matched("T-Shirt\tT-shirt\n", "Ein rotes T-Shirt, ein t‐shirt.") == [
+        "T-Shirt",
+        "t‐shirt",
+    ]
+
+
+def test_case_is_ignored_unless_asked() -> None:
+    assert matched("hund\tdog\n", "Der HUND und der Hund.") == ["HUND", "Hund"]
+    assert matched("hund\tdog\n", "Der HUND und der Hund.", case_sensitive=True) == []
+
+
+def test_apostrophes_match_as_a_user_expects() -> None:
+    assert matched("Martin's\tMartin's\n", "Das ist Martin’s Hut.") == ["Martin’s"]
+    assert matched("Martin\tMartin\n", "Das ist Martin's Hut.") == ["Martin"]
+
+
+def test_the_longest_entry_wins_and_entries_never_overlap() -> None:
+    entries = "New York\tNY\nYork University Library\tYUL\nUniversity\tU\nNew\tnew\n"
+    assert matched(entries, "the New York University Library") == ["New", "York University Library"]
+    assert matched("a b\tx\nb c\ty\n", "a b c b c") == ["a b", "b c"]
+
+
+def naive_match(entries: list[tuple[str, ...]], words: list[str]) -> list[tuple[int, int]]:
+    """Every entry at every position; then the longest first, leftmost first, no overlaps."""
+    found = [(len(e), i) for e in entries for i in range(len(words))
+             if tuple(words[i : i + len(e)]) == e]  # fmt: skip
+    taken: set[int] = set()
+    chosen = []
+    for size, i in sorted(set(found), key=lambda f: (-f[0], f[1])):
+        if not taken & set(range(i, i + size)):
+            taken |= set(range(i, i + size))
+            chosen.append((i, size))
+    return sorted(chosen)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    entries=st.lists(st.lists(st.sampled_from("abcd"), min_size=1, max_size=3), max_size=8),
+    words=st.lists(st.sampled_from("abcde"), max_size=12),
+)
+def test_matching_equals_a_plain_reference(entries, words) -> None:
+    unique = list(dict.fromkeys(tuple(e) for e in entries))
+    text = "".join(f"{' '.join(e)}\tx\n" for e in unique)
+    line = " ".join(words)
+    g = glossaries.parse(text, "tsv", "g") if unique else glossaries.Glossary([], "g")
+    spans = [
+        (line[: m.start].count(" "), len(line[m.start : m.end].split())) for m in g.match(line)
+    ]
+    assert spans == naive_match(unique, words)
+
+
+def test_an_output_uses_an_entry_as_whole_words() -> None:
+    entry = glossaries.Entry("Hund", ("dog", "big hound"), 1)
+    assert glossaries.used(entry, "Dog runs.") == 0  # a sentence's first word
+    assert glossaries.used(entry, "A big hound.") == 1
+    assert glossaries.used(entry, "Two dogs.") is None
+    assert glossaries.used(entry, "A DOG.") is None  # the target's case counts
+
+
+# --- translating -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(multi30k_run: Path):
+    return translate.load_translator(multi30k_run)
+
+
+@pytest.fixture(scope="module")
+def terms(tmp_path_factory) -> Path:
+    return write(tmp_path_factory.mktemp("glossary"), "terms.tsv", ENTRIES)
+
+
+def report_of(translator, lines: list[str]) -> list[dict]:
+    return [json.loads(line) for _, line in streams.output_and_report(translator, lines, 0, None)]
+
+
+def with_glossary(translator, path: Path, *overrides: str):
+    cfg = translate.apply_overrides(translator.config, [f"glossary.path={path}", *overrides])
+    found = translate.dataclasses.replace(translator, config=cfg,
+                                          glossary=translate.load_glossary(cfg))  # fmt: skip
+    translate.check_glossary(found)
+    return found
+
+
+def test_strict_puts_every_entry_in_and_leaves_other_lines_alone(model, terms) -> None:
+    plain = translate.translate_text(model, LINES)
+    strict = with_glossary(model, terms)
+    obeyed = translate.translate_text(strict, LINES)
+    reports = report_of(strict, LINES)
+    with_terms = [r for r in reports if r["terms"]]
+    assert len(with_terms) >= 8, "the glossary must match lines for the test to mean anything"
+    forced = 0
+    for line, out, before, report in zip(LINES, obeyed, plain, reports, strict=True):
+        if not report["terms"]:
+            assert out == before  # the same bytes as without a glossary
+            continue
+        for term in report["terms"]:
+            assert term["used"], (line, out, term)
+            assert glossaries.used(glossaries.Entry("", (term["alternative"],), 0), out) == 0
+            forced += term["forced"]
+            if not term["forced"]:  # the model said it on its own: its own output is kept
+                assert out == before
+    assert forced >= 5, "the model must need the constraint somewhere"
+
+
+def test_a_line_alone_equals_the_line_among_others(model, terms) -> None:
+    strict = with_glossary(model, terms)
+    together = translate.translate_text(strict, LINES)
+    assert [translate.translate_text(strict, [line])[0] for line in LINES[:12]] == together[:12]
+
+
+def test_check_reports_without_changing_anything(model, terms) -> None:
+    plain = translate.translate_text(model, LINES)
+    checking = with_glossary(model, terms, "glossary.mode=check")
+    assert translate.translate_text(checking, LINES) == plain
+    for report, out in zip(report_of(checking, LINES), plain, strict=True):
+        for term in report["terms"]:
+            entry = glossaries.Entry("", tuple(term["target"].split(" | ")), 0)
+            assert term["used"] == (glossaries.used(entry, out) is not None)
+            assert not term["forced"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["decode.beam_size=1"],
+        ["decode.beam_size=3", "decode.nbest=3"],
+        ["decode.alignment=word"],
+        ["glossary.beam=2"],
+    ],
+)
+def test_greedy_nbest_alignment_and_narrow_beams_obey(model, terms, overrides) -> None:
+    strict = with_glossary(model, terms, *[f"{o}" for o in overrides])
+    matches = strict.glossary.match_lines(LINES)
+    from transformer_mt.decoding import translate_lines
+
+    for found, hyps in zip(matches, translate_lines(strict, LINES, matches=matches), strict=True):
+        for h in hyps:
+            text = strict.tokenizer.decode([h.tokens])[0]
+            assert all(glossaries.used(m.entry, text) is not None for m in found)
+            if "decode.alignment=word" in overrides:
+                assert h.alignment is not None
+
+
+def test_a_prefix_and_a_glossary_together(model, terms) -> None:
+    strict = with_glossary(model, terms)
+    lines = [line for line in LINES if strict.glossary.match(line)][:4]
+    outs = translate.translate_text(strict, lines, prefixes=["Some"] * len(lines))
+    for line, out in zip(lines, outs, strict=True):
+        assert out.startswith("Some")
+        assert all(glossaries.used(m.entry, out) is not None for m in strict.glossary.match(line))
+
+
+def test_an_ensemble_obeys(multi30k_run: Path, terms) -> None:
+    ensemble = translate.load_ensemble([multi30k_run, multi30k_run], [f"glossary.path={terms}"])
+    for line, out in zip(LINES[:8], translate.translate_text(ensemble, LINES[:8]), strict=True):
+        assert all(glossaries.used(m.entry, out) is not None for m in ensemble.glossary.match(line))
+
+
+def test_ctranslate2_decodes_the_lines_without_terms(multi30k_run: Path, terms) -> None:
+    ct = translate.load_translator(multi30k_run, ["decode.engine=ctranslate2"])
+    assert ct.model is None  # without a glossary, only CTranslate2's model is held
+    plain = translate.translate_text(ct, LINES)
+    strict = translate.load_ensemble(
+        [multi30k_run], ["decode.engine=ctranslate2", f"glossary.path={terms}"]
+    )
+    assert strict.engine is not None and strict.model is not None
+    obeyed = translate.translate_text(strict, LINES)
+    for line, out, before in zip(LINES, obeyed, plain, strict=True):
+        found = strict.glossary.match(line)
+        if not found:
+            assert out == before  # CTranslate2's own output
+        assert all(glossaries.used(m.entry, out) is not None for m in found)
+
+
+def test_an_export_without_its_model_is_refused_strict_but_checks(
+    multi30k_run: Path, terms, tmp_path: Path
+) -> None:
+    from transformer_mt import export
+
+    export.export(multi30k_run, "ctranslate2", tmp_path / "ct2")
+    with pytest.raises(TmtError, match="glossary.mode=strict with decode.engine=ctranslate2"):
+        translate.load_ensemble(
+            [tmp_path / "ct2"], ["decode.engine=ctranslate2", f"glossary.path={terms}"]
+        )
+    checking = translate.load_ensemble(
+        [tmp_path / "ct2"],
+        ["decode.engine=ctranslate2", f"glossary.path={terms}", "glossary.mode=check"],
+    )
+    assert len(translate.translate_text(checking, LINES[:3])) == 3
+
+
+def test_sampling_with_strict_is_refused(multi30k_run: Path, terms) -> None:
+    with pytest.raises(TmtError, match="not while sampling"):
+        translate.load_ensemble([multi30k_run], ["decode.sampling=full", f"glossary.path={terms}"])
+
+
+def test_the_python_api_takes_a_glossary(multi30k_run: Path, terms) -> None:
+    translator = translate.Translator.load(multi30k_run, device="cpu", glossary=terms)
+    out = translator.translate(["Ein Mann mit einem Hut."])
+    assert "guy" in out[0] and "cap" in out[0]
+    other = glossaries.from_pairs([["Mann", "fellow"]], "mine")
+    assert (
+        "fellow"
+        in translate.Translator.load(multi30k_run).translate(
+            ["Ein Mann mit einem Hut."], glossary=other
+        )[0]
+    )
+
+
+# --- the commands ------------------------------------------------------------------------------
+
+
+def test_translate_writes_the_report_and_the_job_knows_its_glossary(
+    multi30k_run: Path, terms, tmp_path: Path
+) -> None:
+    source = write(tmp_path, "in.de", "".join(line + "\n" for line in LINES))
+    out, report = tmp_path / "out.en", tmp_path / "terms.jsonl"
+    args = ["translate", "-m", str(multi30k_run), "-i", str(source), "-o", str(out),
+            "--glossary", str(terms), "--glossary-report", str(report),
+            "--set", "decode.chunk_lines=10"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in report.read_text().splitlines()]
+    assert [r["line"] for r in rows] == list(range(1, len(LINES) + 1))
+    assert all(t["used"] for r in rows for t in r["terms"])
+    fields = {"source", "matched", "start", "end", "target", "alternative", "used", "forced"}
+    assert all(set(t) == fields for r in rows for t in r["terms"])
+    # The stream path writes the same.
+    streamed = runner.invoke(app, ["translate", "-m", str(multi30k_run), "--glossary", str(terms),
+                                   "--glossary-report", str(tmp_path / "s.jsonl")],
+                             input=source.read_text())  # fmt: skip
+    assert streamed.exit_code == 0
+    assert streamed.stdout.splitlines()[: len(LINES)] == out.read_text().splitlines()
+    assert (tmp_path / "s.jsonl").read_text() == report.read_text()
+    # An unfinished job with another glossary is refused, not mixed.
+    job = tmp_path / "out2.en"
+    other = write(tmp_path, "other.tsv", "Mann\tfellow\n")
+    first = [*args[:6], str(job), *args[7:9], "--set", "decode.chunk_lines=10"]
+    killed = runner.invoke(app, first, env={"TMT_FAULT": "chunk@1:raise"})
+    assert killed.exit_code != 0 and (tmp_path / "out2.en.tmt-job").is_dir()
+    again = [*first[:8], str(other), *first[9:]]
+    refused = runner.invoke(app, again)
+    assert refused.exit_code == 2 and "another glossary" in refused.output
+    assert runner.invoke(app, [*again, "--overwrite"]).exit_code == 0
+    assert "fellow" in job.read_text()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--glossary-report", "REPORT"], "--glossary-report needs a glossary"),
+        (["--glossary", "MISSING"], "MISSING: no such file"),
+        (["--glossary", "BAD", "-o", "OUT"], "bad.tsv:1: 1 tab-separated fields"),
+    ],
+)
+def test_the_command_refuses_in_one_line_and_writes_nothing(
+    multi30k_run: Path, tmp_path: Path, extra, message
+) -> None:
+    source = write(tmp_path, "in.de", "Ein Mann.\n")
+    bad = write(tmp_path, "bad.tsv", "Mann\n")
+    names = {"REPORT": str(tmp_path / "r.jsonl"), "MISSING": str(tmp_path / "none.tsv"),
+             "BAD": str(bad), "OUT": str(tmp_path / "out.en")}  # fmt: skip
+    args = [names.get(a, a) for a in extra]
+    if "-o" not in args:
+        args += ["-o", str(tmp_path / "out.en")]
+    result = runner.invoke(app, ["translate", "-m", str(multi30k_run), "-i", str(source), *args])
+    assert result.exit_code == 2
+    assert message.replace("MISSING", names["MISSING"]) in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out.en").exists() and not (tmp_path / "r.jsonl").exists()
+
+
+def test_evaluate_measures_term_use(multi30k_run: Path, terms, tmp_path: Path) -> None:
+    refs = multi30k_sentences(len(LINES)).copy()  # any references: term use reads the outputs
+    src, ref = write(tmp_path, "s.de", "".join(f"{x}\n" for x in LINES)), write(
+        tmp_path, "r.en", "".join(f"{x}\n" for x in refs))  # fmt: skip
+    result = runner.invoke(app, ["evaluate", "-m", str(multi30k_run), "--glossary", str(terms),
+                                 "-i", str(src), "--ref", str(ref), "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["glossary"]["term_use"] == 100.0 and report["glossary"]["terms_matched"] > 8
+    # A hypothesis file: its term use, without a model (the split's sources, or -i's).
+    hyp = write(tmp_path, "hyp.en", "A guy.\nA lady.\n")
+    src = write(tmp_path, "src.de", "Ein Mann.\nEine Frau und ein Hund.\n")
+    ref = write(tmp_path, "ref.en", "A man.\nA woman and a dog.\n")
+    scored = runner.invoke(app, ["evaluate", "--hyp", str(hyp), "--ref", str(ref), "-i", str(src),
+                                 "--glossary", str(terms), "--json"])  # fmt: skip
+    assert scored.exit_code == 0, scored.output
+    g = json.loads(scored.stdout)["glossary"]
+    assert (g["terms_used"], g["terms_matched"], g["lines_with_terms"]) == (2, 3, 2)
