@@ -77,3 +77,29 @@ def test_the_page_translates_what_is_typed_as_tmt_translate_does(
             shutil.copy(tmp_path / "page.png", os.environ["TMT_PAGE_SCREENSHOT"])
     finally:
         assert server.stop() == 0
+
+
+def test_the_page_takes_a_glossary_and_shows_what_it_did(
+    browser, multi30k_run: Path, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server = Server(multi30k_run, "--set", f"serve.glossary_dir={tmp_path / 'glossaries'}")
+    try:
+        browser.get(server.url + "/")
+        WebDriverWait(browser, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#card tr"))
+        browser.find_element(By.ID, "source").send_keys("Ein Mann mit einem Hut.")
+        browser.find_element(By.CSS_SELECTOR, "#glossary-box summary").click()
+        browser.find_element(By.ID, "glossary").send_keys("Mann\tguy\nHut\tcap")
+        browser.find_element(By.ID, "translate").click()
+        WebDriverWait(browser, 60).until(
+            lambda d: d.find_elements(By.CSS_SELECTOR, "#output .terms")
+        )
+        shown = browser.find_element(By.CSS_SELECTOR, "#output .best").text
+        assert "guy" in shown.split() and "cap" in shown.replace(".", " ").split(), shown
+        terms = browser.find_element(By.CSS_SELECTOR, "#output .terms")
+        assert "Mann → guy" in terms.text and "Hut → cap" in terms.text, terms.text
+        assert "missed" not in terms.get_attribute("class")
+    finally:
+        assert server.stop() == 0
