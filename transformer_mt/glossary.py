@@ -25,13 +25,16 @@ row, compared exactly, except that the first may start with a capital (a sentenc
 from __future__ import annotations
 
 import csv
+import gc
 import hashlib
 import io
+import itertools
 import re
 import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from transformer_mt import files, languages
 from transformer_mt.exits import TmtError
@@ -54,16 +57,21 @@ def _mark_ranges() -> str:
     return "".join(f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges)
 
 
-_LETTER = rf"[\w{_mark_ranges()}]"
+_MARKS = _mark_ranges()
+_LETTER = rf"[\w{_MARKS}]"
 _WORDS = re.compile(rf"{_LETTER}+(?:[-\u2010\u2011]{_LETTER}+)*|[^\s\w]", re.UNICODE)
+# The same words where a text has no combining mark (most texts, after NFC): half the work.
+_PLAIN_WORDS = re.compile(r"\w+(?:[-\u2010\u2011]\w+)*|[^\s\w]", re.UNICODE)
+_HAS_MARK = re.compile(f"[{_MARKS}]")
+_ABOVE_LATIN = re.compile("[\u0300-\U0010ffff]")
 _SAME = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'", "`": "'", "\u2010": "-",
                        "\u2011": "-"})  # fmt: skip
+_TYPOGRAPHIC = re.compile("[\u2019\u2018\u02bc`\u2010\u2011]")  # what _SAME changes
 _BAR = re.compile(r"(?:^|\s)\|(?:\s|$)")  # " | " between alternatives (at an end: an empty one)
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     source: str  # as written (NFC)
     targets: tuple[str, ...]  # the alternatives, any one of which satisfies the entry
     line: int  # where it was given (1-based; 0: not from a file)
@@ -73,8 +81,7 @@ class Entry:
         return ALTERNATIVES.join(self.targets)
 
 
-@dataclass(frozen=True)
-class Match:
+class Match(NamedTuple):
     """An entry found in a line: the entry's index in its glossary and the characters it spans."""
 
     entry: Entry
@@ -89,54 +96,79 @@ class Glossary:
     name: str  # the file, or what gave the entries (a request)
     case_sensitive: bool = False
     sha256: str = ""  # of what was read, with the settings that change matching
+    keys: list[list[str]] | None = field(default=None, repr=False)  # each source's (parse's)
     _trie: dict = field(default_factory=dict, repr=False)
-    _first: frozenset[str] = field(default=frozenset(), repr=False)  # the trie root's words
 
     def __post_init__(self) -> None:
-        for index, entry in enumerate(self.entries):
+        keys = self.keys or [self._keys(entry.source) for entry in self.entries]
+        for index, words_of in enumerate(keys):
             node = self._trie
-            for word in self._keys(entry.source):
+            for word in words_of:
                 node = node.setdefault(word, {})
             node[_END] = index
-        self._first = frozenset(self._trie)
+        self.keys = None  # only needed to build the trie
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def _keys(self, text: str) -> list[str]:
-        return [self._key(w) for w, _, _ in words(text)]
-
-    def _key(self, word: str) -> str:
-        word = plain(word)
-        return word if self.case_sensitive else word.casefold()
+        """The words of `text` as keys: the line made plain and (by default) casefolded whole,
+        then cut into words, one C call each (plain and casefold never move a word boundary,
+        so the i-th key is the i-th word of `text`)."""
+        if text.isascii():
+            text = text.translate(_SAME) if "`" in text else text
+            return _PLAIN_WORDS.findall(text if self.case_sensitive else text.lower())
+        if not unicodedata.is_normalized("NFC", text):
+            text = unicodedata.normalize("NFC", text)
+        if _TYPOGRAPHIC.search(text):  # translate is costly: only where it changes something
+            text = text.translate(_SAME)
+        text = text if self.case_sensitive else text.casefold()
+        return _words_of(text).findall(text)
 
     def match(self, line: str) -> list[Match]:
         """The entries found in `line` (whole words, longest first, never overlapping), in the
         order they appear."""
-        found = words(line)
-        keys = [self._key(w) for w, _, _ in found]
+        keys, trie, entries = self._keys(line), self._trie, self.entries
+        count = len(keys)
         candidates = []  # (words, start word, entry index)
-        for i, key in enumerate(keys):
-            if key not in self._first:
-                continue
-            node = self._trie
-            for j in range(i, len(keys)):
-                node = node.get(keys[j])
-                if node is None:
-                    break
-                if _END in node:
-                    candidates.append((j + 1 - i, i, node[_END]))
-        taken = [False] * len(keys)
+        longest = 0
+        first = list(map(trie.get, keys))  # each word's node, looked up in one C loop
+        for i in itertools.compress(range(count), first):  # the words that start an entry
+            node, j = first[i], i
+            while node is not None:
+                index = node.get(_END)
+                if index is not None:
+                    candidates.append((j + 1 - i, i, index))
+                    if j + 1 - i > longest:
+                        longest = j + 1 - i
+                j += 1
+                node = node.get(keys[j]) if j < count else None
+        if not candidates:
+            return []
+        last = max(start + size for size, start, _ in candidates)  # the spans needed, no more
+        spans = [m.span() for m in itertools.islice(_words_of(line).finditer(line), last)]
+        if longest == 1:  # one word each, one at each start: none overlaps, in order already
+            return [Match(entries[index], index, *spans[start]) for _, start, index in candidates]
+        taken = [False] * count
         chosen = []
         for size, start, index in sorted(candidates, key=lambda c: (-c[0], c[1])):
             if not any(taken[start : start + size]):
                 taken[start : start + size] = [True] * size
-                chosen.append(Match(self.entries[index], index, found[start][1],
-                                    found[start + size - 1][2]))  # fmt: skip
-        return sorted(chosen, key=lambda m: m.start)
+                chosen.append(Match(entries[index], index, spans[start][0],
+                                    spans[start + size - 1][1]))  # fmt: skip
+        chosen.sort(key=lambda m: m.start)
+        return chosen
 
     def match_lines(self, lines: Iterable[str]) -> list[list[Match]]:
         return [self.match(line) for line in lines]
+
+
+def _words_of(text: str) -> re.Pattern[str]:
+    """The word pattern for `text`: the plain one unless it holds a combining mark."""
+    # No mark lies below U+0300 (Latin scripts after NFC): a cheap scan decides most texts.
+    if not _ABOVE_LATIN.search(text) or not _HAS_MARK.search(text):
+        return _PLAIN_WORDS
+    return _WORDS
 
 
 def words(text: str) -> list[tuple[str, int, int]]:
@@ -149,6 +181,8 @@ def plain(word: str) -> str:
     """A word as glossaries compare it: NFC, plain apostrophes and hyphens."""
     if not word.isascii():
         word = unicodedata.normalize("NFC", word).translate(_SAME)
+    elif "`" in word:
+        word = word.translate(_SAME)
     return word
 
 
@@ -237,8 +271,24 @@ def parse(
             raise TmtError(f"{name}:{line}: not UTF-8 text (byte {err.start})") from None
     else:
         text = data.removeprefix("\ufeff")
+    # Hundreds of thousands of small objects, none of them in a cycle: the cycle collector
+    # would walk them again and again (a third of the load time at 100,000 entries).
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _parse(text, kind, name, case_sensitive, max_source_words, pair, data)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _parse(
+    text: str, kind: str, name: str, case_sensitive: bool, max_source_words: int,
+    pair: tuple[str, str] | None, data: bytes | str,
+) -> Glossary:  # fmt: skip
     rows = _csv_rows(text, name) if kind == "csv" else _tsv_rows(text, name)
     entries: list[Entry] = []
+    sources: list[list[str]] = []
     seen: dict[tuple[str, ...], Entry] = {}
     probe = Glossary([], name, case_sensitive)
     for line, fields in rows:
@@ -259,10 +309,11 @@ def parse(
             continue  # the same entry twice: once is enough
         seen[keys] = entry
         entries.append(entry)
+        sources.append(list(keys))
     settings = f"{kind}|{case_sensitive}|{max_source_words}|{pair}".encode()
     raw = data if isinstance(data, bytes) else data.encode()
     digest = hashlib.sha256(raw + b"\0" + settings).hexdigest()
-    return Glossary(entries, name, case_sensitive, sha256=digest)
+    return Glossary(entries, name, case_sensitive, sha256=digest, keys=sources)
 
 
 def from_pairs(
@@ -325,15 +376,20 @@ def _csv_rows(text: str, name: str) -> Iterable[tuple[int, list[str]]]:
 def _entry(
     fields: list[str], kind: str, name: str, line: int, pair: tuple[str, str] | None
 ) -> Entry:
-    source, target = (unicodedata.normalize("NFC", f.strip()) for f in fields[:2])
+    source, target = (_nfc(f.strip()) for f in fields[:2])
     for side, value in (("source", source), ("target", target)):
         if not value:
             raise TmtError(f"{name}:{line}: the {side} is empty")
         if _CONTROL.search(value):
             raise TmtError(f"{name}:{line}: a control character in the {side}")
-    targets = tuple(dict.fromkeys(t.strip() for t in _BAR.split(target)))
-    if not all(words(t) for t in targets):
-        raise TmtError(f"{name}:{line}: an empty alternative in the target {target!r}")
+    if "|" in target:
+        targets = tuple(dict.fromkeys(t.strip() for t in _BAR.split(target)))
+        if not all(_WORDS.search(t) for t in targets):
+            raise TmtError(f"{name}:{line}: an empty alternative in the target {target!r}")
+    elif _WORDS.search(target):
+        targets = (target,)
+    else:
+        raise TmtError(f"{name}:{line}: the target {target!r} has no word")
     if len(fields) == 4:
         given = tuple(f.strip() for f in fields[2:])
         for code in given:
@@ -346,6 +402,10 @@ def _entry(
             raise TmtError(f"{name}:{line}: an entry for {given[0]}→{given[1]}; the model"
                            f" translates {pair[0]}→{pair[1]}")  # fmt: skip
     return Entry(source, targets, line)
+
+
+def _nfc(text: str) -> str:
+    return text if text.isascii() else unicodedata.normalize("NFC", text)
 
 
 def report(line: int, text: str, matches: Sequence[Match], terms: Sequence | None) -> dict:
