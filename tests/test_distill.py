@@ -269,16 +269,23 @@ def test_an_ensemble_teaches_as_it_translates(
 def test_an_imported_opus_mt_model_teaches_a_tagged_corpus(
     student_cfg: Config, imported: dict, tmp_path: Path
 ) -> None:
-    # The multi-target Marian model reads ">>de<<" at the start of a source, as training's tag
-    # prepends it; the student's sources stay untagged, its corpus keeps the tag.
-    tagged = f"data.train=[{{split: {student_cfg.data.train}, tag: '>>de<<'}}]"
+    # The multi-target Marian model (en -> deu, fra) reads ">>deu<<" at the start of a source, as
+    # training's tag prepends it; the student's sources stay untagged, its corpus keeps the tag.
+    # The student learns en -> de: one of the teacher's targets (deu is de).
+    tagged = f"data.train=[{{split: {student_cfg.data.train}, tag: '>>deu<<'}}]"
     cfg = apply_overrides(student_cfg, [tagged, "distill.nbest=1", "distill.export=none",
-                                        "train.max_steps=2"])  # fmt: skip
+                                        "train.max_steps=2", "data.src_lang=en",
+                                        "data.tgt_lang=de"])  # fmt: skip
     distill.distill(cfg, [imported["multi"]], tmp_path / "d")
     teacher = translate.load_translator(imported["multi"], ["decode.beam_size=2"])
-    sources = lines(tmp_path / "d" / "original0.de")
-    hypotheses = translate.translate_text(teacher, [f">>de<< {x}" for x in sources])
+    sources = lines(tmp_path / "d" / "original0.en")
+    hypotheses = translate.translate_text(teacher, [f">>deu<< {x}" for x in sources])
     kept = [(s, h) for s, h in zip(sources, hypotheses, strict=True) if h.strip()]
     assert kept, "the teacher translated nothing"
-    assert list(zip(lines(tmp_path / "d" / "distilled0.de"),
-                    lines(tmp_path / "d" / "distilled0.en"))) == kept  # fmt: skip
+    assert list(zip(lines(tmp_path / "d" / "distilled0.en"),
+                    lines(tmp_path / "d" / "distilled0.de"))) == kept  # fmt: skip
+    # A teacher of another pair is refused before anything is written.
+    wrong = apply_overrides(cfg, ["data.src_lang=de", "data.tgt_lang=en"])
+    with pytest.raises(TmtError, match="translates en→deu/fra; the student learns de→en"):
+        distill.distill(wrong, [imported["multi"]], tmp_path / "other")
+    assert not (tmp_path / "other").exists()

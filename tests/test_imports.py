@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "corpus",
             "clean",
             "marian_tokenizer",
+            "foreign",
             "tokenizer",
             "data",
             "model",
@@ -57,6 +58,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "export",
             "huggingface",
             "pretrained",
+            "marian_config",
             "recipes",
             "plot",
             "dry_run",
@@ -69,7 +71,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # the training loop: the only module that knows a whole run; where it stands, why it stops
     ("training", {"train", "progress"}),
     # recipes over whole runs: distillation translates with a teacher, then trains a student
-    ("workflows", {"distill"}),
+    ("workflows", {"distill_record", "distill"}),
     # the command line's options: spellings, help, decoding flags as overrides (typer only)
     ("options", {"flags"}),
     # the faces: the command line, `python -m transformer_mt`, the Python API
@@ -79,6 +81,7 @@ LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for modul
 
 # Imports within one layer, each with its reason; nothing else crosses sideways.
 SIDEWAYS: dict[tuple[str, str], str] = {
+    ("files", "faults"): "a set of files replaced together has fault points between its renames",
     ("tokenizer", "corpus"): "the joint vocabulary is trained on the training corpora",
     ("tokenizer", "marian_tokenizer"): "a model's tokenizer is tmt's joint one or Marian's pair",
     ("data", "corpus"): "batches are made of the corpora's pairs",
@@ -97,6 +100,8 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("export", "huggingface"): "the Hugging Face export is huggingface.py's conversion",
     ("huggingface", "translate"): "converts a loaded Translator's model and tokenizer",
     ("pretrained", "huggingface"): "an import reads transformers' names through the export's map",
+    ("pretrained", "marian_config"): "an import reads the directory's JSON files as tmt settings",
+    ("marian_config", "huggingface"): "... generate's stopping rules as the export names them",
     ("export", "recipes"): "an export's README, whose code is its parity check",
     ("recipes", "translate"): "the README's values are a loaded Translator's",
     ("service", "batching"): "requests are translated through the one batching worker",
@@ -109,6 +114,7 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("gate", "service"): "the outer layer checks the service's key and limits, counts its metrics",
     ("serve", "gate"): "... around the HTTP app",
     ("train", "progress"): "where the run stands and why it stops",
+    ("distill", "distill_record"): "the distillation's record, read back verified",
     ("__main__", "cli"): "python -m transformer_mt is the command line",
     ("__init__", "translate"): "the Python API is the Translator (imported lazily)",
 }

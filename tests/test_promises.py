@@ -172,16 +172,16 @@ def test_translate_refuses_an_output_that_is_an_input(finished: Path, tmp_path: 
 def test_a_failed_translation_keeps_the_old_output(
     finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformer_mt import translate
+    from transformer_mt import streams
 
     source, output = tmp_path / "in.txt", tmp_path / "out.txt"
     source.write_text("kalo mi\n")
     output.write_text("yesterday's translations\n")
 
-    def fail(translator, lines, first_line=0, prefixes=None):
+    def fail(translator, lines, first_line=0, prefixes=None, matches=None):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(translate, "translate_lines", fail)
+    monkeypatch.setattr(streams, "translate_lines", fail)  # both paths translate through it
     # The streaming path (stdin into a file): no temporary is left.
     result = runner.invoke(app, ["translate", "-m", str(finished), "-o", str(output),
                                  "--overwrite"], input="kalo mi\n")  # fmt: skip

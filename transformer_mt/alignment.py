@@ -79,14 +79,16 @@ def align(
     if not rows:
         return found
     pad, start = tokenizer.pad_id, tokenizer.start_id(model.cfg.decoder_start)
-    src = torch.full((len(rows), max(len(sources[r]) for r in rows) + 1), pad, dtype=torch.long)
+    src = torch.full((len(rows), max(len(sources[r]) for r in rows) + 1), tokenizer.source_pad_id,
+                     dtype=torch.long)  # fmt: skip
     tgt = torch.full((len(rows), max(len(outputs[r]) for r in rows)), pad, dtype=torch.long)
     for b, r in enumerate(rows):
         src[b, : len(sources[r])] = torch.tensor(list(sources[r]))
-        src[b, len(sources[r])] = tokenizer.eos_id
+        src[b, len(sources[r])] = tokenizer.source_eos_id
         tgt[b, 0] = start  # position j reads token j - 1 and predicts token j
         tgt[b, 1 : len(outputs[r])] = torch.tensor(list(outputs[r][:-1]))
-    probs = cross_attention(model, src.to(device), tgt.to(device), pad, check_layer(model, layer))
+    probs = cross_attention(model, src.to(device), tgt.to(device), tokenizer.source_pad_id,
+                            check_layer(model, layer))  # fmt: skip
     for b, r in enumerate(rows):
         length = len(sources[r])  # the EOS column and the padding are never chosen
         best = probs[b, : len(outputs[r]), :length].argmax(dim=-1).tolist()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from transformer_mt import checkpoint, exits, run, textio
+from transformer_mt import checkpoint, exits, files, run, textio
 from transformer_mt.checkpoint import HIGHER_IS_BETTER, Checkpoint
 from transformer_mt.exits import TmtError, first_line
 
@@ -167,6 +167,11 @@ def check_destination(
                 f"{output}: a training checkpoint; averaging into it would destroy its training"
                 " state; choose another output"
             )
+        foreign = files.foreign_entries(output, {*listed, checkpoint.MANIFEST_FILE})
+        if foreign:
+            raise TmtError(f"{output}: holds {foreign[0]}, which tmt did not write there: an"
+                           " average replaces only its own files; move it, or choose another"
+                           " output")  # fmt: skip
     elif output.is_dir() and any(output.iterdir()):
         raise TmtError(f"{output}: exists and is not a checkpoint; choose another output")
     textio.check_output(output, inputs, overwrite)
@@ -207,19 +212,21 @@ def average_into(
     if not models:
         raise TmtError("no checkpoints to average: name them, or one run directory with {last} N"
                        " or {best} N", mentions=["last", "best"])  # fmt: skip
-    check_destination(output, overwrite, models)
-    if best and not by:
-        by = scored_metric(Path(models[0]))
-    mean = choose(models, last, best, by)
-    if mean is None:
-        for model in map(Path, models):
-            if (model / run.CHECKPOINTS).is_dir():
-                raise TmtError(
-                    f"{model}: a run directory; average its newest checkpoints with {{last}} N"
-                    " or its best with {best} N", mentions=["last", "best"],
-                )  # fmt: skip
-        mean = average(models)
-    written = write(mean, output)
+    textio.check_path(output)
+    with textio.OutputLock(output):  # one writer: the checks hold while it writes
+        check_destination(output, overwrite, models)
+        if best and not by:
+            by = scored_metric(Path(models[0]))
+        mean = choose(models, last, best, by)
+        if mean is None:
+            for model in map(Path, models):
+                if (model / run.CHECKPOINTS).is_dir():
+                    raise TmtError(
+                        f"{model}: a run directory; average its newest checkpoints with"
+                        " {last} N or its best with {best} N", mentions=["last", "best"],
+                    )  # fmt: skip
+            mean = average(models)
+        written = write(mean, output)
     return {
         "output": str(written.path),
         "averaged": list(written.sources),

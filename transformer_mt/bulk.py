@@ -90,6 +90,7 @@ def translate_job(
     """Translate `input_path` into `output_path` as one resumable job on this process group;
     `prefix_path`: a target prefix for each input line (translate.translate_lines);
     `report_path`: the glossary report, one JSON line an input line, committed with each chunk."""
+    textio.check_path(output_path)  # before the job directory beside it is named
     info = distributed.setup(str(translator.device), timeout_s=86_400.0)  # ranks finish unevenly
     output = Path(output_path)
     lock = run.RunLock(output.with_name(output.name + JOB_SUFFIX),

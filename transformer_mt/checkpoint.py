@@ -427,8 +427,9 @@ def build_model(cfg: Config, tokenizer: Tokenizer) -> Transformer:
     tokenizer can start its decoder as model.decoder_start says."""
     tokenizer.start_id(cfg.model.decoder_start)  # a Marian tokenizer has no <s>: refused here
     return Transformer(
-        cfg.model, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.source_vocab_size
-    )
+        cfg.model, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.source_vocab_size,
+        tokenizer.source_pad_id,
+    )  # fmt: skip
 
 
 def load_weights(model: Transformer, state_dict: dict[str, torch.Tensor], origin: Path) -> None:

@@ -31,12 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from transformer_mt import corpus
+from transformer_mt import corpus, languages
 from transformer_mt.config import CleanConfig, Config
 from transformer_mt.exits import TmtError
 
 FILTERS = ("empty", "encoding", "length", "ratio", "copy", "script", "symbols", "overlap",
            "duplicate", "near_duplicate", "langid")  # fmt: skip
+# What the rules decide changed (2: language codes of any ISO form, two-script languages): cached
+# judgements of another version are judged again.
+RULES_VERSION = 2
 KEPT = 0  # a pair's reason code: 0 kept, else 1 + its filter's index in FILTERS
 # Scripts by language (ISO 639-1), as unicodedata names a letter's first word; a language not
 # listed is not checked by the script rule.
@@ -51,7 +54,17 @@ _BY_SCRIPT = {
 SCRIPTS: dict[str, tuple[str, ...]] = {
     **{lang: (script,) for script, langs in _BY_SCRIPT.items() for lang in langs.split(" ")},
     "ko": ("HANGUL", "CJK"), "ja": ("CJK", "HIRAGANA", "KATAKANA"),
+    # Languages written in two scripts: either is theirs.
+    "sr": ("CYRILLIC", "LATIN"), "sh": ("LATIN", "CYRILLIC"), "bs": ("LATIN", "CYRILLIC"),
+    "az": ("LATIN", "CYRILLIC"), "uz": ("LATIN", "CYRILLIC"), "tk": ("LATIN", "CYRILLIC"),
+    "kk": ("CYRILLIC", "LATIN"), "mn": ("CYRILLIC", "MONGOLIAN"), "ku": ("LATIN", "ARABIC"),
+    "pa": ("GURMUKHI", "ARABIC"), "ms": ("LATIN", "ARABIC"),
 }  # fmt: skip
+# ISO 15924 codes a language code may name after its language (sr_Latn, zh-Hant): that script only.
+_ISO_SCRIPTS = {"Latn": "LATIN", "Cyrl": "CYRILLIC", "Arab": "ARABIC", "Deva": "DEVANAGARI",
+                "Grek": "GREEK", "Hebr": "HEBREW", "Hans": "CJK", "Hant": "CJK", "Hani": "CJK",
+                "Guru": "GURMUKHI", "Mong": "MONGOLIAN", "Geor": "GEORGIAN", "Armn": "ARMENIAN",
+                "Thai": "THAI", "Hang": "HANGUL"}  # fmt: skip
 # Languages written without spaces between words: lengths in characters, ratios in UTF-8 bytes
 # (bicleaner's rule for CJK), no word counts.
 NO_SPACES = frozenset(["zh", "ja", "th", "lo", "km", "my"])
@@ -87,10 +100,33 @@ class Rules:
     normalised validation and test sentences (the overlap rule), and the language identifier."""
 
     cfg: CleanConfig
-    src_lang: str
+    src_lang: str  # as the config gives it (deu, sr_Latn, ...)
     tgt_lang: str
     eval_sources: frozenset[int] = frozenset()
     eval_targets: frozenset[int] = frozenset()
+
+    @functools.cached_property
+    def langs(self) -> tuple[str, str]:
+        """The two languages as one key each (languages.canonical: deu is de)."""
+        return (base_language(self.src_lang), base_language(self.tgt_lang))
+
+    @functools.cached_property
+    def scripts(self) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+        return (scripts_of(self.src_lang), scripts_of(self.tgt_lang))
+
+
+def base_language(code: str) -> str:
+    """A language code as one key (de for deu, ger, de_DE); an unknown one lower-cased."""
+    return languages.canonical(code) or code.strip().lower()
+
+
+def scripts_of(code: str) -> tuple[str, ...] | None:
+    """The scripts a side in `code` may be written in: the one a code names (sr_Latn), else its
+    language's (both of a two-script language); None where not known (not checked)."""
+    named = languages.script_part(code)
+    if named in _ISO_SCRIPTS:
+        return (_ISO_SCRIPTS[named],)
+    return SCRIPTS.get(base_language(code))
 
 
 def normalised(text: str) -> str:
@@ -126,7 +162,7 @@ def _bad_encoding(text: str) -> bool:
     return _BAD_ENCODING.search(text) is not None
 
 
-def _length_problem(text: str, lang: str, cfg: CleanConfig) -> bool:
+def _length_problem(text: str, lang: str, cfg: CleanConfig) -> bool:  # lang: base_language
     if len(text) > cfg.max_chars:
         return True
     if lang in NO_SPACES:
@@ -139,10 +175,9 @@ def _size(text: str, bytes_: bool) -> int:
     return len(text.encode("utf-8", "surrogatepass")) if bytes_ else len(text)
 
 
-def _script_share(text: str, lang: str) -> float | None:
-    """The share of `text`'s letters in `lang`'s script; None when it has no letter or the
+def _script_share(text: str, expected: tuple[str, ...] | None) -> float | None:
+    """The share of `text`'s letters in the `expected` scripts; None when it has no letter or the
     language's script is not known."""
-    expected = SCRIPTS.get(lang)
     letters = sum(map(str.isalpha, text))
     if expected is None or not letters:
         return None
@@ -160,7 +195,7 @@ def _symbol_share(text: str) -> float | None:
 def pair_reason(src: str, tgt: str, rules: Rules, identify: Identify | None) -> int:
     """The first rule (reason code, KEPT = 0) that removes (src, tgt), among those that read the
     pair alone or the evaluation sets (the duplicates are the caller's: they need the corpus)."""
-    cfg, langs = rules.cfg, (rules.src_lang, rules.tgt_lang)
+    cfg, langs = rules.cfg, rules.langs
     code = FILTERS.index
     if cfg.empty and (not src.strip() or not tgt.strip()):
         return 1 + code("empty")
@@ -187,7 +222,7 @@ def pair_reason(src: str, tgt: str, rules: Rules, identify: Identify | None) -> 
         shared = ({k for _, k in keys[0]} & {k for _, k in keys[1]}) - {""}  # "": punctuation
         own = (_own_part(keys[0], shared), _own_part(keys[1], shared))
     if cfg.script:
-        shares = [_script_share(t, lang) for t, lang in zip(own, langs, strict=True)]
+        shares = [_script_share(t, s) for t, s in zip(own, rules.scripts, strict=True)]
         if any(s is not None and s < cfg.min_script_share for s in shares):
             return 1 + code("script")
     if cfg.symbols:
@@ -225,10 +260,31 @@ class Identify:
         self._identifier = LanguageIdentifier.from_modelpath(
             MODEL_DIR / MODEL_FILE, norm_probs=True
         )
+        # The model's labels by language (its ary and arz are Arabic, its no is Norwegian).
+        self._labels: dict[str, list[str]] = collections.defaultdict(list)
+        for label in dict.fromkeys(self._identifier.nb_classes):
+            self._labels[base_language(label)].append(label)
+        self._labels["nb"] += self._labels["no"]
+
+    def labels(self, lang: str) -> list[str]:
+        """The model's labels of a language (the config's code, any form)."""
+        return self._labels.get(base_language(lang), [])
+
+    def check(self, *codes: str) -> None:
+        """Refuse, in one line, a language code the table or the model does not know."""
+        for code in codes:
+            if not languages.is_known(code):
+                raise TmtError(f"clean.langid: {code!r} is not a language code tmt knows (ISO"
+                               " 639-1 or 639-3: de, deu); set clean.langid=false")  # fmt: skip
+            if not self.labels(code):
+                raise TmtError(f"clean.langid: py3langid has no model of {code!r}; set"
+                               " clean.langid=false")  # fmt: skip
 
     def __call__(self, text: str, lang: str) -> float:
-        """The probability that `text` is in `lang` (0 for a language the model lacks)."""
-        return float(dict(self._identifier.rank(text)).get(lang, 0.0))
+        """The probability that `text` is in `lang` (the sum over the model's labels of it; 0 for
+        a language the model lacks)."""
+        ranked = dict(self._identifier.rank(text))
+        return float(sum(ranked.get(label, 0.0) for label in self.labels(lang)))
 
 
 def pair_hashes(chunk: Sequence[tuple[str, str]], cfg: CleanConfig) -> np.ndarray:

@@ -14,6 +14,7 @@ sources from their memory-mapped Arrow data), and the duplicates are remembered 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,50 +26,114 @@ import numpy as np
 
 from transformer_mt import clean, corpus, files, textio
 from transformer_mt.config import Config, to_dict
+from transformer_mt.exits import TmtError
 
 logger = logging.getLogger(__name__)
 
 
 def clean_corpus(cfg: Config, prefix: str, annotate: bool = False, overwrite: bool = False) -> dict:
-    """Clean data.train into PREFIX.{src_lang}, PREFIX.{tgt_lang} and PREFIX.report.json; the
-    report."""
+    """Clean data.train into PREFIX.{src_lang}, PREFIX.{tgt_lang} and PREFIX.report.json (a
+    mixture: each corpus i into PREFIX.i.{src_lang,tgt_lang}, its weight and tag kept in the
+    report's data.train); the report."""
     start = time.monotonic()
-    langs = (cfg.data.src_lang, cfg.data.tgt_lang)
-    outputs = {lang: Path(f"{prefix}.{lang}") for lang in langs}
-    outputs["report"] = Path(f"{prefix}.report.json")
-    if annotate:
-        outputs["reason"] = Path(f"{prefix}.reason")
+    _check_prefix(prefix)
+    _check_settings(cfg)
     corpora = corpus.open_training(cfg.data)
+    if cfg.data.encoding_errors == "skip":  # judged, not hidden: the encoding rule reports them
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, encoding_errors="replace")
+        )
+        corpora = corpus.open_training(cfg.data)
+    outputs = _outputs(cfg, prefix, len(corpora), annotate)
     inputs = [path for split in corpora for path in corpus.input_files(split)]
-    for path in outputs.values():
-        textio.check_output(path, inputs=inputs, overwrite=overwrite)
-        textio.check_directory(path.parent, "-o")
-        path.parent.mkdir(parents=True, exist_ok=True)
-    if cfg.clean.langid:
-        clean.Identify()  # the missing extra, said before any work
-    rules, notes = clean.eval_sets(cfg)
-    for directory in {p.parent for p in outputs.values()}:  # what a killed run left staged
+    inputs += _evaluation_files(cfg)  # the overlap rule reads them: never an output either
+    textio.check_path(prefix, "output")
+    with textio.OutputLock(prefix):  # one writer: the checks below hold while it writes
+        for path in outputs.values():
+            textio.check_output(path, inputs=inputs, overwrite=overwrite)
+            textio.check_directory(path.parent, "-o")
+        directory = Path(prefix).absolute().parent
+        directory.mkdir(parents=True, exist_ok=True)
+        if cfg.clean.langid:
+            clean.Identify().check(cfg.data.src_lang, cfg.data.tgt_lang)  # before any work
+        rules, notes = clean.eval_sets(cfg)
+        files.recover_together(directory)  # a killed replacement of these outputs: undone
         files.recover(directory, live_writers=True, names=[p.name for p in outputs.values()])
-    staged = {k: p.with_name(f".tmp-{p.name}-{os.getpid()}") for k, p in outputs.items()}
-    try:
-        texts = {k: p for k, p in staged.items() if k != "report"}
-        handles = {k: open(p, "w", encoding="utf-8") for k, p in texts.items()}  # noqa: SIM115
+        staged = {k: p.with_name(f".tmp-{p.name}-{os.getpid()}") for k, p in outputs.items()}
         try:
-            report = _clean_all(cfg, corpora, rules, handles, annotate)
+            texts = {k: p for k, p in staged.items() if k != "report"}
+            handles = {k: open(p, "w", encoding="utf-8") for k, p in texts.items()}  # noqa: SIM115
+            try:
+                report = _clean_all(cfg, corpora, rules, handles, annotate)
+            finally:
+                for handle in handles.values():
+                    handle.close()
+            report.update(notes=notes, settings=to_dict(cfg)["clean"], annotated=annotate,
+                          outputs={k: str(p) for k, p in outputs.items()},
+                          seconds=round(time.monotonic() - start, 2))  # fmt: skip
+            report["pairs_per_s"] = round(report["pairs_in"] / max(report["seconds"], 1e-9), 1)
+            if len(corpora) > 1:
+                report["train_with"] = _mixture(prefix, corpora)
+            files.atomic_write(staged["report"], (json.dumps(report, indent=1) + "\n").encode())
+            # All or nothing: a report never sits beside another run's corpus.
+            files.replace_together([(staged[k], outputs[k]) for k in outputs])
         finally:
-            for handle in handles.values():
-                handle.close()
-        report.update(notes=notes, settings=to_dict(cfg)["clean"], annotated=annotate,
-                      outputs={k: str(p) for k, p in outputs.items()},
-                      seconds=round(time.monotonic() - start, 2))  # fmt: skip
-        report["pairs_per_s"] = round(report["pairs_in"] / max(report["seconds"], 1e-9), 1)
-        files.atomic_write(staged["report"], (json.dumps(report, indent=1) + "\n").encode())
-        for key, path in staged.items():
-            os.replace(path, outputs[key])
-    finally:
-        for path in staged.values():
-            path.unlink(missing_ok=True)
+            for path in staged.values():
+                path.unlink(missing_ok=True)
     return report
+
+
+def _check_prefix(prefix: str) -> None:
+    """PREFIX must name files: "DIR/" or "." would write hidden files named ".de", ".en"."""
+    name = os.path.basename(str(prefix))
+    if not name or name in (".", "..") or str(prefix).endswith(os.sep):
+        raise TmtError(f"{prefix}: a prefix with no name (the outputs would be hidden files"
+                       f" {name or ''}.de, ...); give one, e.g. {prefix.rstrip(os.sep) or '.'}"
+                       f"{os.sep}cleaned", param="output")  # fmt: skip
+
+
+def _check_settings(cfg: Config) -> None:
+    """Refuse settings under which a filter removes every pair."""
+    c = cfg.clean
+    if c.length and c.min_words > c.max_words:
+        raise TmtError(f"clean.min_words={c.min_words} > clean.max_words={c.max_words}: the"
+                       " length filter would remove every pair")  # fmt: skip
+
+
+def _outputs(cfg: Config, prefix: str, count: int, annotate: bool) -> dict[str, Path]:
+    """The files written: per corpus its two sides (and reasons), then the report."""
+    langs = (cfg.data.src_lang, cfg.data.tgt_lang)
+    outputs = {}
+    for i in range(count):
+        stem = f"{prefix}.{i}" if count > 1 else prefix
+        key = f"{i}:" if count > 1 else ""
+        for lang in langs:
+            outputs[f"{key}{lang}"] = Path(f"{stem}.{lang}")
+        if annotate:
+            outputs[f"{key}reason"] = Path(f"{stem}.reason")
+    outputs["report"] = Path(f"{prefix}.report.json")
+    return outputs
+
+
+def _evaluation_files(cfg: Config) -> list[Path]:
+    """The validation and test files the overlap rule reads."""
+    if not cfg.clean.overlap:
+        return []
+    found = []
+    for key in ("data.valid", "data.test"):
+        try:
+            found += corpus.input_files(corpus.open_split(cfg.data, key))
+        except TmtError:
+            continue  # unreadable: eval_sets names it in the notes
+    return found
+
+
+def _mixture(prefix: str, corpora: list[corpus.RawSplit]) -> dict[str, Any]:
+    """The data section that trains on the cleaned mixture: each corpus its weight and tag."""
+    return {"source": "files", "train": [
+        {"split": f"{prefix}.{i}", "weight": split.weight, "tag": split.tag}
+        for i, split in enumerate(corpora)
+    ]}  # fmt: skip
 
 
 def _clean_all(
@@ -81,16 +146,17 @@ def _clean_all(
     total = _empty_counts()
     examples: dict[str, list[dict[str, str]]] = {name: [] for name in clean.FILTERS}
     rows = []
-    for split in corpora:
+    for number, split in enumerate(corpora):
+        key = f"{number}:" if len(corpora) > 1 else ""  # a mixture: each corpus its own files
         counts = _empty_counts()
         bar = tqdm(unit="pair", desc=split.key, dynamic_ncols=True, disable=None, mininterval=1.0)
         for chunk, codes in clean.reasons(split.pairs(clean.CHUNK), rules, cfg.data.num_proc):
             names = [clean.FILTERS[c - 1] if c else "" for c in codes.tolist()]
             shown = range(len(chunk)) if annotate else np.flatnonzero(codes == clean.KEPT).tolist()
-            handles[src_lang].write("".join(_line(chunk[i][0]) for i in shown))
-            handles[tgt_lang].write("".join(_line(chunk[i][1]) for i in shown))
+            handles[key + src_lang].write("".join(_line(chunk[i][0]) for i in shown))
+            handles[key + tgt_lang].write("".join(_line(chunk[i][1]) for i in shown))
             if annotate:
-                handles["reason"].write("".join(name + "\n" for name in names))
+                handles[key + "reason"].write("".join(name + "\n" for name in names))
             for i in np.flatnonzero(codes != clean.KEPT).tolist():
                 if len(examples[names[i]]) < cfg.clean.examples:
                     examples[names[i]].append({"src": chunk[i][0][:300], "tgt": chunk[i][1][:300]})

@@ -331,7 +331,7 @@ def export(
     fmt: Annotated[str, typer.Option("--format", help="ctranslate2 or huggingface.")],
     model: Model = None,
     quantization: Quantization = None,
-    check_lines: CheckLines = 0,
+    check_lines: CheckLines = None,
     overwrite: Overwrite = False,
     last: Last = 0,
     best: Best = 0,

@@ -348,6 +348,9 @@ class DecodeConfig:
     # current length (HF generate's default heuristic: fewer steps, may rarely differ);
     # "k_finished" as soon as it has them (fairseq's and CTranslate2's rule, HF's True).
     early_stopping: Literal["bound", "current", "k_finished"] = "bound"
+    # The score of the EOS forced at a sentence's maximum length: its log-probability (tmt), or
+    # 0 ("zero": transformers' forced_eos_token_id, which `tmt import` sets to decode as generate).
+    forced_eos: Literal["log_prob", "zero"] = "log_prob"
     max_len_a: Amount = 1.0  # §6.1 maximum output length a · input length + b
     max_len_b: Number = 50
     max_tokens: Count = 4096  # source tokens per translation batch (padded), before beam expansion

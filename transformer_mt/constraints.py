@@ -180,6 +180,7 @@ def constrained_beam_search(
     early_stopping: str = "bound",
     device: torch.device | str = "cpu",
     prefixes: Sequence[Sequence[int]] = (),
+    forced_eos: str = "log_prob",
 ) -> list[list[Hypothesis]]:
     """search.beam_search's contract, each output holding its sentence's `terms` (one
     alternative of every entry; the module docstring says how). `continues` (V,) bool: the
@@ -210,6 +211,8 @@ def constrained_beam_search(
             met = torch.zeros(n, auto.real.size(1), dtype=torch.bool, device=device)
         forced = forcing.tokens(live, t, width)
         log_probs = _mask(log_probs, banned, forced)
+        if forced_eos == "zero":
+            forcing.zero_eos(log_probs, live, t, width)
         row_sentence = live.repeat_interleave(width)  # (N·width,)
         free = forced < 0
         all_met = (met | ~auto.real[row_sentence]).all(dim=1)

@@ -156,11 +156,14 @@ class _Cleaner:
     def of(cls, cfg: Config) -> _Cleaner | None:
         if not cfg.data.clean:
             return None
+        if cfg.clean.langid:  # a language the identifier does not know: said before any work
+            clean.Identify().check(cfg.data.src_lang, cfg.data.tgt_lang)
         rules, notes = clean.eval_sets(cfg)
         for note in notes:
             logger.warning("data.clean: %s", note)
         named = json.dumps([dataclasses.asdict(cfg.clean), rules.src_lang, rules.tgt_lang,
-                            sorted(rules.eval_sources), sorted(rules.eval_targets)])  # fmt: skip
+                            sorted(rules.eval_sources), sorted(rules.eval_targets),
+                            clean.RULES_VERSION])  # fmt: skip
         return cls(rules, hashlib.sha256(named.encode()).hexdigest())
 
     def codes(self, split: corpus.RawSplit, cache: Path, num_proc: int) -> np.ndarray:
@@ -428,15 +431,18 @@ def collate(
     pad_id: int,
     bos_id: int,
     eos_id: int,
+    source_ids: tuple[int, int] | None = None,
 ) -> Batch:
-    """src = x + eos; tgt_in = bos + y; tgt_out = y + eos; all right-padded with pad_id."""
+    """src = x + eos; tgt_in = bos + y; tgt_out = y + eos; all right-padded with pad_id
+    (`source_ids`: the source's own (pad, eos) where its vocabulary places them elsewhere)."""
     n = len(src_seqs)
-    src = np.full((n, max(map(len, src_seqs)) + 1), pad_id, dtype=np.int64)
+    src_pad, src_eos = source_ids or (pad_id, eos_id)
+    src = np.full((n, max(map(len, src_seqs)) + 1), src_pad, dtype=np.int64)
     tgt_in = np.full((n, max(map(len, tgt_seqs)) + 1), pad_id, dtype=np.int64)
     tgt_out = tgt_in.copy()
     for i, (x, y) in enumerate(zip(src_seqs, tgt_seqs, strict=True)):
         src[i, : len(x)] = x
-        src[i, len(x)] = eos_id
+        src[i, len(x)] = src_eos
         tgt_in[i, 0] = bos_id
         tgt_in[i, 1 : len(y) + 1] = y
         tgt_out[i, : len(y)] = y
@@ -513,7 +519,7 @@ class EncodedSplit:
                 tgt = sampling.resegment(tgt, positions, tokenizer, epoch, side=1)
         return collate(
             src, tgt, pad_id=tokenizer.pad_id, bos_id=tokenizer.start_id(start),
-            eos_id=tokenizer.eos_id,
+            eos_id=tokenizer.eos_id, source_ids=(tokenizer.source_pad_id, tokenizer.source_eos_id),
         )  # fmt: skip
 
     def sampler(

@@ -390,15 +390,17 @@ def _translate_batch(
     if samples > 1:  # N independent samples of a line are N rows of the same source
         sources = [seq for seq in sources for _ in range(samples)]
         prefixes = [seq for seq in prefixes for _ in range(samples)]
-    src = torch.full((len(sources), max(map(len, sources)) + 1), tok.pad_id, dtype=torch.long)
+    src = torch.full((len(sources), max(map(len, sources)) + 1), tok.source_pad_id,
+                     dtype=torch.long)  # fmt: skip
     for row, seq in enumerate(sources):
         src[row, : len(seq)] = torch.tensor(seq)
-        src[row, len(seq)] = tok.eos_id
+        src[row, len(seq)] = tok.source_eos_id
     step, state = _step_function(translator, src.to(translator.device))
     start = tok.start_id(translator.config.model.decoder_start)
     common = {"bos_id": start, "eos_id": tok.eos_id, "banned": tok.never_output,
               "alpha": decode.length_penalty, "form": decode.length_penalty_form,
-              "device": translator.device, "prefixes": prefixes}  # fmt: skip
+              "device": translator.device, "prefixes": prefixes,
+              "forced_eos": decode.forced_eos}  # fmt: skip
     limits = output_limits(translator, sources, prefixes)
     if terms is not None:  # room for every term's longest alternative
         positions = _max_positions(translator)
@@ -430,7 +432,7 @@ def _translate_batch(
 def _step_function(translator: Decodable, src: torch.Tensor) -> tuple[StepFn, SearchState]:
     """The search's step function and state over a batch of sources (B, S), encoded once by each
     model: its log-probabilities, or an ensemble's mean of probabilities (ensemble.py)."""
-    src_mask = make_src_mask(src, translator.tokenizer.pad_id)
+    src_mask = make_src_mask(src, translator.tokenizer.source_pad_id)
     models = [m for m in (translator.model, *translator.ensemble) if m is not None]
     # One decoder row per sentence; beam search makes k (B·k), the source stays (B, S, D).
     states = [_DecodeState(m.start_cache(m.encode(src, src_mask)), src_mask) for m in models]

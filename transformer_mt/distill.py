@@ -21,9 +21,11 @@ reused when the command runs again:
 6. DIR/student-{format}: the student exported (`tmt export`, parity-checked), if distill.export.
 
 DIR/distill.json records what each step was made from (the corpora's and the teacher's
-fingerprints, the settings) and the SHA-256 of every file it wrote. What tmt reads back is
+fingerprints, the settings) and the SHA-256 of every file it wrote, the export's included, by
+paths relative to DIR (a copied or moved DIR verifies its own files). What tmt reads back is
 verified: a file that no longer matches its record is made again from its step; a different
-teacher, corpus or setting is refused, naming it, rather than mixed into DIR.
+teacher, corpus, language pair or setting is refused, naming it, before anything is written,
+rather than mixed into DIR. A record that is not tmt's is refused, not overwritten.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ from typing import Any
 from transformer_mt import (
     bulk,
     corpus,
+    distill_record,
     ensemble,
     evaluate,
     exits,
     export,
     files,
+    languages,
     run,
     textio,
     train,
@@ -97,12 +101,13 @@ class _Distillation:
         self.cfg, self.out = cfg, out
         self.teachers, self.weights = [str(t) for t in teachers], weights
         self.src, self.tgt = cfg.data.src_lang, cfg.data.tgt_lang
-        self.manifest = _read_manifest(out / MANIFEST)
+        self.manifest = distill_record.read(out / MANIFEST, FORMAT)
         self.reused: list[str] = []
         self.teacher: translate.Translator | None = None
 
     def run(self) -> dict[str, Any]:
         self._load_teacher()  # a missing or other teacher is refused before anything is written
+        self._check_selection()  # ... and a selection the trained student did not learn from
         corpora = self._originals()
         distilled = self._distilled(corpora)
         student_run = self._student(corpora, distilled)
@@ -136,11 +141,11 @@ class _Distillation:
                     src.write("".join(_line(s) for s, _ in chunk).encode())
                     tgt.write("".join(_line(t) for _, t in chunk).encode())
                     pairs += len(chunk)
-            rows.append({"prefix": str(prefix), "key": split.key, "origin": split.origin,
+            rows.append({"prefix": prefix.name, "key": split.key, "origin": split.origin,
                          "weight": split.weight, "tag": split.tag, "pairs": pairs})  # fmt: skip
-        paths = [_side(Path(r["prefix"]), lang) for r in rows for lang in (self.src, self.tgt)]
+        paths = [_side(self._at(r["prefix"]), lang) for r in rows for lang in (self.src, self.tgt)]
         self._record("originals", {"identity": identity, "corpora": rows,
-                                   "files": _hashes(paths)})  # fmt: skip
+                                   "files": self._hashes(paths)})  # fmt: skip
         return rows
 
     # --- 2, 3. the teacher's translations, the hypothesis nearest each reference ------------------
@@ -151,6 +156,7 @@ class _Distillation:
             settings = [f"decode.beam_size={d.beam_size}", f"decode.nbest={d.nbest}",
                         f"decode.chunk_lines={self.cfg.decode.chunk_lines}"]  # fmt: skip
             self.teacher = translate.load_ensemble(self.teachers, settings, self.weights)
+            self._check_languages(self.teacher)
             # What changes the teacher's output, as the file job's identity has it (not where, in
             # what batches or chunks it runs)
             decode = {k: v for k, v in to_dict(self.teacher.config)["decode"].items()
@@ -170,29 +176,69 @@ class _Distillation:
             self._record("teacher", identity)
         return self.teacher
 
-    def _distilled(self, corpora: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _selection(self) -> dict[str, Any]:
         d = self.cfg.distill
-        selection = {"nbest": d.nbest, "select_by": d.select_by}
+        return {"nbest": d.nbest, "select_by": d.select_by}
+
+    def _check_selection(self) -> None:
+        """A student trained on pairs chosen otherwise (distill.select_by, distill.nbest) is
+        refused before anything is written, naming the setting."""
+        done, student = self.manifest.get("distilled"), self.manifest.get("student")
+        if not (done and student and (self.out / "student" / "checkpoints").exists()):
+            return
+        for key, value in self._selection().items():
+            if done["selection"].get(key) != value:
+                raise TmtError(
+                    f"{self.out}: its student was trained on pairs chosen with distill.{key}="
+                    f"{done['selection'].get(key)} (not {value}); distill with that, or into"
+                    " another {output}", mentions=["output"],
+                )  # fmt: skip
+
+    def _check_languages(self, teacher: translate.Translator) -> None:
+        """The teacher translates the student's pair (a multi-target teacher: into one of its
+        languages), whatever code form each names it by (de, deu, ger)."""
+        data, theirs = self.cfg.data, teacher.config.data
+        codes = [c[2:-2] for c in teacher.tokenizer.language_codes]
+        targets_ok = (
+            any(languages.same_language(c, data.tgt_lang) for c in codes)
+            if codes
+            else languages.same_language(theirs.tgt_lang, data.tgt_lang)
+        )
+        if not languages.same_language(theirs.src_lang, data.src_lang) or not targets_ok:
+            into = "/".join(codes) if codes else theirs.tgt_lang
+            raise TmtError(
+                f"{teacher.origin}: translates {theirs.src_lang}→{into}; the student learns"
+                f" {data.src_lang}→{data.tgt_lang} (data.src_lang, data.tgt_lang): give a teacher"
+                " of the student's pair"
+            )
+
+    def _distilled(self, corpora: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        selection = self._selection()
         done = self.manifest.get("distilled")
-        if done and done["selection"] == selection and self._verified(done["files"]):
+        translations = self.manifest.get("translations", {})
+        teacher_outputs = {f"teacher{i}.txt": translations.get(str(i), "")
+                           for i in range(len(corpora))}  # fmt: skip
+        if (done and done["selection"] == selection
+                and self._verified({**done["files"], **teacher_outputs})):  # fmt: skip
             self._load_teacher()  # the same teacher, or a refusal
             self.reused.append("distilled")
             return done["corpora"]
         rows = []
         for i, original in enumerate(corpora):
             output = self.out / f"teacher{i}.txt"
-            recorded = self.manifest.get("translations", {}).get(str(i))
+            recorded = translations.get(str(i))
             resumed = 0
-            if not (recorded and self._verified({str(output): recorded})):
-                resumed = self._translate(Path(original["prefix"]), original["tag"], output, i)
+            if not (recorded and self._verified({output.name: recorded})):
+                resumed = self._translate(self._at(original["prefix"]), original["tag"], output,
+                                          i)  # fmt: skip
             else:
                 self._load_teacher()
                 self.reused.append(f"teacher{i}")
-            row = self._select(Path(original["prefix"]), output, i, original)
-            rows.append({**row, "teacher_output": str(output), "resumed_chunks": resumed})
-        paths = [_side(Path(r["prefix"]), lang) for r in rows for lang in (self.src, self.tgt)]
+            row = self._select(self._at(original["prefix"]), output, i, original)
+            rows.append({**row, "teacher_output": output.name, "resumed_chunks": resumed})
+        paths = [_side(self._at(r["prefix"]), lang) for r in rows for lang in (self.src, self.tgt)]
         self._record("distilled", {"selection": selection, "corpora": rows,
-                                   "files": _hashes(paths)})  # fmt: skip
+                                   "files": self._hashes(paths)})  # fmt: skip
         return rows
 
     def _translate(self, original: Path, tag: str, output: Path, i: int) -> int:
@@ -201,6 +247,9 @@ class _Distillation:
         teacher = self._load_teacher()
         source = _side(original, self.src)
         if tag:  # the teacher reads a source as training does: the corpus's tag, a space, it
+            ids = teacher.tokenizer.tag_ids(tag)  # >>de<< is the model's >>deu<< (tag_ids)
+            if ids is not None and len(ids) == 1:
+                tag = teacher.tokenizer.id_to_piece(ids[0], side="source")
             source = self.out / f"teacher{i}.input"
             with files.atomic_file(source) as handle:
                 for line in textio.read_text_file(_side(original, self.src), "input"):
@@ -210,7 +259,7 @@ class _Distillation:
         # A file job of a killed run resumes; a finished output of an unrecorded run is redone.
         job = output.with_name(output.name + bulk.JOB_SUFFIX)
         report = bulk.translate_job(teacher, str(source), str(output), overwrite=not job.exists())
-        self.manifest.setdefault("translations", {})[str(i)] = files.sha256_file(output)
+        self.manifest.setdefault("translations", {})[str(i)] = files.sha256_file(output)  # by i
         self._record("translations", self.manifest["translations"])
         logger.info("teacher: %d lines, %d chunks resumed", report["lines"],
                     report["resumed_chunks"])  # fmt: skip
@@ -232,7 +281,7 @@ class _Distillation:
         same = sum(chosen[j] == references[j] for j in kept)
         return {
             **row,
-            "prefix": str(prefix),
+            "prefix": prefix.name,
             "pairs": len(kept),
             "empty_left_out": len(sources) - len(kept),
             "equal_to_reference": same,
@@ -242,10 +291,11 @@ class _Distillation:
 
     def _student(self, originals: list[dict], distilled: list[dict]) -> Path:
         student_dir = self.out / "student"
-        mixture = [Corpus(split=r["prefix"], source="files", weight=r["weight"], tag=r["tag"])
-                   for r in distilled]  # fmt: skip
+        mixture = [Corpus(split=str(self._at(r["prefix"])), source="files", weight=r["weight"],
+                          tag=r["tag"]) for r in distilled]  # fmt: skip
         w = self.cfg.distill.original_weight
-        mixture += [Corpus(split=r["prefix"], source="files", weight=r["weight"] * w, tag=r["tag"])
+        mixture += [Corpus(split=str(self._at(r["prefix"])), source="files",
+                           weight=r["weight"] * w, tag=r["tag"])
                     for r in originals if w > 0]  # fmt: skip
         data = dataclasses.replace(self.cfg.data, train=tuple(mixture))
         schedule = dataclasses.replace(self.cfg.train, out_dir=str(student_dir))
@@ -256,7 +306,15 @@ class _Distillation:
             raise TmtError(f"{student_dir}: trained on an earlier distillation; remove it or"
                            " distill into another {output}", mentions=["output"])  # fmt: skip
         finished = bool(known and known["trained_on"] == trained_on and known.get("finished"))
-        self._record("student", {"trained_on": trained_on, "run": str(student_dir)})
+        # The config the run was first trained with: what a resume is compared against.
+        trained_with = to_dict(cfg)
+        if known and known["trained_on"] == trained_on and isinstance(known.get("config"), dict):
+            trained_with = known["config"]
+            cfg = distill_record.moved(
+                cfg, trained_with, student_dir
+            )  # the same pairs, read from here
+        self._record("student", {"trained_on": trained_on, "run": student_dir.name,
+                                 "config": trained_with})  # fmt: skip
         summary = train.train(cfg)  # a finished run trains nothing and writes nothing
         if summary["stop"] in exits.SIGNAL_EXIT:
             raise TmtError(
@@ -269,9 +327,9 @@ class _Distillation:
                            " metrics.jsonl")  # fmt: skip
         if finished:
             self.reused.append("student")
-        self._record("student", {"trained_on": trained_on, "run": str(student_dir),
-                                 "finished": True, "stop": summary["stop"],
-                                 "step": summary["step"]})  # fmt: skip
+        self._record("student", {"trained_on": trained_on, "run": student_dir.name,
+                                 "config": trained_with, "finished": True,
+                                 "stop": summary["stop"], "step": summary["step"]})  # fmt: skip
         return student_dir
 
     # --- 5. teacher against student ---------------------------------------------------------------
@@ -309,7 +367,7 @@ class _Distillation:
             "comparison": evaluate.compare(systems, references, split=split),
         }
         self._record("evaluation", {"identity": identity, "report": report,
-                                    "files": _hashes(paths)})  # fmt: skip
+                                    "files": self._hashes(paths)})  # fmt: skip
         return report
 
     # --- 6. the export ----------------------------------------------------------------------------
@@ -322,7 +380,9 @@ class _Distillation:
         identity = {"student": self.manifest["evaluation"]["identity"]["student"],
                     "format": d.export, "quantization": d.quantization}  # fmt: skip
         done = self.manifest.get("export")
-        if done and done["identity"] == identity and (destination / export.REPORT_FILE).exists():
+        if done and done["identity"] == identity and done.get("files") and self._verified(
+            done["files"]
+        ):  # fmt: skip
             self.reused.append("export")
             return done["report"]
         report = export.export(
@@ -332,15 +392,26 @@ class _Distillation:
             overwrite=True,
             quantization=None if d.quantization == "none" else d.quantization,
         )
-        self._record("export", {"identity": identity, "report": report})
+        written = sorted(p for p in destination.rglob("*") if p.is_file())
+        self._record("export", {"identity": identity, "report": report,
+                                "files": self._hashes(written)})  # fmt: skip
         return report
 
     # --- the record -------------------------------------------------------------------------------
 
+    def _at(self, name: str) -> Path:
+        """A path of the record: relative to DIR (an absolute one, of an earlier tmt, as is)."""
+        return self.out / name
+
+    def _hashes(self, paths: Sequence[Path]) -> dict[str, str]:
+        """The SHA-256 of each file, by its path relative to DIR."""
+        return {path.relative_to(self.out).as_posix(): files.sha256_file(path) for path in paths}
+
     def _verified(self, recorded: dict[str, str]) -> bool:
         """Every file as recorded; one that is not is named, and its step made again."""
-        for path, digest in recorded.items():
-            if not Path(path).is_file() or files.sha256_file(Path(path)) != digest:
+        for name, digest in recorded.items():
+            path = self._at(name)
+            if not digest or not path.is_file() or files.sha256_file(path) != digest:
                 logger.warning("%s: missing or changed since it was written; making it again", path)
                 return False
         return True
@@ -390,8 +461,9 @@ def format_report(report: dict[str, Any]) -> str:
     """The report for people: the corpora, teacher against student, where the files are."""
     lines = [f"teacher: {report['teacher']['origin']}"]
     for row in report["corpora"]:
+        where = Path(report["out"]) / row["prefix"]
         lines.append(f"{row['key']}: {row['pairs']:,} distilled pairs ({row['empty_left_out']}"
-                     f" empty left out) in {row['prefix']}.{{src,tgt}}")  # fmt: skip
+                     f" empty left out) in {where}.{{src,tgt}}")  # fmt: skip
     evaluation = report["evaluation"]
     systems = {row["system"]: row for row in evaluation["comparison"]["systems"]}
     for name in ("teacher", "student"):
@@ -416,21 +488,3 @@ def _side(prefix: Path, lang: str) -> Path:
 
 def _line(text: str) -> str:
     return text.replace("\n", " ").replace("\r", " ") + "\n"
-
-
-def _hashes(paths: Sequence[Path]) -> dict[str, str]:
-    return {str(path): files.sha256_file(path) for path in paths}
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    """DIR/distill.json, or a fresh one; one that does not parse is refused, not overwritten."""
-    if not path.exists():
-        return {"format": FORMAT}
-    try:
-        manifest = json.loads(files.read_plain(path))
-    except (ValueError, UnicodeDecodeError):
-        raise TmtError(f"{path}: not a record tmt wrote (remove it to start over)") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise TmtError(f"{path}: not a record of this tmt (format {FORMAT}); remove it to start"
-                       " over")  # fmt: skip
-    return manifest

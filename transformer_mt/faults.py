@@ -13,6 +13,7 @@ Points:
     chunk       after translation chunk N (from 1) is committed (tmt translate -i FILE -o FILE)
     plan        once a time budget is planned (optim.schedule=budget); N is 1
     glossary_write  while tmt serve stores its N-th glossary: written, not yet renamed into place
+    swap        after the N-th file of a set replaced together is renamed in (tmt clean's outputs)
 
 Actions:
     kill    SIGKILL this process: a crash or power loss, no cleanup, no flush

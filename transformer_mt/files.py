@@ -9,6 +9,7 @@
 - `open_plain` / `read_plain` / `sha256_plain`: what tmt reads back, refused unless it is a plain
   file (no link, FIFO or device: reading one could hang).
 - `remove_leftovers`: sweep what killed writers left behind (hidden staging names).
+- `Lock`: one holder of a path at a time (an flock on a lock file that names its holder).
 - `split_lines`: bytes split on b"\\n" only, one trailing b"\\r" dropped: Python's text mode would
   also split on a lone "\\r", and `str.splitlines` on nine separators, which misaligns corpora that
   `wc -l` calls equal.
@@ -20,15 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
+import json
 import os
 import shutil
+import socket
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from transformer_mt import faults
 
 TEMP_SUFFIX = ".tmp"  # temporary files of atomic writes: ".NAME.XXXXXX.tmp" beside NAME
 
@@ -43,12 +50,26 @@ RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, LOCK_FILE)  # a run dire
 JOB_SUFFIX = ".tmt-job"  # OUT.tmt-job/: the committed chunks of a file job into OUT (bulk.py)
 
 
+def creation_mode() -> int:
+    """The mode a file created by open() gets under this process's umask (0o666 & ~umask): what
+    tmt's atomic writes give their files too (mkstemp's are 0o600, unreadable to others)."""
+    with _UMASK_LOCK:  # the umask can only be read by setting it: briefly, under a lock
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+_UMASK_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[BinaryIO]:
     """A binary handle whose content replaces `path` only once the block ends without an error;
-    on an error the temporary file is removed and `path` keeps what it had."""
+    on an error the temporary file is removed and `path` keeps what it had. The file gets the
+    mode a new file gets under the umask."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    os.fchmod(fd, creation_mode())
     try:
         with os.fdopen(fd, "wb") as handle:
             yield handle
@@ -81,15 +102,22 @@ class NotPlainFile(OSError):
 
 
 @contextlib.contextmanager
-def open_plain(path: Path, limit: int | None = None) -> Iterator[BinaryIO]:
+def open_plain(
+    path: Path, limit: int | None = None, follow_links: bool = False
+) -> Iterator[BinaryIO]:
     """A binary handle on the plain file at `path`, opened without following a symbolic link or
     waiting on a FIFO (a naive read of one hangs, or of a device never ends): NotPlainFile for
-    anything else, or for a file over `limit` bytes."""
+    anything else, or for a file over `limit` bytes. `follow_links`: a link is followed when it
+    leads to a plain file (what another tool wrote: a Hugging Face cache's snapshot links into
+    its blobs); one that leads to a FIFO, a device or round in circles is still refused."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, flags)
     except OSError as err:
         if err.errno == errno.ELOOP:
-            raise NotPlainFile(errno.ELOOP, "a symbolic link", str(path)) from None
+            what = "a symbolic link that leads round in circles" if follow_links else (
+                "a symbolic link")  # fmt: skip
+            raise NotPlainFile(errno.ELOOP, what, str(path)) from None
         raise
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(fd)
@@ -101,16 +129,16 @@ def open_plain(path: Path, limit: int | None = None) -> Iterator[BinaryIO]:
         yield handle
 
 
-def read_plain(path: Path, limit: int | None = None) -> bytes:
+def read_plain(path: Path, limit: int | None = None, follow_links: bool = False) -> bytes:
     """The bytes of a plain file (open_plain's rules)."""
-    with open_plain(path, limit) as handle:
+    with open_plain(path, limit, follow_links) as handle:
         return handle.read()
 
 
-def sha256_plain(path: Path) -> str:
+def sha256_plain(path: Path, follow_links: bool = False) -> str:
     """SHA-256 of a plain file (open_plain's rules), read in 1 MiB chunks."""
     digest = hashlib.sha256()
-    with open_plain(path) as handle:
+    with open_plain(path, follow_links=follow_links) as handle:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
@@ -138,6 +166,59 @@ def swap_into_place(staging: Path, final: Path) -> None:
     fsync_dir(root)
     if previous is not None:
         shutil.rmtree(previous, ignore_errors=True)
+
+
+def replace_together(pairs: list[tuple[Path, Path]]) -> None:
+    """Put each (staged file, final path) of one directory in place, all or nothing: a journal
+    first (".swap-PID.json": the names, and which finals existed), each final renamed aside
+    (".old-NAME-PID"), each staged file renamed in, the journal removed (the commit), the old
+    ones removed. An exception on the way puts everything back at once; a kill leaves the journal,
+    and `recover_together` puts everything back at the next start."""
+    root, pid = pairs[0][1].parent, os.getpid()
+    journal = root / f".swap-{pid}.json"
+    entries = [{"final": f.name, "staged": s.name, "existed": f.exists()} for s, f in pairs]
+    atomic_write(journal, json.dumps(entries).encode())
+    try:
+        for number, (staged, final) in enumerate(pairs, 1):
+            if final.exists():
+                os.rename(final, root / f".old-{final.name}-{pid}")
+            os.rename(staged, final)
+            faults.fault_point("swap", number)
+        fsync_dir(root)
+        journal.unlink()  # the commit
+        fsync_dir(root)
+    except BaseException:
+        _undo(root, entries, pid)
+        raise
+    for _, final in pairs:
+        (root / f".old-{final.name}-{pid}").unlink(missing_ok=True)
+
+
+def recover_together(root: Path) -> None:
+    """Undo the replace_together of a process no longer running that left its journal (it died
+    before the commit): every final as it was, the staged files gone."""
+    for journal in root.glob(".swap-*.json"):
+        pid = journal.name[len(".swap-") : -len(".json")]
+        if not pid.isdigit() or _running(int(pid)):
+            continue
+        try:
+            entries = json.loads(read_plain(journal, limit=1 << 20))
+        except (OSError, ValueError):
+            continue  # not a journal tmt wrote whole: left alone
+        _undo(root, entries, int(pid))
+
+
+def _undo(root: Path, entries: list[dict], pid: int) -> None:
+    for entry in reversed(entries):
+        final, staged = root / entry["final"], root / entry["staged"]
+        old = root / f".old-{entry['final']}-{pid}"
+        if old.exists():
+            os.replace(old, final)
+        elif not entry["existed"] and not staged.exists():
+            final.unlink(missing_ok=True)  # it was renamed in: there was none before
+        staged.unlink(missing_ok=True)
+    (root / f".swap-{pid}.json").unlink(missing_ok=True)
+    fsync_dir(root)
 
 
 def recover(root: Path, live_writers: bool, names: Collection[str] = ()) -> None:
@@ -184,6 +265,73 @@ def remove_leftovers(root: Path, patterns: Iterable[str], older_than_s: float = 
                     shutil.rmtree(path)
                 else:
                     path.unlink()
+
+
+class Busy(Exception):
+    """Another process holds the lock: `holder` is what it wrote there (pid, host, since)."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path}: held by {holder or 'another process'}")
+        self.path, self.holder = path, holder or "another process"
+
+
+class Lock:
+    """One holder of `path` (a lock file, made if missing) at a time: an flock, which the kernel
+    releases when the holder dies, however it dies; the file names the holder ("pid 12 on host
+    since 10:00:00"). `remove` (for lock files beside an output): the file is removed on release,
+    and an acquire that finds it removed or replaced under it (a release between its open and its
+    flock) tries again, so two processes never hold two files of one name."""
+
+    def __init__(self, path: Path, remove: bool = False) -> None:
+        self.path, self.remove = Path(path), remove
+        self.fd: int | None = None
+        self.locked = False  # held by flock (False: a filesystem without locks, or not yet)
+        self.previous = ""  # who held it last, when it was taken over after a crash
+
+    def acquire(self) -> None:
+        """Take the lock, or raise Busy; an OSError where the file cannot be made."""
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise Busy(self.path, holder) from None
+            except OSError:  # a filesystem without locks: the caller is told by `locked`
+                self.fd, self.previous = fd, holder
+                self.locked = False
+                return
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # released and removed under us: take the new file
+        else:
+            raise Busy(self.path, "processes that keep taking and releasing it")
+        me = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me.encode(), 0)
+        self.fd, self.previous, self.locked = fd, holder, True
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if self.remove:
+                self.path.unlink()  # while held: a waiter then sees it gone and retries
+            else:
+                os.ftruncate(self.fd, 0)  # a clean end leaves no holder behind
+        os.close(self.fd)  # releases the flock
+        self.fd = None
+
+
+def foreign_entries(directory: Path, ours: Collection[str]) -> list[str]:
+    """The entries of `directory` that are not among `ours` (what tmt wrote there, as its own
+    record lists it): what --overwrite must never delete."""
+    return sorted(entry.name for entry in directory.iterdir() if entry.name not in ours)
 
 
 def split_lines(handle: Iterable[bytes]) -> Iterator[bytes]:

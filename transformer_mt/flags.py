@@ -205,8 +205,12 @@ Quantization = Annotated[
     typer.Option("--quantization", help="ctranslate2 only: int8, int8_float16 or float16."),
 ]
 CheckLines = Annotated[
-    int,
-    typer.Option("--check-lines", help="Validation lines the export must reproduce; 0 = all."),
+    int | None,
+    typer.Option(
+        "--check-lines",
+        help="Validation lines the export must reproduce; 0 = all (default: all for ctranslate2,"
+        " the first 200 for huggingface, whose generate is slow on a CPU).",
+    ),
 ]
 Annotate = Annotated[
     bool,

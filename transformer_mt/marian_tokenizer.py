@@ -26,6 +26,7 @@ from typing import Any
 
 import sentencepiece as spm
 
+from transformer_mt import languages
 from transformer_mt.exits import TmtError
 
 MAGIC = b"tmt-marian-tokenizer 1\n"
@@ -44,6 +45,9 @@ DEFAULTS: dict[str, Any] = {
     "additional_special_tokens": [],
     "separate_vocabs": False,
     "clean_up_tokenization_spaces": False,
+    # transformers 5 saves the special tokens with fixed ids (tokenizer_config.json's
+    # added_tokens_decoder), which the source side's encoding takes over the vocabulary's.
+    "added_token_ids": {},
 }
 
 
@@ -119,7 +123,14 @@ class MarianTokenizer:
         self._ids = {"source": source, "target": target}
         self._pieces = {side: _by_id(ids) for side, ids in self._ids.items()}
         special = {name: self._special(name, origin) for name in ("eos", "unk", "pad")}
-        self.eos_id, self.unk_id, self.pad_id = special["eos"], special["unk"], special["pad"]
+        # The target side's ids (what decoding emits and stops on, what config.json names); the
+        # source side's may differ with separate vocabularies (generate reads the encoder's input
+        # as the tokenizer encodes it: with the source vocabulary's </s> and padding).
+        self.eos_id, self.unk_id, self.pad_id = (
+            special[n]["target"] for n in ("eos", "unk", "pad")
+        )
+        self.source_eos_id, self.source_unk_id, self.source_pad_id = (
+            special[n]["source"] for n in ("eos", "unk", "pad"))  # fmt: skip
         self.vocab_size = len(self._pieces["target"])
         self.source_vocab_size = len(self._pieces["source"])
         self.special_tokens = [self.settings[f"{n}_token"] for n in ("eos", "unk", "pad")] + [
@@ -133,18 +144,20 @@ class MarianTokenizer:
             p for p in self._ids["source"] if p.startswith(">>") and p.endswith("<<")
         )
 
-    def _special(self, name: str, origin: str) -> int:
-        """The id of a special token, the same on both sides (tmt pads and ends both with it)."""
+    def _special(self, name: str, origin: str) -> dict[str, int]:
+        """The id of a special token on each side ("source", "target")."""
         token = self.settings[f"{name}_token"]
+        if not isinstance(token, str):
+            raise TmtError(f"{origin}: the {name} token is {token!r}, not a string")
         found = {side: ids.get(token) for side, ids in self._ids.items()}
-        if None in found.values():
-            raise TmtError(f"{origin}: the {name} token {token!r} is not in the vocabulary")
-        if found["source"] != found["target"]:
-            raise TmtError(
-                f"{origin}: the {name} token {token!r} has id {found['source']} in {VOCAB} and"
-                f" {found['target']} in {TARGET_VOCAB}; tmt needs one id for both sides"
-            )
-        return found["source"]
+        added = self.settings.get("added_token_ids") or {}
+        if isinstance(added.get(token), int):  # transformers encodes it with this id
+            found["source"] = added[token]
+        for side, token_id in found.items():
+            if token_id is None:
+                where = VOCAB if side == "source" else TARGET_VOCAB
+                raise TmtError(f"{origin}: the {name} token {token!r} is not in {where}")
+        return found  # type: ignore[return-value]
 
     # --- ids ----------------------------------------------------------------------------------
 
@@ -168,12 +181,21 @@ class MarianTokenizer:
         return pieces[token] if 0 <= token < len(pieces) else self.settings["unk_token"]
 
     def piece_to_id(self, piece: str, side: str = "target") -> int:
-        return self._ids[side].get(piece, self.unk_id)
+        return self._ids[side].get(piece, self.source_unk_id if side == "source" else self.unk_id)
 
     def tag_ids(self, tag: str) -> list[int] | None:
-        """A corpus tag is one token when it is in the vocabulary (a language code, >>fra<<)."""
+        """A corpus tag is one token when it is in the vocabulary (a language code, >>fra<<; a
+        language code in another form, >>fr<<, is the model's token of that language)."""
         token = self._ids["source"].get(tag)
+        if token is None and tag.startswith(">>") and tag.endswith("<<"):
+            token = self._code_id(tag)
         return None if token is None else [token]
+
+    def _code_id(self, code: str) -> int | None:
+        """The id of the model's one >>xxx<< token of the language `code` names (>>de<< finds
+        >>deu<<), None when it has none or several."""
+        found = [c for c in self.language_codes if languages.same_language(c[2:-2], code[2:-2])]
+        return self._ids["source"][found[0]] if len(found) == 1 else None
 
     # --- text ---------------------------------------------------------------------------------
 
@@ -181,9 +203,11 @@ class MarianTokenizer:
         """Ids of each text, without </s>: its special tokens and a leading language code kept
         whole, the rest cut by that side's sentencepiece model and looked up in the vocabulary
         (an unknown piece is <unk>), as MarianTokenizer tokenizes."""
-        processor, ids, unk = self._spm[side], self._ids[side], self.unk_id
+        processor, ids = self._spm[side], self._ids[side]
+        unk = self.source_unk_id if side == "source" else self.unk_id
         special = set(self.special_tokens)
         out = []
+        fixed = self.settings.get("added_token_ids") or {} if side == "source" else {}
         for text in texts:
             tokens: list[str] = []
             for part in self._split.split(text):
@@ -192,7 +216,8 @@ class MarianTokenizer:
                 elif part:
                     code, rest = _language_code(part)
                     tokens += code + processor.encode(rest, out_type=str)
-            out.append([ids.get(token, unk) for token in tokens])
+            out.append([fixed.get(token) if token in fixed else ids.get(token, unk)
+                        for token in tokens])  # fmt: skip
         return out
 
     def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:

@@ -327,10 +327,17 @@ class Transformer(nn.Module):
     (source_vocab_size); the target embedding and the pre-softmax projection stay one matrix."""
 
     def __init__(
-        self, cfg: ModelConfig, vocab_size: int, pad_id: int, source_vocab_size: int | None = None
+        self,
+        cfg: ModelConfig,
+        vocab_size: int,
+        pad_id: int,
+        source_vocab_size: int | None = None,
+        source_pad_id: int | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.vocab_size, self.pad_id = cfg, vocab_size, pad_id
+        # The source's padding id: the target's, unless separate vocabularies place it elsewhere.
+        self.source_pad_id = pad_id if source_pad_id is None else source_pad_id
         self.embedding = Embedding(
             vocab_size, d_model=cfg.d_model, max_positions=cfg.max_positions, dropout=cfg.dropout
         )
@@ -412,7 +419,7 @@ class Transformer(nn.Module):
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Teacher forcing: (B, S) source, (B, T) bos + target -> logits (B, T, V)."""
-        src_mask = make_src_mask(src, self.pad_id)
+        src_mask = make_src_mask(src, self.source_pad_id)
         return self.decode(tgt_in, self.encode(src, src_mask), src_mask)
 
 

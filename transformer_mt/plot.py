@@ -72,8 +72,10 @@ def plot(
     own = output is None and len(run_dirs) == 1
     if output is None:
         output = run_dirs[0] / RUN_CURVES if own else Path(RUN_CURVES)
-    textio.check_output(output, run_dirs, overwrite=overwrite or own)
-    return draw_curves(run_dirs, output)
+    textio.check_path(output)
+    with textio.OutputLock(output):
+        textio.check_output(output, run_dirs, overwrite=overwrite or own)
+        return draw_curves(run_dirs, output)
 
 
 def draw_curves(run_dirs: Sequence[Path], output: Path) -> dict[str, Any]:

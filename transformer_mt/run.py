@@ -20,13 +20,10 @@ rank 0. Commands that take a run directory as a model find here the model it fin
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
-import socket
 import tempfile
-import time
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -132,6 +129,7 @@ class RunLock:
     ) -> None:
         self.path = run_dir / LOCK_FILE
         self.hint, self.mentions = hint, mentions  # what else the refused user can do
+        self.lock = files.Lock(self.path)
         self.fd: int | None = None
         self.created = False  # the directory was made for the lock: gone again if left empty
 
@@ -139,31 +137,24 @@ class RunLock:
         try:
             self.created = not self.path.parent.exists()
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.lock.acquire()
+        except files.Busy as err:
+            raise TmtError(
+                f"{self.path.parent}: in use by {err.holder}; wait for it to end, stop it,"
+                f" {self.hint}",
+                mentions=self.mentions,
+            ) from None
         except OSError as err:
             raise TmtError(
                 f"{self.path.parent}: cannot write there ({err.strerror or err})",
                 exit_code=exits.NO_ROOM,
             ) from None
-        holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise TmtError(
-                f"{self.path.parent}: in use by {holder or 'another process'}; wait for it to"
-                f" end, stop it, {self.hint}",
-                mentions=self.mentions,
-            ) from None
-        except OSError as err:  # a filesystem without locks: train, but say so
-            logger.warning("%s: cannot lock (%s); make sure no other trainer uses it",
-                           self.path, err.strerror)  # fmt: skip
-        if holder:
-            logger.info("%s: the previous holder (%s) is gone; taking it over", self.path, holder)
-        me = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, me.encode(), 0)
-        self.fd = fd
+        if not self.lock.locked:  # a filesystem without locks: train, but say so
+            logger.warning("%s: cannot lock; make sure no other trainer uses it", self.path)
+        if self.lock.previous:
+            logger.info("%s: the previous holder (%s) is gone; taking it over", self.path,
+                        self.lock.previous)  # fmt: skip
+        self.fd = self.lock.fd
 
     def take(self, info: DistInfo) -> None:
         """Rank 0 acquires the lock before anything reads or writes the run directory; every
@@ -182,9 +173,7 @@ class RunLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self.fd, 0)  # a clean end leaves no holder behind
-            os.close(self.fd)  # releases the flock
+            self.lock.release()
             self.fd = None
             # A run refused before its first file (a config the data cannot serve) leaves no
             # directory behind that it made only to hold its lock.

@@ -74,6 +74,7 @@ def greedy(
     form: str = "gnmt",
     device: torch.device | str = "cpu",
     prefixes: Sequence[Sequence[int]] = (),
+    forced_eos: str = "log_prob",
 ) -> list[Hypothesis]:
     """The argmax token at every step until EOS or the sentence's maximum length (EOS forced)."""
 
@@ -82,7 +83,7 @@ def greedy(
 
     return _one_path(
         step_fn, state, max_lengths, bos_id=bos_id, eos_id=eos_id, banned=banned, alpha=alpha,
-        form=form, device=device, choose=argmax, prefixes=prefixes,
+        form=form, device=device, choose=argmax, prefixes=prefixes, forced_eos=forced_eos,
     )  # fmt: skip
 
 
@@ -100,6 +101,7 @@ def sample(
     form: str = "gnmt",
     device: torch.device | str = "cpu",
     prefixes: Sequence[Sequence[int]] = (),
+    forced_eos: str = "log_prob",
 ) -> list[Hypothesis]:
     """One sampled output per row: at step t, row r draws from the model's distribution at
     `temperature`, truncated by `method` ("full", "topk:K": the K likeliest tokens, "topp:P": the
@@ -128,7 +130,7 @@ def sample(
 
     return _one_path(
         step_fn, state, max_lengths, bos_id=bos_id, eos_id=eos_id, banned=banned, alpha=alpha,
-        form=form, device=device, choose=draw, prefixes=prefixes,
+        form=form, device=device, choose=draw, prefixes=prefixes, forced_eos=forced_eos,
     )  # fmt: skip
 
 
@@ -152,6 +154,7 @@ def _one_path(
     device: torch.device | str,
     choose: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]],
     prefixes: Sequence[Sequence[int]],
+    forced_eos: str = "log_prob",
 ) -> list[Hypothesis]:
     """One token per row and step, picked by choose(log_probs (N, V), live rows (N,), t) ->
     (its log-probability (N,), token (N,)), until EOS or the row's maximum length (EOS forced)."""
@@ -165,6 +168,8 @@ def _one_path(
     for t in range(1, steps + 1):
         log_probs, state = step_fn(tokens, state)  # (N, V)
         log_probs = _mask(log_probs, banned, forcing.tokens(live, t, width=1))
+        if forced_eos == "zero":
+            forcing.zero_eos(log_probs, live, t, width=1)
         best, choice = choose(log_probs, live, t)  # (N,)
         sums[live] += best.double()
         outputs[live, t - 1] = choice
@@ -199,6 +204,7 @@ def beam_search(
     early_stopping: str = "bound",
     device: torch.device | str = "cpu",
     prefixes: Sequence[Sequence[int]] = (),
+    forced_eos: str = "log_prob",
 ) -> list[list[Hypothesis]]:
     """Batched beam search; returns the `nbest` best hypotheses of each sentence, best first.
 
@@ -212,8 +218,10 @@ def beam_search(
     tensor2tensor's: the paper's "terminate early when possible"), or under lp(current length)
     (early_stopping "current", HF generate's default heuristic); or as soon as it has k finished
     hypotheses (early_stopping "k_finished": fairseq's rule, CTranslate2's and HF's
-    early_stopping=True). While a prefix is forced, a sentence has one live hypothesis (the
-    others score -inf), which the first free step expands to k.
+    early_stopping=True). The EOS forced at a sentence's maximum length scores its
+    log-probability, or 0 with forced_eos "zero" (transformers' ForcedEOSTokenLogitsProcessor,
+    which an imported OPUS-MT model's generate applies). While a prefix is forced, a sentence has
+    one live hypothesis (the others score -inf), which the first free step expands to k.
 
     Longer than 60 lines because one step is one indivisible algorithm over shared tensors
     (expand, rank, finish, keep alive, drop finished sentences, reorder the state); its separable
@@ -236,6 +244,8 @@ def beam_search(
     for t in range(1, steps + 1):
         log_probs, state = step_fn(tokens, state)  # (N·width, V)
         log_probs = _mask(log_probs, banned, forcing.tokens(live, t, width))
+        if forced_eos == "zero":
+            forcing.zero_eos(log_probs, live, t, width)
         m, vocab = len(live), log_probs.size(-1)
         top_scores, top_index = _best_continuations(log_probs, beam_scores, 2 * k)  # (m, 2k)
         top_beam, top_token = top_index // vocab, top_index % vocab
@@ -360,6 +370,13 @@ class _Forcing:
         for row, prefix in enumerate(prefixes):
             self.prefix[row, : len(prefix)] = torch.as_tensor(list(prefix), dtype=torch.long)
         self.prefix = self.prefix.to(device)
+
+    def zero_eos(self, log_probs: torch.Tensor, live: torch.Tensor, t: int, width: int) -> None:
+        """The EOS forced at the maximum length scores 0 (in place), as transformers scores it."""
+        ended = self.limits[live] <= t  # (m,)
+        if bool(ended.any()):
+            rows = ended.repeat_interleave(width) if width > 1 else ended
+            log_probs[rows, self.eos_id] = 0.0
 
     def tokens(self, live: torch.Tensor, t: int, width: int) -> torch.Tensor:
         """(len(live) · width,) the forced token of each row of the live sentences at step t."""

@@ -140,6 +140,24 @@ def translate_file(
     target prefix for each input line; the line counts are compared before anything runs (so,
     with a prefix file, stdin is read whole first). `report_path`: the glossary report."""
     inputs = [input_path] + ([prefix_path] if prefix_path else [])
+    outputs = [p for p in (output_path, report_path) if p and _replaced_whole(p)]
+    with contextlib.ExitStack() as locks:
+        for path in outputs:  # one writer: the checks below hold while it writes
+            textio.check_path(path)
+            locks.enter_context(textio.OutputLock(path))
+        return _translate_file(translator, input_path, output_path, overwrite, prefix_path,
+                               report_path, inputs)  # fmt: skip
+
+
+def _replaced_whole(path: str) -> bool:
+    """A file output (written aside and renamed), not stdout, a device or a FIFO."""
+    return path != textio.STDIO and (not Path(path).exists() or Path(path).is_file())
+
+
+def _translate_file(
+    translator: Translator, input_path: str, output_path: str, overwrite: bool,
+    prefix_path: str | None, report_path: str | None, inputs: list[str],
+) -> int:  # fmt: skip
     textio.check_output(output_path, inputs=inputs, overwrite=overwrite)
     if report_path is not None:
         check_report(translator, report_path, [*inputs, output_path], overwrite)

@@ -8,8 +8,11 @@
 - Streams: stdin or a file in (`open_input`, `stream_lines`, `waiting_chunks`), stdout, a device
   or a file out (`open_output`: a file appears complete or not at all).
 - `check_output`: the one output check of every command that writes (translate, the file job,
-  export, average, plot): never one of its inputs, never a file tmt manages, and an existing file
-  or directory replaced only when asked (overwrite).
+  export, average, plot, import, clean): a path with a name of its own under a directory, never
+  one of its inputs, never a file tmt manages, and an existing file or directory replaced only
+  when asked (overwrite).
+- `OutputLock`: one writer per output: a second command writing the same output is refused while
+  the first runs.
 - `WRITE_FAILED`: the errors of a write that found no room (disk full, quota, file size, I/O).
 """
 
@@ -185,6 +188,7 @@ def check_output(
     if str(output) == STDIO:
         return
     path = Path(output)
+    check_path(output, param)
     for source in inputs:
         if str(source) != STDIO and _same_path(path, Path(source)):
             raise TmtError(f"{output}: is the input file; choose another output", param=param)
@@ -199,6 +203,55 @@ def check_output(
             param=param,
             mentions=["overwrite"],
         )
+
+
+def check_path(output: str | Path, param: str = "output") -> None:
+    """Refuse, in one line, an output path that names nothing of its own ("", ".", "..", "/") or
+    lies under something that is not a directory (a regular file on its way)."""
+    text = str(output)
+    name = os.path.basename(os.path.normpath(text)) if text else ""
+    if name in ("", ".", "..") or text.endswith(os.sep + ".") or text in (os.sep,):
+        raise TmtError(f"{text or repr(text)}: names no file or directory of its own; give the"
+                       " output a name", param=param)  # fmt: skip
+    for parent in Path(os.path.abspath(text)).parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise TmtError(f"{text}: the output's parent {parent} is not a directory",
+                               param=param)  # fmt: skip
+            break
+
+
+class OutputLock:
+    """The one writer of an output: ".NAME.lock" beside it, held while a command writes it (an
+    flock, released when the command ends, however it ends; removed on a clean end). A second
+    command writing the same output is refused, naming the first."""
+
+    def __init__(self, output: str | Path, param: str = "output") -> None:
+        path = Path(os.path.abspath(str(output)))
+        self.output, self.param = output, param
+        self.lock = files.Lock(path.parent / f".{path.name}.lock", remove=True)
+
+    def __enter__(self) -> OutputLock:
+        check_path(self.output, self.param)
+        managed = managed_by_tmt(Path(self.output))
+        if managed:  # refused before the lock's file touches a directory tmt manages
+            raise TmtError(f"{self.output}: {managed}; choose another output", param=self.param)
+        try:
+            self.lock.path.parent.mkdir(parents=True, exist_ok=True)
+            self.lock.acquire()
+        except files.Busy as err:
+            raise TmtError(
+                f"{self.output}: another tmt is writing it ({err.holder}); wait for it"
+                " to end, or choose another output",
+                param=self.param,
+            ) from None
+        except OSError as err:
+            raise TmtError(f"{self.output}: cannot write there ({err.strerror or err})",
+                           param=self.param) from None  # fmt: skip
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
 
 
 def _same_path(a: Path, b: Path) -> bool:

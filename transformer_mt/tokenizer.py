@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import sentencepiece as spm
 
-from transformer_mt import files
+from transformer_mt import files, languages
 from transformer_mt.config import TokenizerConfig
 from transformer_mt.exits import TmtError
 from transformer_mt.marian_tokenizer import MarianTokenizer, is_marian, load_processor
@@ -51,16 +51,32 @@ def load(model_bytes: bytes, origin: str = "tokenizer") -> Tokenizer | MarianTok
 
 def language_token_id(tokenizer: Tokenizer | MarianTokenizer, lang: str) -> int:
     """The id of >>lang<<, the token a multi-target model reads first (decode.target_lang),
-    refused in one line naming the languages the model has."""
-    code = f">>{lang}<<"
-    if code not in tokenizer.language_codes:
+    the language named in any form (de finds >>deu<<: languages.py), refused in one line naming
+    the languages the model has."""
+    code = language_code(tokenizer.language_codes, lang)
+    if code is None:
         known = ", ".join(c[2:-2] for c in tokenizer.language_codes[:20])
         raise TmtError(
-            f"decode.target_lang={lang}: the model has no {code} token"
+            f"decode.target_lang={lang}: the model has no >>{lang}<< token"
             + (f" (its target languages: {known})" if known else
                " (it translates into one language: leave decode.target_lang empty)")
         )  # fmt: skip
     return tokenizer.piece_to_id(code, side="source")
+
+
+def language_code(codes: Sequence[str], lang: str) -> str | None:
+    """Of a model's >>xxx<< tokens, the one of language `lang`: spelled so, else the one token of
+    that language in another form (de, deu, ger); None when there is none, and a refusal naming
+    them when several are (zh: >>zho_Hans<<, >>zho_Hant<<)."""
+    if f">>{lang}<<" in codes:
+        return f">>{lang}<<"
+    if not languages.is_known(lang):
+        return None
+    found = [c for c in codes if languages.same_language(c[2:-2], lang)]
+    if len(found) > 1:
+        raise TmtError(f"{lang}: the model has {len(found)} tokens of that language"
+                       f" ({', '.join(found[:6])}); name one")  # fmt: skip
+    return found[0] if found else None
 
 
 class Tokenizer:
@@ -83,6 +99,9 @@ class Tokenizer:
         self.unk_id: int = self._sp.unk_id()
         self.bos_id: int = self._sp.bos_id()
         self.eos_id: int = self._sp.eos_id()
+        # One vocabulary for both sides: the source's padding and end are the target's (a Marian
+        # tokenizer's may differ).
+        self.source_pad_id, self.source_eos_id = self.pad_id, self.eos_id
         for name in ("pad", "bos", "eos"):
             if getattr(self, f"{name}_id") < 0:
                 missing = (

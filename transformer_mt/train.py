@@ -96,7 +96,8 @@ def _build(
         if saved is not None:  # the same model settings: run.resume refuses others
             model = saved.model.to(info.device)
         else:
-            model = Transformer(cfg.model, vocab[0], tokenizer.pad_id, vocab[1]).to(info.device)
+            model = Transformer(cfg.model, vocab[0], tokenizer.pad_id, vocab[1],
+                                tokenizer.source_pad_id).to(info.device)  # fmt: skip
     optimizer, scheduler = build_optimizer(
         model, cfg.model, cfg.optim, fused=info.device.type == "cuda"
     )
