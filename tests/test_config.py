@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from pathlib import Path
 
@@ -189,6 +190,7 @@ MAY_BE_EMPTY = {
     "data.cache_dir",
     "train.init_from",
     "decode.target_lang",
+    "data.terms.dictionary",
     "glossary.path",
     "serve.glossary_dir",
     "corpus.path",
@@ -199,10 +201,19 @@ MAY_BE_EMPTY = {
 
 
 def every_field() -> list[tuple[str, object]]:
+    """(key, type) of every leaf of the tree: a nested section's keys (data.terms.annotate) too."""
     fields = []
-    for section, cls in [*typing.get_type_hints(Config).items(), ("corpus", Corpus)]:
+
+    def leaves(prefix: str, cls: type) -> None:
         hints = typing.get_type_hints(cls, include_extras=True)
-        fields += [(f"{section}.{f.name}", hints[f.name]) for f in dataclasses.fields(cls)]
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                leaves(f"{prefix}.{f.name}", hints[f.name])
+            else:
+                fields.append((f"{prefix}.{f.name}", hints[f.name]))
+
+    for section, cls in [*typing.get_type_hints(Config).items(), ("corpus", Corpus)]:
+        leaves(section, cls)
     return fields
 
 
@@ -321,12 +332,14 @@ def test_every_set_in_the_shipped_scripts_is_a_real_key_and_value() -> None:
     # ten minutes into `make demo`. Values from shell variables are checked by name only.
     import re
 
-    pattern = re.compile(r'--set\s+"?([a-z_]+)\.([a-z_]+)=("?\$?[^\s")]*)')
+    pattern = re.compile(r'--set\s+"?([a-z_]+)\.([a-z_.]+)=("?\$?[^\s")]*)')
     found = []
     for path in [*sorted((REPO / "scripts").glob("*.sh")), REPO / "Makefile"]:
         for section, key, value in pattern.findall(path.read_text()):
             found.append(f"{section}.{key}")
-            assert key in {f.name for f in dataclasses.fields(getattr(Config(), section))}, (
+            *nested, name = key.split(".")  # data.terms.annotate: a key of data's terms
+            owner = functools.reduce(getattr, nested, getattr(Config(), section))
+            assert name in {f.name for f in dataclasses.fields(owner)}, (
                 f"{path.name}: {section}.{key}"
             )
             if "$" not in value and value:

@@ -47,13 +47,20 @@ def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 def cli_args(cfg: Config, run_dir: Path) -> list[str]:
     """`tmt train` arguments reproducing `cfg` exactly (every key through --set)."""
     args = ["train", "-c", "tiny", "--json"]
-    for section, values in to_dict(cfg).items():
-        args += [
-            arg
-            for key, value in values.items()
-            for arg in ("--set", f"{section}.{key}={_text(value)}")
-        ]
+    for key, value in _flat(to_dict(cfg)):
+        args += ["--set", f"{key}={_text(value)}"]
     return [*args, "--set", f"train.out_dir={run_dir}"]
+
+
+def _flat(values: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted key, value) of every leaf of a config dict, nested sections (data.terms) too."""
+    out = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out += _flat(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
 
 
 def _text(value: object) -> str:

@@ -193,6 +193,30 @@ Corpora = tuple[Corpus, ...]
 
 
 @dataclass(frozen=True)
+class TermsConfig:
+    """data.terms: term hints in training sources (Dinu et al. 2019: inline annotation), so that
+    a glossary costs nothing at translation time (glossary.mode hint, auto); and how `tmt terms`
+    builds the dictionary they come from (hints.py, terms.py; README, "Models that take hints")."""
+
+    dictionary: str = ""  # source -> target entries (tmt terms' TSV, or any glossary); "" = none
+    # The share of training sentences with a dictionary term (its target in the reference) that
+    # get hints, drawn anew each epoch from (train.seed, epoch, pair): 0 = none (Dinu: 0.1).
+    annotate: Fraction = 0.0
+    # append: "der <t> Hund </t> <tr> dog </tr> bellt"; replace: "der <tr> dog </tr> bellt".
+    style: Literal["append", "replace"] = "append"
+    # The hint is the target word's lemma (simplemma), so that the model learns to inflect it
+    # (Bergmanis & Pinnis 2021); false: the surface form the reference uses.
+    lemma: bool = False
+    span_share: Annotated[float, Interval(0.0, 1.0, low_open=True)] = 0.5  # of a sentence's terms
+    # tmt terms: what a dictionary entry needs (its source and target words aligned together).
+    min_count: Count = 5  # pairs in which the source phrase is aligned to the target phrase
+    min_prob: Annotated[float, Interval(0.0, 1.0)] = 0.1  # p(target | source)
+    max_words: Annotated[int, Interval(1, 5)] = 3  # words a side of a phrase
+    skip_common: Number = 150  # the most frequent words of each side are no terms (Dinu: 500)
+    chunk_pairs: Count = 100_000  # pairs aligned at a time (the unit of resuming and of memory)
+
+
+@dataclass(frozen=True)
 class DataConfig:
     # Where the parallel text comes from:
     #   multi30k  the corpus bundled with tmt (splits train, val, test_2016_flickr; en, de, fr)
@@ -233,6 +257,7 @@ class DataConfig:
     # Departure: apply the clean section's filters to the training corpora as they are read
     # (tmt clean's rules; the result cached with the encoding). Validation is never cleaned.
     clean: bool = False
+    terms: TermsConfig = field(default_factory=TermsConfig)  # departure: term hints (data.terms)
 
 
 @dataclass(frozen=True)
@@ -400,7 +425,10 @@ class GlossaryConfig:
     # strict: every line decoded as usual; a line whose output misses an entry it matched is
     # decoded again by constrained beam search (constraints.py), which puts every entry in.
     # check: decoded as usual, and only which entries the output uses is reported.
-    mode: Literal["strict", "check"] = "strict"
+    # hint: each matched entry's target written into the source as a hint (hints.py; a model
+    # trained with data.terms only), decoded as usual. auto: hint, then strict for the lines
+    # whose output still misses an entry: the default for a model trained with hints.
+    mode: Literal["strict", "check", "hint", "auto"] = "strict"
     beam: Count = 8  # the beam of constrained decoding (Post & Vilar's banks need room)
     case_sensitive: bool = False  # match sources with their case (default: case ignored)
     max_source_words: Count = 10  # a longer source is refused
@@ -451,55 +479,68 @@ class Config:
             problem = _field_problem(getattr(self, section.name), section.name)
             if problem:
                 raise _error(problem)
-        checks = [
-            (
-                self.model.d_model % self.model.n_heads == 0,
-                "model.d_model must be divisible by model.n_heads",
-            ),
-            (
-                self.data.src_lang != self.data.tgt_lang,
-                "data.src_lang and data.tgt_lang must differ",
-            ),
-            # A pair that passes the length filter must fit a batch and the positions (+1: eos).
-            (
-                self.data.max_len + 1 <= self.data.max_tokens,
-                "data.max_len + 1 must be <= data.max_tokens",
-            ),
-            (
-                self.data.max_len + 1 <= self.model.max_positions,
-                "data.max_len + 1 must be <= model.max_positions",
-            ),
-            (
-                self.train.max_steps > 0 or self.train.max_epochs > 0 or self.train.max_minutes > 0,
-                "set a budget: train.max_steps, train.max_epochs or train.max_minutes",
-            ),
-            (
-                self.train.best_metric != "val_bleu" or self.train.bleu_every > 0,
-                "train.best_metric=val_bleu needs train.bleu_every > 0",
-            ),
-            (
-                not self.train.patience
-                or (self.train.bleu_every if self.train.best_metric == "val_bleu" else 0)
-                or self.train.valid_every,
-                "train.patience needs validation: train.valid_every > 0 (or train.bleu_every > 0"
-                " with train.best_metric=val_bleu)",
-            ),
-            (  # sampling draws nbest samples; beam_size is not used
-                self.decode.nbest <= self.decode.beam_size or self.decode.sampling != "none",
-                "decode.nbest must be <= decode.beam_size (or sample: decode.sampling)",
-            ),
-            (
-                self.distill.nbest <= self.distill.beam_size,
-                "distill.nbest must be <= distill.beam_size",
-            ),
-            (
-                self.distill.quantization == "none" or self.distill.export == "ctranslate2",
-                "distill.quantization needs distill.export=ctranslate2",
-            ),
-        ]
-        for ok, message in checks:
+        for ok, message in _relations(self):
             if not ok:
                 raise _error(message)
+
+
+def _relations(cfg: Config) -> list[tuple[bool, str]]:
+    """(holds, what to do when it does not) of each rule between fields of different sections."""
+    return [
+        (
+            cfg.model.d_model % cfg.model.n_heads == 0,
+            "model.d_model must be divisible by model.n_heads",
+        ),
+        (
+            cfg.data.src_lang != cfg.data.tgt_lang,
+            "data.src_lang and data.tgt_lang must differ",
+        ),
+        # A pair that passes the length filter must fit a batch and the positions (+1: eos).
+        (
+            cfg.data.max_len + 1 <= cfg.data.max_tokens,
+            "data.max_len + 1 must be <= data.max_tokens",
+        ),
+        (
+            cfg.data.max_len + 1 <= cfg.model.max_positions,
+            "data.max_len + 1 must be <= model.max_positions",
+        ),
+        (
+            cfg.train.max_steps > 0 or cfg.train.max_epochs > 0 or cfg.train.max_minutes > 0,
+            "set a budget: train.max_steps, train.max_epochs or train.max_minutes",
+        ),
+        (
+            cfg.train.best_metric != "val_bleu" or cfg.train.bleu_every > 0,
+            "train.best_metric=val_bleu needs train.bleu_every > 0",
+        ),
+        (
+            not cfg.train.patience
+            or (cfg.train.bleu_every if cfg.train.best_metric == "val_bleu" else 0)
+            or cfg.train.valid_every,
+            "train.patience needs validation: train.valid_every > 0 (or train.bleu_every > 0"
+            " with train.best_metric=val_bleu)",
+        ),
+        (  # sampling draws nbest samples; beam_size is not used
+            cfg.decode.nbest <= cfg.decode.beam_size or cfg.decode.sampling != "none",
+            "decode.nbest must be <= decode.beam_size (or sample: decode.sampling)",
+        ),
+        (
+            cfg.distill.nbest <= cfg.distill.beam_size,
+            "distill.nbest must be <= distill.beam_size",
+        ),
+        (
+            not cfg.data.terms.annotate or bool(cfg.data.terms.dictionary),
+            "data.terms.annotate needs data.terms.dictionary (tmt terms writes one)",
+        ),
+        (
+            not cfg.data.terms.annotate or not cfg.data.subword_alpha,
+            "data.terms.annotate and data.subword_alpha: one or the other (a hint's span is"
+            " found in the segmentation the cache holds)",
+        ),
+        (
+            cfg.distill.quantization == "none" or cfg.distill.export == "ctranslate2",
+            "distill.quantization needs distill.export=ctranslate2",
+        ),
+    ]
 
 
 _SECTION_TYPES: dict[str, type] = typing.get_type_hints(Config)  # section name -> dataclass
@@ -538,9 +579,18 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     overridden = {}
     for item in overrides:
         section, key, value = _parse_override(item)
-        tree.setdefault(section, {})[key] = value
+        _set(tree.setdefault(section, {}), key, value)
         overridden[f"{section}.{key}"] = f"{{overrides}} {item}"
     return config_from_dict(tree, origin=origin, origins=overridden)
+
+
+def _set(section: dict[str, Any], key: str, value: Any) -> None:
+    """section[key] = value; "terms.annotate" sets a key of the nested section "terms"."""
+    head, dot, rest = key.partition(".")
+    if dot and isinstance(section.get(head, {}), dict):
+        section.setdefault(head, {})[rest] = value
+    else:
+        section[key] = value
 
 
 def apply_overrides(cfg: Config, overrides: Sequence[str | tuple[str, str]]) -> Config:
@@ -556,7 +606,7 @@ def apply_overrides(cfg: Config, overrides: Sequence[str | tuple[str, str]]) -> 
             raise _error(
                 f"{typed}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
             )
-        tree[section][key] = value
+        _set(tree[section], key, value)
         overridden[f"{section}.{key}"] = typed
     return config_from_dict(tree, origin="config", origins=overridden)
 
@@ -578,18 +628,31 @@ def config_from_dict(
         values = tree.get(name) or {}
         if not isinstance(values, Mapping):
             raise _error(f"{origin}: section {name!r} must be a mapping of key: value")
-        hints = typing.get_type_hints(cls, include_extras=True)
-        valid = [f.name for f in dataclasses.fields(cls)]
-        coerced = {}
-        for key, value in values.items():
-            where = (origins or {}).get(f"{name}.{key}", origin)
-            if key not in hints:
-                raise _error(
-                    f"{where}: unknown key {name}.{key}; valid keys in {name}: {', '.join(valid)}"
-                )
-            coerced[key] = _coerce(value, hints[key], f"{name}.{key}", where)
-        sections[name] = cls(**coerced)
+        sections[name] = _section(cls, values, name, origin, origins or {})
     return Config(**sections)
+
+
+def _section(
+    cls: type, values: Mapping[str, Any], name: str, origin: str, origins: Mapping[str, str]
+) -> Any:
+    """One section (or a section nested in one, data.terms) from its mapping, each key checked."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    coerced = {}
+    for key, value in values.items():
+        where = origins.get(f"{name}.{key}", origin)
+        if key not in hints:
+            raise _error(
+                f"{where}: unknown key {name}.{key}; valid keys in {name}: {', '.join(valid)}"
+            )
+        if dataclasses.is_dataclass(hints[key]):  # a nested section
+            nested = value if value is not None else {}
+            if not isinstance(nested, Mapping):
+                raise _error(f"{where}: {name}.{key} must be a mapping of key: value")
+            coerced[key] = _section(hints[key], nested, f"{name}.{key}", origin, origins)
+            continue
+        coerced[key] = _coerce(value, hints[key], f"{name}.{key}", where)
+    return cls(**coerced)
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -657,6 +720,11 @@ def _field_problem(values: Any, prefix: str) -> str | None:
     hints = typing.get_type_hints(type(values), include_extras=True)
     for f in dataclasses.fields(values):
         key, value = f"{prefix}.{f.name}", getattr(values, f.name)
+        if dataclasses.is_dataclass(value):  # a nested section: its own fields
+            problem = _field_problem(value, key)
+            if problem:
+                return problem
+            continue
         problem = _out_of_range(value, hints[f.name])
         if problem:
             return f"{key} = {value!r}: expected {problem}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -16,7 +17,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from transformer_mt import clean, corpus, exits, files, textio
+from transformer_mt import clean, corpus, exits, files, hints, textio
 from transformer_mt.config import Config, DataConfig
 from transformer_mt.exits import TmtError
 from transformer_mt.tokenizer import Tokenizer, language_token_id, load_or_train_tokenizer
@@ -106,8 +107,9 @@ def _prepare(cfg: Config, tokenizer: Tokenizer | None, cache: Path) -> PreparedD
                     raw[key] = raw[key].select(np.flatnonzero(codes[key] == clean.KEPT))
             return raw[key]
 
+        symbols = hints.TAGS if cfg.data.terms.annotate else ()  # term hints' tags
         if tokenizer is None:
-            tokenizer = load_or_train_tokenizer(cfg.tokenizer, corpora, load, cache)
+            tokenizer = load_or_train_tokenizer(cfg.tokenizer, corpora, load, cache, symbols)
         tokenizer.start_id(cfg.model.decoder_start)  # a Marian tokenizer has no <s>: one line
         corpora, valid = _language_tags(cfg, tokenizer, corpora, valid)
         splits = {split.key: split for split in [*corpora, valid]}
@@ -121,12 +123,8 @@ def _prepare(cfg: Config, tokenizer: Tokenizer | None, cache: Path) -> PreparedD
             encoded[key], counts[key] = _filtered(table, cfg.data, training, judged)
             if judged is not None:
                 cleaned[key] = _removed_by_filter(judged)
-    for split in corpora:
-        if counts[split.key].kept == 0:
-            raise TmtError(
-                f"{split.key} ({split.origin}): no pairs left after filtering: "
-                + _describe(counts[split.key])
-            )
+        found = _hint_candidates(cfg, corpora, load, cache, cleaner, tokenizer, encoded)
+    _check_kept(corpora, counts)
     if corpora[0].key != "data.train":  # data.train is a list (of one corpus, or several)
         total = {
             name: sum(getattr(counts[split.key], name) for split in corpora)
@@ -141,7 +139,59 @@ def _prepare(cfg: Config, tokenizer: Tokenizer | None, cache: Path) -> PreparedD
                                      for name in clean.FILTERS}  # fmt: skip
     else:
         train = encoded["data.train"]
+    if found is not None:  # term hints: the training split's only
+        train.hints = _term_hints(cfg, corpora, tokenizer, encoded, found)
     return PreparedData(tokenizer, train, encoded["data.valid"], counts, corpora, cleaned)
+
+
+def _check_kept(corpora: Sequence[corpus.RawSplit], counts: dict[str, FilterCounts]) -> None:
+    for split in corpora:
+        if counts[split.key].kept == 0:
+            raise TmtError(
+                f"{split.key} ({split.origin}): no pairs left after filtering: "
+                + _describe(counts[split.key])
+            )
+
+
+def _hint_candidates(
+    cfg: Config, corpora: Sequence[corpus.RawSplit], load: Any, cache: Path,
+    cleaner: _Cleaner | None, tokenizer: Tokenizer, encoded: dict[str, EncodedSplit],
+) -> list[pa.Table] | None:  # fmt: skip
+    """data.terms: each training corpus's hint candidates (hints.py), found once and cached."""
+    if not cfg.data.terms.annotate:
+        return None
+    missing = [tag for tag in hints.TAGS if tokenizer.tag_ids(tag) is None]
+    if missing:
+        raise TmtError(
+            f"data.terms: the tokenizer has no {missing[0]} piece (a tokenizer tmt trains with"
+            " data.terms has the hints' tags; a given one, or train.init_from's, must too)"
+        )
+    dictionary = hints.dictionary_of(cfg)
+    found = []
+    for split in corpora:
+        key = hints.cache_key(split.fingerprint, dictionary, cfg.data.terms, cfg.data.tgt_lang,
+                              cleaner.digest if cleaner else "")  # fmt: skip
+        found.append(hints.cached_candidates(key, cache, lambda s=split: hints.candidates(
+            load(s.key), dictionary, cfg.data.terms, cfg.data.tgt_lang)))  # fmt: skip
+    return found
+
+
+def _term_hints(
+    cfg: Config, corpora: Sequence[corpus.RawSplit], tokenizer: Tokenizer,
+    encoded: dict[str, EncodedSplit], found: list[pa.Table],
+) -> hints.TermHints:  # fmt: skip
+    """The training split's hints: the corpora's candidates in the concatenated table's rows."""
+    sizes = [len(encoded[split.key]._src) for split in corpora]
+    offsets = np.cumsum([0, *sizes])
+    index = np.full(int(offsets[-1]), -1, dtype=np.int64)
+    tables, at = [], 0
+    for table, offset in zip(found, offsets[:-1], strict=True):
+        rows = _int64_numpy(table.column("row")) if table.num_rows else np.zeros(0, np.int64)
+        index[rows + offset] = np.arange(at, at + table.num_rows)
+        tables.append(table.drop_columns(["row"]))
+        at += table.num_rows
+    prefixes = [list(tokenizer.tag_ids(split.tag) or []) if split.tag else [] for split in corpora]
+    return hints.TermHints.build(cfg, tokenizer, pa.concat_tables(tables), index, prefixes)
 
 
 @dataclass(frozen=True)
@@ -470,6 +520,7 @@ class EncodedSplit:
         self.tgt_lengths = tgt_lengths
         self.groups = groups  # (N,) the corpus of each pair; None: a single corpus
         self.weights = tuple(weights)  # each corpus' weight
+        self.hints: hints.TermHints | None = None  # data.terms: the training split's hints
 
     @classmethod
     def concatenate(cls, parts: Sequence[EncodedSplit], weights: Sequence[float]) -> EncodedSplit:
@@ -513,6 +564,9 @@ class EncodedSplit:
         """The pairs at `positions` as a batch; `start`: model.decoder_start, the decoder's first
         input (<s>, or <pad> for Marian's models)."""
         src, tgt = self.ids(positions)
+        if self.hints is not None:  # data.terms: this epoch's term hints
+            rows = self.rows[np.asarray(positions)]
+            src = self.hints.annotate(src, positions, rows, self.groups, epoch)
         if sampling is not None:  # data.subword_alpha: this epoch's segmentation of each pair
             src = sampling.resegment(src, positions, tokenizer, epoch, side=0)
             if sampling.both_sides:
@@ -526,10 +580,15 @@ class EncodedSplit:
         self, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1, shuffle: bool = True
     ) -> TokenBucketSampler:
         """Batches over this split; +1 per side for eos (source, target) and bos (decoder input)."""
+        src_extra = None
+        if self.hints is not None:  # each epoch packed by its hinted sources' lengths
+            src_extra = functools.partial(
+                self.hints.extra, self.rows, self.groups, self.src_lengths
+            )
         return TokenBucketSampler(
             src_lengths=self.src_lengths + 1, tgt_lengths=self.tgt_lengths + 1,
             max_tokens=max_tokens, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle,
-            groups=self.groups if shuffle else None, weights=self.weights,
+            groups=self.groups if shuffle else None, weights=self.weights, src_extra=src_extra,
         )  # fmt: skip
 
 
@@ -606,7 +665,9 @@ class TokenBucketSampler:
         shuffle: bool = True,
         groups: np.ndarray | None = None,
         weights: Sequence[float] = (),
+        src_extra: Callable[[int], np.ndarray] | None = None,
     ) -> None:
+        self.src_extra = src_extra  # epoch -> (N,) tokens each source gains (data.terms' hints)
         self.src_lengths = np.asarray(src_lengths, dtype=np.int64)
         self.tgt_lengths = np.asarray(tgt_lengths, dtype=np.int64)
         self.longest = np.maximum(self.src_lengths, self.tgt_lengths)
@@ -646,15 +707,25 @@ class TokenBucketSampler:
             drawn += [members] * passes + [members[rng.permutation(len(members))[:rest]]]
         return np.concatenate(drawn)
 
+    def epoch_lengths(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, target) lengths of each pair in `epoch`: a hinted source's with its hints."""
+        if self.src_extra is None:
+            return self.src_lengths, self.tgt_lengths
+        return self.src_lengths + self.src_extra(epoch), self.tgt_lengths
+
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches for `epoch`, in order: arrays of example indices."""
         rng = np.random.default_rng((self.seed, epoch))
         drawn = self.epoch_draw(epoch)
+        src, longest = self.src_lengths, self.longest
+        if self.src_extra is not None:
+            src, _ = self.epoch_lengths(epoch)
+            longest = np.maximum(src, self.tgt_lengths)
         # A single corpus: drawn is arange, so this is rng.permutation(N) as it always was.
         order = drawn[rng.permutation(len(drawn))] if self.shuffle else drawn
-        order = order[np.lexsort((self.tgt_lengths[order], self.src_lengths[order]))]  # stable
+        order = order[np.lexsort((self.tgt_lengths[order], src[order]))]  # stable
         batches = _split_until_divisible(
-            _pack(order, self.longest, self.max_tokens), self.world_size, self.longest
+            _pack(order, longest, self.max_tokens), self.world_size, longest
         )
         if self.shuffle:
             batches = [batches[i] for i in rng.permutation(len(batches))]

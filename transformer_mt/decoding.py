@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_mt import alignment, ct2, distributed, ensemble
+from transformer_mt import alignment, ct2, distributed, ensemble, hints
 from transformer_mt import glossary as glossaries
 from transformer_mt.config import Config
 from transformer_mt.constraints import Terms, constrained_beam_search
@@ -186,17 +186,32 @@ def translate_lines(
         raise TmtError(f"{len(prefixes)} target prefixes for {len(lines)} lines: give one a line")
     if matches is not None and len(matches) != len(lines):
         raise TmtError(f"{len(matches)} glossary matches for {len(lines)} lines")
-    ids = source_ids(translator, lines)
+    if matches is None and translator.glossary is not None:
+        matches = translator.glossary.match_lines(lines)
+    mode = translator.config.glossary.mode
+    hinted = matches is not None and mode in ("hint", "auto") and any(matches)
+    ids = source_ids(translator, _hinted(translator, lines, matches) if hinted else lines)
     forced = source_ids(translator, prefixes, "prefix") if prefixes else [[] for _ in lines]
     # empty input: empty output (or its prefix alone), no model call
     results = [[Hypothesis(p, 0.0, 0.0)] if p else [] for p in forced]
     todo = [i for i, seq in enumerate(ids) if seq]
     _decode_all(translator, ids, forced, todo, first_line, results)
-    if matches is None and translator.glossary is not None:
-        matches = translator.glossary.match_lines(lines)
     if matches is not None and any(matches):
         _obey(translator, ids, forced, todo, results, matches)
     return results
+
+
+def _hinted(
+    translator: Decodable, lines: Sequence[str], matches: Sequence[Sequence[glossaries.Match]]
+) -> list[str]:
+    """The lines with their glossary entries written in as hints (glossary.mode hint, auto), as
+    the model was trained to read them (its data.terms: the style, lemmas or not)."""
+    terms, target = translator.config.data.terms, translator.config.data.tgt_lang
+    return [
+        hints.annotate(line, hints.glossary_spans(line, found, terms.lemma, target), terms.style)
+        if found else line
+        for line, found in zip(lines, matches, strict=True)
+    ]  # fmt: skip
 
 
 def _decode_all(
@@ -254,7 +269,7 @@ def _obey(
     most equal (its outputs are a subset of the search space). A line without matches is left
     exactly as it was decoded."""
     tok = translator.tokenizer
-    strict = translator.config.glossary.mode == "strict"
+    strict = translator.config.glossary.mode in ("strict", "auto")  # auto: strict after hints
     with_terms = [i for i in todo if matches[i]]
     first = {i: [_uses(tok, matches[i], h) for h in results[i]] for i in with_terms}
     redo = [i for i in with_terms if strict and not all(-1 not in u for u in first[i])]

@@ -79,7 +79,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     check_prepared(cfg, data, world_size=1)
     sampler = data.train.sampler(cfg.data.max_tokens, cfg.train.seed)
     batches = sampler.epoch_batches(0)
-    efficiency = padding_efficiency(batches, sampler.src_lengths, sampler.tgt_lengths)
+    efficiency = padding_efficiency(batches, *sampler.epoch_lengths(0))
     vocab = data.tokenizer.vocab_size, data.tokenizer.source_vocab_size
     summary = {
         "pairs": len(data.train),

@@ -29,6 +29,10 @@ import sentencepiece as spm
 from transformer_mt import languages
 from transformer_mt.exits import TmtError
 
+# Term hints' tags (hints.py), which both kinds of tokenizer know: user-defined symbols of a
+# tokenizer trained with data.terms (special tokens of a fine-tuned Marian one), read in
+# sources, never written in an output.
+HINT_TAGS = ("<t>", "</t>", "<tr>", "</tr>")
 MAGIC = b"tmt-marian-tokenizer 1\n"
 SOURCE_SPM, TARGET_SPM = "source.spm", "target.spm"
 VOCAB, TARGET_VOCAB = "vocab.json", "target_vocab.json"
@@ -170,8 +174,11 @@ class MarianTokenizer:
 
     @property
     def never_output(self) -> tuple[int, ...]:
-        """Ids a search never emits: <pad> (generate's bad_words_ids of OPUS-MT models)."""
-        return (self.pad_id,)
+        """Ids a search never emits: <pad> (generate's bad_words_ids of OPUS-MT models), and
+        term hints' tags where fine-tuning added them (special tokens of the target side)."""
+        tags = [self._ids["target"][t] for t in HINT_TAGS if t in self.special_tokens
+                and t in self._ids["target"]]  # fmt: skip
+        return (self.pad_id, *tags)
 
     def pieces(self, side: str = "target") -> list[str]:
         return list(self._pieces[side])
@@ -182,6 +189,21 @@ class MarianTokenizer:
 
     def piece_to_id(self, piece: str, side: str = "target") -> int:
         return self._ids[side].get(piece, self.source_unk_id if side == "source" else self.unk_id)
+
+    def with_symbols(self, symbols: Sequence[str]) -> MarianTokenizer:
+        """This tokenizer with `symbols` it lacks as new source tokens (ids after the last, in
+        vocab.json: the target's too when the vocabulary is joint) and special tokens, so that
+        each is one token wherever it is typed, as transformers' added tokens are."""
+        new = [s for s in dict.fromkeys(symbols) if s not in self._ids["source"]]
+        if not new:
+            return self
+        vocab = dict(self._ids["source"])
+        vocab.update({symbol: len(vocab) + i for i, symbol in enumerate(new)})
+        files = dict(self.files)
+        files[VOCAB] = json.dumps(vocab, ensure_ascii=False, indent=2).encode()
+        special = [*self.settings["additional_special_tokens"], *new]
+        settings = self.settings | {"additional_special_tokens": special}
+        return MarianTokenizer(pack(files, settings), "tokenizer")
 
     def tag_ids(self, tag: str) -> list[int] | None:
         """A corpus tag is one token when it is in the vocabulary (a language code, >>fra<<; a

@@ -20,6 +20,7 @@ rank 0. Commands that take a run directory as a model find here the model it fin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from transformer_mt import checkpoint, distributed, exits, files, metrics
+from transformer_mt import checkpoint, distributed, exits, files, hints, metrics
 from transformer_mt.checkpoint import Checkpoint
 from transformer_mt.config import (
     MODEL_SECTIONS,
@@ -246,6 +247,10 @@ def init_model(cfg: Config) -> Checkpoint:
             f"train.init_from={source}: the model has other settings: {'; '.join(differ)};"
             " fine-tune with the model's own model and tokenizer settings (its config.yaml)"
         )
+    if cfg.data.terms.annotate:  # term hints: its tokenizer gains their tags, if it lacks them
+        tokenizer, state_dict = hints.with_tags(parent.tokenizer, parent.state_dict,
+                                                cfg.train.seed)  # fmt: skip
+        parent = dataclasses.replace(parent, tokenizer=tokenizer, state_dict=state_dict, model=None)
     return parent
 
 

@@ -87,7 +87,7 @@ class TranslateRequest(BaseModel):
     # A glossary for this request: [[source, target], ...] or TSV text, or a stored one's id.
     glossary: list[Any] | str | None = None
     glossary_id: str | None = None
-    glossary_mode: str | None = None  # strict or check (glossary.mode)
+    glossary_mode: str | None = None  # strict, check, hint or auto (glossary.mode)
 
 
 # --- the application ---------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import sentencepiece as spm
 from transformer_mt import files, languages
 from transformer_mt.config import TokenizerConfig
 from transformer_mt.exits import TmtError
-from transformer_mt.marian_tokenizer import MarianTokenizer, is_marian, load_processor
+from transformer_mt.marian_tokenizer import HINT_TAGS, MarianTokenizer, is_marian, load_processor
 
 if TYPE_CHECKING:
     from transformer_mt.corpus import RawSplit
@@ -110,6 +110,7 @@ class Tokenizer:
                 raise TmtError(f"{origin}: {missing}")
         self.sha256: str = hashlib.sha256(self.model_bytes).hexdigest()
         self._merge_scores: dict[str, float] | None = None  # bpe_dropout's, built on first use
+        self._tags: tuple[int, ...] | None = None  # the hint tags it has (never_output)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -124,8 +125,12 @@ class Tokenizer:
 
     @property
     def never_output(self) -> tuple[int, ...]:
-        """Ids a search never emits: padding and the start of a sentence."""
-        return (self.pad_id, self.bos_id)
+        """Ids a search never emits: padding, the start of a sentence, and term hints' tags
+        (where the tokenizer has them as user-defined symbols)."""
+        if self._tags is None:
+            users = {p for p, _, kind in _model_pieces(self.model_bytes) if kind == 4}
+            self._tags = tuple(self._sp.piece_to_id(t) for t in HINT_TAGS if t in users)
+        return (self.pad_id, self.bos_id, *self._tags)
 
     def pieces(self, side: str = "target") -> list[str]:
         """Every piece, by id."""
@@ -176,6 +181,16 @@ class Tokenizer:
                 out.append(token)  # unknown, byte, control and user-defined pieces stay whole
         return out
 
+    def with_symbols(self, symbols: Sequence[str]) -> Tokenizer:
+        """This tokenizer with `symbols` it lacks appended as user-defined pieces (new ids after
+        the last: every existing id keeps its piece), as sentencepiece's own guide grows a
+        model's vocabulary; repeated fields of a protobuf message may follow any others."""
+        have = {piece for piece, _, _ in _model_pieces(self.model_bytes)}
+        new = [symbol for symbol in dict.fromkeys(symbols) if symbol not in have]
+        if not new:
+            return self
+        return Tokenizer(self.model_bytes + b"".join(map(_proto_piece, new)), "tokenizer")
+
     def tag_ids(self, tag: str) -> list[int] | None:
         """The ids `encode` gives a line that is just `tag` (a word-start piece, then the tag),
         when the tag is one piece of the vocabulary; None when it is not."""
@@ -219,6 +234,21 @@ def _model_pieces(model_bytes: bytes) -> list[tuple[str, float, int]]:
             score = struct.unpack("<f", entry[2])[0] if 2 in entry else 0.0
             pieces.append((text, score, entry.get(3, 1)))
     return pieces
+
+
+def _proto_piece(piece: str) -> bytes:
+    """ModelProto field 1 holding a user-defined piece: SentencePiece {piece, score 0, type 4}."""
+    text = piece.encode("utf-8")
+    entry = b"\x0a" + _varint(len(text)) + text + b"\x15" + struct.pack("<f", 0.0) + b"\x18\x04"
+    return b"\x0a" + _varint(len(entry)) + entry
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes([*out, value])
 
 
 def _proto_fields(data: bytes) -> Iterator[tuple[int, Any]]:
@@ -307,13 +337,15 @@ def load_or_train_tokenizer(
     corpora: Sequence[RawSplit],
     load: Callable[[str], Any],
     cache: Path,
+    symbols: Sequence[str] = (),
 ) -> Tokenizer:
     """The configured model_path, else the cached model for this data and config, else train one
-    on the sentences of every training corpus, with the corpora's tags as user-defined symbols."""
+    on the sentences of every training corpus, with the corpora's tags (and `symbols`: term
+    hints' tags) as user-defined symbols."""
     if cfg.model_path:
         return Tokenizer.from_file(cfg.model_path)
     settings = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-    tags = sorted({split.tag for split in corpora} - {""})
+    tags = sorted(({split.tag for split in corpora} | set(symbols)) - {""})
     content = "|".join(split.fingerprint for split in corpora)
     if tags:
         content += "|tags:" + json.dumps(tags)

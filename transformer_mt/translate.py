@@ -29,6 +29,7 @@ from transformer_mt import (
     ct2,
     distributed,
     ensemble,
+    hints,
     kernels,
     run,
     textio,
@@ -149,18 +150,34 @@ def load_glossary(cfg: Config) -> glossaries.Glossary | None:
 def check_glossary(translator: Translator) -> None:
     """Refuse, in one line, a glossary with decoding that cannot obey it."""
     cfg = translator.config
-    if translator.glossary is None or cfg.glossary.mode != "strict":
+    mode = cfg.glossary.mode
+    if translator.glossary is None:
+        return
+    if mode in ("hint", "auto") and not hints.trained_with_hints(cfg):
+        raise TmtError(f"glossary.mode={mode}: the model was not trained with term hints"
+                       " (data.terms); use glossary.mode=strict or check")  # fmt: skip
+    if mode not in ("strict", "auto"):
         return
     if cfg.decode.sampling != "none":
-        raise TmtError(f"glossary.mode=strict: not while sampling (decode.sampling="
-                       f"{cfg.decode.sampling}); use glossary.mode=check")  # fmt: skip
+        raise TmtError(f"glossary.mode={mode}: not while sampling (decode.sampling="
+                       f"{cfg.decode.sampling}); use glossary.mode=check or hint")  # fmt: skip
     if translator.engine is not None and translator.model is None:
         raise TmtError(
-            f"glossary.mode=strict with decode.engine=ctranslate2 ({translator.origin}): the lines"
+            f"glossary.mode={mode} with decode.engine=ctranslate2 ({translator.origin}): the lines"
             " that need constrained decoding are decoded by tmt's engine, from the tmt model:"
             " load the model (not only its CTranslate2 export) with the glossary (--glossary,"
             " glossary.path, Translator.load(glossary=...)), or use glossary.mode=check"
         )
+
+
+def _default_mode(translator: Translator, overrides: Sequence[str | tuple[str, str]]) -> Translator:
+    """glossary.mode=auto for a model trained with term hints, unless the caller set a mode
+    (hint for a CTranslate2 export alone: auto's re-decoding needs the tmt model)."""
+    if not hints.trained_with_hints(translator.config) or _override(overrides, "glossary.mode"):
+        return translator
+    alone = translator.engine is not None and translator.model is None
+    config = apply_overrides(translator.config, [f"glossary.mode={'hint' if alone else 'auto'}"])
+    return dataclasses.replace(translator, config=config)
 
 
 def _with_glossary(translator: Translator) -> Translator:
@@ -262,7 +279,7 @@ def load_ensemble(
     if len(paths) == 1 and weights is None:
         one = load_translator(paths[0], overrides, last=last, best=best, by=by,
                               keep_model=keep_model)  # fmt: skip
-        return _with_glossary(one)
+        return _with_glossary(_default_mode(one, overrides))
     normalized = ensemble.normalized_weights(weights, len(paths))
     # Refused before anything loads: a model's first CTranslate2 decoding exports it.
     exports = [p for p in paths if ct2.is_export(Path(p))]
@@ -274,13 +291,13 @@ def load_ensemble(
     members = [load_translator(p, overrides, last=last, best=best, by=by) for p in paths]
     first = members[0]
     ensemble.check_same_vocabulary([m.tokenizer for m in members], [m.origin for m in members])
-    return _with_glossary(dataclasses.replace(
+    return _with_glossary(_default_mode(dataclasses.replace(
         first, origin=f"ensemble of {', '.join(m.origin for m in members)}", weights=normalized,
         ensemble=tuple(m.model for m in members[1:] if m.model is not None),
         parameters=sum(m.parameters for m in members), fingerprint="",
         # No one checkpoint's scores or curves describe it.
         step=max(m.step for m in members), path=None, run_dir=None,
-    ))  # fmt: skip
+    ), overrides))  # fmt: skip
 
 
 def _load_export(directory: Path, overrides: Sequence[str | tuple[str, str]]) -> Translator:
