@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "metrics",
             "kernels",
             "glossary",
+            "hints",
         },
     ),
     # what decoding adds over the models: several decoding as one (their search states and
@@ -63,6 +64,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "plot",
             "dry_run",
             "cleaning",
+            "terms",
         },
     ),
     # the server: one worker batching requests, the service that knows the model, the two
@@ -87,6 +89,9 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("data", "corpus"): "batches are made of the corpora's pairs",
     ("data", "tokenizer"): "... encoded with the joint vocabulary",
     ("data", "clean"): "data.clean judges the training corpora by the clean rules as they are read",
+    ("data", "hints"): "data.terms: the training sources' term hints, drawn each epoch",
+    ("hints", "glossary"): "a hint's terms are a dictionary's, matched as a glossary's",
+    ("hints", "tokenizer"): "... and its tags the tokenizer's symbols",
     ("clean", "corpus"): "the overlap rule reads the validation and test splits",
     ("metrics", "distributed"): "the metrics log all-reduces its sums over ranks",
     ("run", "checkpoint"): "a run directory holds checkpoints",
@@ -102,6 +107,7 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("pretrained", "huggingface"): "an import reads transformers' names through the export's map",
     ("pretrained", "marian_config"): "an import reads the directory's JSON files as tmt settings",
     ("marian_config", "huggingface"): "... generate's stopping rules as the export names them",
+    ("terms", "translate"): "tmt terms -m aligns with a loaded model's attention",
     ("export", "recipes"): "an export's README, whose code is its parity check",
     ("recipes", "translate"): "the README's values are a loaded Translator's",
     ("service", "batching"): "requests are translated through the one batching worker",

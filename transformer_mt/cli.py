@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 
@@ -82,6 +82,9 @@ from transformer_mt.flags import (
     TextOutput,
     Weights,
     flag_overrides,
+    given_model,
+    given_models,
+    renamed,
 )
 
 app = typer.Typer(
@@ -132,34 +135,9 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-T = TypeVar("T")
-
-
-def _renamed(new: T, old: T, new_name: str, old_name: str) -> T:
-    """The value of an option that tmt 0.1 spelled `old_name`: the old spelling still works for
-    one release, with a note; giving both is an error."""
-    if old in (None, 0, []):
-        return new
-    if new not in (None, 0, []):
-        raise TmtError(f"{old_name} is the old spelling of {new_name}: give {new_name} only")
-    typer.echo(
-        f"tmt: note: {old_name} is now {new_name}; the old spelling goes in the next release",
-        err=True,
-    )
-    return old
-
-
 def _echo(result: dict[str, Any], as_json: bool, text: str) -> None:
     """A command's result: one JSON object with --json, else `text` for people."""
     typer.echo(json.dumps(result) if as_json else text)
-
-
-def _models(new: list[Path] | None, old: Path | None) -> list[Path]:
-    """-m given once, or several times for an ensemble (or tmt 0.1's --checkpoint)."""
-    models = _renamed(new or None, [old] if old else None, "--model", "--checkpoint")
-    if not models:
-        raise TmtError("no model: name it with -m/--model (a checkpoint or a run directory)")
-    return models
 
 
 def _load(
@@ -172,13 +150,6 @@ def _load(
     chosen = ensemble.parse_weights(weights)
     return translate.load_ensemble(models, overrides, chosen, last=last, best=best, by=by,
                                    keep_model=keep_model)  # fmt: skip
-
-
-def _model(new: Path | None, old: Path | None) -> Path:
-    model = _renamed(new, old, "--model", "--checkpoint")
-    if model is None:
-        raise TmtError("no model: name it with -m/--model (a checkpoint or a run directory)")
-    return model
 
 
 @command()
@@ -249,8 +220,8 @@ def translate(
         precision=precision, engine=engine, sampling=sampling, temperature=temperature,
         seed=seed, alignment=alignment, target_lang=target_lang, glossary=glossary,
     )  # fmt: skip
-    last = _renamed(last, old_last, "--last", "--average-last")
-    translator = _load(_models(model, old_model), weights, overrides, last, best, by)
+    last = renamed(last, old_last, "--last", "--average-last")
+    translator = _load(given_models(model, old_model), weights, overrides, last, best, by)
     if bulk.is_bulk(input_, output, prefix, glossary_report):
         report = bulk.translate_job(translator, input_, output, overwrite, prefix, glossary_report)
         if "output" in report:  # rank 0
@@ -295,7 +266,7 @@ def evaluate(
     --glossary, term use (entries used / entries matched)."""
     from transformer_mt import evaluate as lib
 
-    input_ = _renamed(input_, old_input, "--input", "--src")
+    input_ = renamed(input_, old_input, "--input", "--src")
     translating = {"--weights": weights, "--last": last or old_last, "--best": best, "--by": by,
                    "--beam": beam, "--lenpen": lenpen, "--max-tokens": max_tokens,
                    "--device": device, "--precision": precision, "--engine": engine,
@@ -313,11 +284,11 @@ def evaluate(
         engine=engine, target_lang=target_lang, glossary=glossary,
     )  # fmt: skip
     lib.check_split(split)  # before a model is loaded
-    last = _renamed(last, old_last, "--last", "--average-last")
+    last = renamed(last, old_last, "--last", "--average-last")
     # Splits come from the model's config (its data section), else from the default preset.
     translator = None
     if model or old_model:
-        translator = _load(_models(model, old_model), weights, overrides, last, best, by)
+        translator = _load(given_models(model, old_model), weights, overrides, last, best, by)
     cfg = translator.config if translator else apply_overrides(load_config("multi30k"), overrides)
     texts = lib.read_files(input_, ref, hyp[0] if hyp else None)
     report = lib.evaluate(translator, split, *texts, cfg, lib.glossary_of(translator, cfg))
@@ -343,8 +314,8 @@ def export(
     from transformer_mt import export as lib
 
     report = lib.export(
-        _model(model, old_model), fmt, output, quantization=quantization, check_lines=check_lines,
-        overwrite=overwrite, last=last, best=best, by=by,
+        given_model(model, old_model), fmt, output, quantization=quantization,
+        check_lines=check_lines, overwrite=overwrite, last=last, best=best, by=by,
     )  # fmt: skip
     _echo(report, as_json, lib.format_report(report))
 
@@ -362,7 +333,9 @@ def import_(
     """Import a Hugging Face MarianMTModel directory (OPUS-MT) as a tmt model (-m HF_DIR)."""
     from transformer_mt import pretrained
 
-    report = pretrained.import_model(_model(model, None), output, src_lang, tgt_lang, overwrite)
+    report = pretrained.import_model(
+        given_model(model, None), output, src_lang, tgt_lang, overwrite
+    )
     _echo(report, as_json, pretrained.format_report(report))
 
 
@@ -385,6 +358,25 @@ def clean(
 
 @command()
 @_user_errors
+def terms(
+    output: Output,
+    config: ConfigOption = "multi30k",
+    model: Model = None,
+    set_: Overrides = None,
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
+) -> None:
+    """A term dictionary of data.train (TSV: source, targets, count): eflomal's word alignments,
+    or with -m a trained model's; what data.terms.dictionary reads. Resumable."""
+    from transformer_mt import terms as lib
+
+    cfg = load_config(config, set_ or [])
+    report = lib.build(cfg, output, str(model) if model else None, overwrite)
+    _echo(report, as_json, lib.format_report(report))
+
+
+@command()
+@_user_errors
 def distill(
     output: Output,
     model: Ensemble = None,
@@ -397,7 +389,9 @@ def distill(
     translates data.train, the student trains on that, is compared with it and exported."""
     from transformer_mt import distill as lib
 
-    report = lib.distill(load_config(config, set_ or []), _models(model, None), output, weights)
+    report = lib.distill(
+        load_config(config, set_ or []), given_models(model, None), output, weights
+    )
     _echo(report, as_json, lib.format_report(report))
 
 
@@ -417,7 +411,7 @@ def average(
     -m CKPT -m CKPT ..., or -m RUN_DIR with --last N or --best N."""
     from transformer_mt import averaging
 
-    models = _renamed(models, old_models, "-m/--model", "a positional model")
+    models = renamed(models, old_models, "-m/--model", "a positional model")
     report = averaging.average_into(
         models or [], output, last=last, best=best, by=by, overwrite=overwrite
     )
@@ -436,7 +430,7 @@ def plot(
     """Draw training loss, validation loss and BLEU, learning rate and tokens/s against updates."""
     from transformer_mt import plot as lib
 
-    run_dirs = _renamed(models, old_models, "-m/--model", "a positional run directory")
+    run_dirs = renamed(models, old_models, "-m/--model", "a positional run directory")
     report = lib.plot(run_dirs or [], output, overwrite)
     panels = ", ".join(f"{title} {n}" for title, n in report["curves"].items())
     _echo(report, as_json, f"{report['output']}: curves drawn per panel: {panels}")
@@ -474,7 +468,9 @@ def serve(
         engine=engine, host=host, port=port, target_lang=target_lang,
     )  # fmt: skip
     # kept beside a CTranslate2 engine: requests may bring glossaries, decoded by tmt's engine
-    translator = _load(_models(model, None), weights, overrides, last, best, by, keep_model=True)
+    translator = _load(
+        given_models(model, None), weights, overrides, last, best, by, keep_model=True
+    )
     lib.serve(translator, overrides, api_key=api_key or "")
 
 

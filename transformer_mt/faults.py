@@ -14,6 +14,7 @@ Points:
     plan        once a time budget is planned (optim.schedule=budget); N is 1
     glossary_write  while tmt serve stores its N-th glossary: written, not yet renamed into place
     swap        after the N-th file of a set replaced together is renamed in (tmt clean's outputs)
+    terms_chunk after tmt terms commits its N-th chunk of counts (from 1)
 
 Actions:
     kill    SIGKILL this process: a crash or power loss, no cleanup, no flush

@@ -7,10 +7,12 @@ Typer reads them from the annotations; typer is the only import, so `tmt --help`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 from typer.core import TyperCommand
+
+from transformer_mt.exits import TmtError
 
 ConfigOption = Annotated[
     str,
@@ -146,7 +148,7 @@ GlossaryFile = Annotated[
     typer.Option(
         "--glossary",
         help="A TSV or CSV glossary (source, target): every translation uses its entries"
-        " (glossary.path; glossary.mode strict or check).",
+        " (glossary.path; glossary.mode strict, check, hint or auto).",
     ),
 ]
 GlossaryReport = Annotated[
@@ -262,3 +264,35 @@ class OnceCommand(TyperCommand):
                 if once and order.count(param) > 1:
                     ctx.fail(f"{'/'.join(param.opts)} given more than once: give it once")
         return super().parse_args(ctx, args)
+
+
+T = TypeVar("T")
+
+
+def renamed(new: T, old: T, new_name: str, old_name: str) -> T:
+    """The value of an option that tmt 0.1 spelled `old_name`: the old spelling still works for
+    one release, with a note; giving both is an error."""
+    if old in (None, 0, []):
+        return new
+    if new not in (None, 0, []):
+        raise TmtError(f"{old_name} is the old spelling of {new_name}: give {new_name} only")
+    typer.echo(
+        f"tmt: note: {old_name} is now {new_name}; the old spelling goes in the next release",
+        err=True,
+    )
+    return old
+
+
+def given_models(new: list[Path] | None, old: Path | None) -> list[Path]:
+    """-m given once, or several times for an ensemble (or tmt 0.1's --checkpoint)."""
+    models = renamed(new or None, [old] if old else None, "--model", "--checkpoint")
+    if not models:
+        raise TmtError("no model: name it with -m/--model (a checkpoint or a run directory)")
+    return models
+
+
+def given_model(new: Path | None, old: Path | None) -> Path:
+    model = renamed(new, old, "--model", "--checkpoint")
+    if model is None:
+        raise TmtError("no model: name it with -m/--model (a checkpoint or a run directory)")
+    return model
