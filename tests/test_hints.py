@@ -548,3 +548,34 @@ def test_terms_on_a_million_pairs_within_its_memory_bound(tmp_path: Path, tiny_c
     assert peak_mb < 3000, f"{peak_mb:.0f} MB"
     entries = read_entries(out)
     assert sum(entries[w][0] == w.upper() for w in entries if w in entries) / len(entries) > 0.9
+
+
+def test_the_server_takes_hint_and_auto(hinted_run: Path, served_plain) -> None:
+    from test_serve import Server
+
+    pairs = [["kalo", "mipe"], ["nuri", "peka"]]
+    glossary = glossaries.from_pairs(pairs, "request")
+    server = Server(hinted_run)
+    try:
+        for mode in ("hint", "auto", None):  # None: the model's default, auto
+            body = {"text": LINES, "glossary": pairs} | ({"glossary_mode": mode} if mode else {})
+            answer = server.client.post("/v1/translate", json=body).json()
+            local = translate.load_ensemble(
+                [hinted_run], ["decode.device=cpu", f"glossary.mode={mode or 'auto'}"]
+            )
+            assert answer["translations"] == local.translate(LINES, glossary=glossary), mode
+    finally:
+        assert server.stop() == 0
+    refused = served_plain.client.post("/v1/translate", json={
+        "text": "kalo", "glossary": [["kalo", "mipe"]], "glossary_mode": "hint"})  # fmt: skip
+    assert refused.status_code == 422
+    assert "not trained with term hints" in refused.json()["error"]
+
+
+@pytest.fixture
+def served_plain(trained_run: Path):
+    from test_serve import Server
+
+    server = Server(trained_run)
+    yield server
+    assert server.stop() == 0
