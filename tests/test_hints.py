@@ -488,6 +488,9 @@ def test_terms_refuses_another_runs_work(terms_cfg: Config, tmp_path: Path) -> N
     with pytest.raises(TmtError):
         terms.build(terms_cfg, mine)
     assert mine.read_text() == "my notes\n"
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(TmtError, match="is a directory"):
+        terms.build(terms_cfg, tmp_path / "notes", overwrite=True)
 
 
 def test_terms_with_a_models_alignments(terms_cfg: Config, trained_run: Path, tmp_path) -> None:
