@@ -164,6 +164,21 @@ def test_an_output_uses_an_entry_as_whole_words() -> None:
     assert glossaries.used(entry, "A DOG.") is None  # the target's case counts
 
 
+def test_a_term_may_not_run_on_into_a_longer_word(model) -> None:
+    from transformer_mt import decoding
+
+    continues = decoding.word_continuations(model.tokenizer).tolist()
+    pieces = model.tokenizer.pieces("target")
+    # the same rule as glossary.words: "coffee-like" is one word, "coffee -like" two
+    assert glossaries.used(glossaries.Entry("Café", ("coffee",), 1), "a coffee-like cafe") is None
+    for piece, flag in zip(pieces, continues, strict=True):
+        if piece.startswith("\u2581") or piece.startswith("<0x"):
+            continue
+        assert flag == (piece[:1].isalnum() or piece[:1] in "-\u2010\u2011"), piece
+    assert any(p.startswith("-") and continues[i] for i, p in enumerate(pieces))
+    assert not any(continues[i] for i, p in enumerate(pieces) if p.startswith("\u2581"))
+
+
 # --- translating -------------------------------------------------------------------------------
 
 
