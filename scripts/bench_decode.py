@@ -76,7 +76,8 @@ def run_tmt(translator, lines, beam: int, early_stopping: str = "bound"):
 
     t = with_decode(translator, beam_size=beam, early_stopping=early_stopping)
     start = time.perf_counter()
-    outputs = [hyps[0].tokens if hyps else [] for hyps in translate.translate_lines(t, lines)]
+    outputs = [hyps[0].tokens if hyps else []
+               for hyps in translate.translate_lines(t, lines, scores=False)]  # fmt: skip
     return time.perf_counter() - start, outputs
 
 
@@ -244,6 +245,34 @@ def breakdown(path: str, lines: int) -> dict:
     print(f"greedy, argmax by block maxima over torch's max: "
           f"{report['greedy_row_max_over_torch_max']:.2f}x (identical outputs:"
           f" {report['greedy_identical']})", flush=True)  # fmt: skip
+    report.update(greedy_from_logits(translator, sources))
+    return report
+
+
+def greedy_from_logits(translator, sources, passes: int = 3) -> dict:
+    """Greedy's argmax from the raw logits (issue 49's exact saving: no log-softmax over the
+    vocabulary per step) against the log-probabilities' argmax, interleaved; outputs compared."""
+    from transformer_mt import decoding
+
+    exact, seconds, outputs = decoding.greedy_from_logits, {"logits": [], "log_softmax": []}, {}
+    try:
+        for _ in range(passes):
+            for name, rule in (("logits", exact), ("log_softmax", lambda t: False)):
+                decoding.greedy_from_logits = rule
+                elapsed, outputs[name] = run_tmt(translator, sources, 1)
+                seconds[name].append(elapsed)
+    finally:
+        decoding.greedy_from_logits = exact
+    same = sum(a == b for a, b in zip(outputs["logits"], outputs["log_softmax"], strict=True))
+    report = {
+        "greedy_logits_s": sorted(round(x, 3) for x in seconds["logits"]),
+        "greedy_log_softmax_s": sorted(round(x, 3) for x in seconds["log_softmax"]),
+        "greedy_logits_over_log_softmax": round(
+            min(seconds["log_softmax"]) / min(seconds["logits"]), 3),
+        "greedy_logits_identical_lines": f"{same}/{len(sources)}",
+    }  # fmt: skip
+    print(f"greedy from logits over log-softmax: {report['greedy_logits_over_log_softmax']:.3f}x"
+          f" (min of {passes}; identical lines {same}/{len(sources)})", flush=True)  # fmt: skip
     return report
 
 

@@ -326,6 +326,62 @@ def test_row_max_equals_torch_max(rows, vocab, ties, seed):
     assert torch.equal(best, expected.values) and torch.equal(index, expected.indices)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.sampled_from([2, 7, 127, 128, 130, 257, 8000, 58101]),
+    case=st.sampled_from(["plain", "near ties", "ties", "-inf", "large"]),
+    seed=st.integers(0, 10_000),
+)
+def test_logits_argmax_picks_what_log_softmax_picks(rows, vocab, case, seed):
+    # Greedy's argmax from raw logits (issue 49's exact saving) against today's: the argmax of the
+    # log-probabilities, first of equal ones, including logits a few ulps apart, which
+    # log_softmax's rounding may merge into a tie.
+    from transformer_mt.search import logits_argmax, row_max
+
+    g = torch.Generator().manual_seed(seed)
+    scale = {"large": 30.0, "near ties": 0.3}.get(case, 3.0)  # small logits, V large: merges
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    if case == "near ties":  # runners-up 1-3 ulps under each row's maximum, before and after it
+        best = logits.max(dim=-1)
+        for row in range(rows):
+            value = best.values[row]
+            for step, at in enumerate(torch.randint(0, vocab, (3,), generator=g).tolist()):
+                if at != best.indices[row]:
+                    below = value
+                    for _ in range(step + 1):
+                        below = torch.nextafter(below, torch.tensor(-math.inf))
+                    logits[row, at] = below
+    elif case == "ties":
+        logits = torch.randint(-2, 1, logits.shape, generator=g).float()
+    elif case == "-inf":
+        logits[torch.rand(logits.shape, generator=g) < 0.9] = -math.inf
+        logits[:, -1] = 0.5  # a finite value in every row, as EOS is never banned
+    expected = row_max(torch.log_softmax(logits, dim=-1))[1]
+    assert torch.equal(logits_argmax(logits.clone()), expected)
+
+
+def logits_step(seed: int):
+    """toy_step's model, returning its logits (toy_log_probs before the log-softmax)."""
+
+    def raw_logits(sentence: int, prefix: tuple[int, ...], seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash((seed, sentence, prefix)) % 2**31)
+        return torch.randn(V, generator=g) * 2
+
+    return toy_step(seed, log_probs_of=raw_logits)
+
+
+def test_greedy_from_logits_gives_greedy_tokens_and_no_scores() -> None:
+    for seed in range(20):
+        limits = [1, 4, 7]
+        scored = greedy(toy_step(seed), ToyState([0, 1, 2]), limits, BOS, EOS, banned=(PAD, BOS))
+        raw = greedy(
+            logits_step(seed), ToyState([0, 1, 2]), limits, BOS, EOS, banned=(PAD, BOS), logits=True
+        )
+        assert [h.tokens for h in raw] == [h.tokens for h in scored]
+        assert all(math.isnan(h.score) and math.isnan(h.log_prob) for h in raw)
+
+
 def test_unknown_early_stopping_rule_is_refused() -> None:
     with pytest.raises(ValueError, match="early_stopping"):
         beam_search(toy_step(), ToyState([0]), [5], BOS, EOS, 2, early_stopping="never")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import logging
 import shutil
 from pathlib import Path
@@ -201,3 +202,24 @@ def test_bf16_decoding_on_cpu_translates_every_line(trained_run: Path) -> None:
     assert len(out) == len(SOURCES) and all(isinstance(t, str) for t in out)
     fp32 = translate.translate_text(translate.load_translator(trained_run), SOURCES)
     assert sum(a == b for a, b in zip(out, fp32, strict=True)) >= len(SOURCES) // 2
+
+
+def test_greedy_without_scores_gives_the_same_translations(multi30k_run: Path) -> None:
+    # Issue 49's exact saving: a caller that reads no scores (translate_text, the file job, the
+    # server without n-best) gets greedy's tokens from the raw logits, identical to the
+    # log-probabilities' argmax, on varied real sentences in batches of several sizes.
+    from conftest import multi30k_sentences
+
+    lines = multi30k_sentences(60)
+    for max_tokens in (64, 4096):
+        t = translate.load_translator(
+            multi30k_run, ["decode.beam_size=1", f"decode.max_tokens={max_tokens}"]
+        )
+        scored = translate.translate_lines(t, lines)
+        raw = translate.translate_lines(t, lines, scores=False)
+        assert [h[0].tokens for h in raw] == [h[0].tokens for h in scored]
+        assert all(math.isnan(h[0].score) for h in raw)
+        assert not any(math.isnan(h[0].score) for h in scored)
+        assert len({tuple(h[0].tokens) for h in raw}) > 30  # varied outputs: not vacuous
+    ensemble = translate.load_ensemble([multi30k_run, multi30k_run], ["decode.beam_size=1"])
+    assert not decoding.greedy_from_logits(ensemble)  # a mean of probabilities needs them

@@ -181,8 +181,9 @@ class Batcher:
             matches = [m for job in jobs for m in job.matches or [[]] * len(job.lines)]
         start = time.monotonic()
         try:
-            results = translate_lines(jobs[0].translator, lines, prefixes=prefixes,
-                                      matches=matches)  # fmt: skip
+            translator = jobs[0].translator  # an answer carries scores with n-best lists only
+            results = translate_lines(translator, lines, prefixes=prefixes, matches=matches,
+                                      scores=translator.config.decode.nbest > 1)  # fmt: skip
         except Exception as err:
             logger.error(
                 "decoding %d lines failed: %s: %s", len(lines), type(err).__name__, first_line(err)

@@ -174,12 +174,15 @@ def translate_lines(
     first_line: int = 0,
     prefixes: Sequence[str] | None = None,
     matches: Sequence[Sequence[glossaries.Match]] | None = None,
+    scores: bool = True,
 ) -> list[list[Hypothesis]]:
     """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line.
     `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling);
     `prefixes`: a target prefix for each line ("" for none) that every output starts with;
     `matches`: the glossary entries each line matched (default: the translator's glossary's),
-    obeyed as glossary.mode says (_obey), each hypothesis telling which it uses (.terms)."""
+    obeyed as glossary.mode says (_obey), each hypothesis telling which it uses (.terms);
+    `scores` false: the caller reads no scores, which greedy search then need not compute
+    (nan; greedy_from_logits)."""
     if translator.engine is not None:  # decoding options may have changed since the load
         check_engine(translator.config, translator.device)
     if prefixes is not None and len(prefixes) != len(lines):
@@ -195,7 +198,7 @@ def translate_lines(
     # empty input: empty output (or its prefix alone), no model call
     results = [[Hypothesis(p, 0.0, 0.0)] if p else [] for p in forced]
     todo = [i for i, seq in enumerate(ids) if seq]
-    _decode_all(translator, ids, forced, todo, first_line, results)
+    _decode_all(translator, ids, forced, todo, first_line, results, scores=scores)
     if matches is not None and any(matches):
         _obey(translator, ids, forced, todo, results, matches)
     return results
@@ -222,6 +225,7 @@ def _decode_all(
     first_line: int,
     results: list[list[Hypothesis]],
     terms: dict[int, Terms] | None = None,
+    scores: bool = True,
 ) -> None:
     """results[i] = the hypotheses of line i for each i in `todo`, decoded in batches of
     decode.max_tokens source tokens (fewer with constraints, `terms` by line: their beam is
@@ -243,7 +247,9 @@ def _decode_all(
         line_ids, prefix = [first_line + i for i in chosen], [forced[i] for i in chosen]
         batch_terms = [terms[i] for i in chosen] if terms is not None else None
         try:
-            hypotheses = _translate_batch(translator, sources, line_ids, prefix, batch_terms)
+            hypotheses = _translate_batch(
+                translator, sources, line_ids, prefix, batch_terms, scores=scores
+            )
         except (torch.OutOfMemoryError, RuntimeError, MemoryError) as err:
             if not distributed.is_out_of_memory(err):
                 raise
@@ -397,9 +403,11 @@ def _translate_batch(
     line_ids: Sequence[int],
     prefixes: list[list[int]],
     terms: list[Terms] | None = None,
+    scores: bool = True,
 ) -> list[list[Hypothesis]]:
     """Encode a batch of sources once and search over the decoder: sampling, greedy, beam, or
-    constrained beam search when `terms` are given (one Terms per source)."""
+    constrained beam search when `terms` are given (one Terms per source); greedy's scores
+    only if `scores`."""
     model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
     prefixes = prefixes if any(prefixes) else []  # none: the search's plain path
     if translator.engine is not None:
@@ -415,7 +423,8 @@ def _translate_batch(
     for row, seq in enumerate(sources):
         src[row, : len(seq)] = torch.tensor(seq)
         src[row, len(seq)] = tok.source_eos_id
-    step, state = _step_function(translator, src.to(translator.device))
+    logits = not scores and greedy_from_logits(translator)
+    step, state = _step_function(translator, src.to(translator.device), normalise=not logits)
     start = tok.start_id(translator.config.model.decoder_start)
     common = {"bos_id": start, "eos_id": tok.eos_id, "banned": tok.never_output,
               "alpha": decode.length_penalty, "form": decode.length_penalty_form,
@@ -442,16 +451,30 @@ def _translate_batch(
         )  # fmt: skip
         return [hypotheses[i : i + samples] for i in range(0, len(hypotheses), samples)]
     if decode.beam_size == 1:
-        return [[h] for h in greedy(step, state, limits, **common)]
+        return [[h] for h in greedy(step, state, limits, logits=logits, **common)]
     return beam_search(
         step, state, limits, beam_size=decode.beam_size, nbest=decode.nbest,
         early_stopping=decode.early_stopping, **common,
     )  # fmt: skip
 
 
-def _step_function(translator: Decodable, src: torch.Tensor) -> tuple[StepFn, SearchState]:
+def greedy_from_logits(translator: Decodable) -> bool:
+    """Whether greedy search may pick its tokens from the raw logits (search.logits_argmax: the
+    same tokens, no log-softmax over the vocabulary per step) when its caller reads no scores:
+    greedy search of one model, one hypothesis a line."""
+    decode = translator.config.decode
+    return (
+        decode.beam_size == 1 and decode.sampling == "none" and decode.nbest == 1
+        and not translator.ensemble
+    )  # fmt: skip
+
+
+def _step_function(
+    translator: Decodable, src: torch.Tensor, normalise: bool = True
+) -> tuple[StepFn, SearchState]:
     """The search's step function and state over a batch of sources (B, S), encoded once by each
-    model: its log-probabilities, or an ensemble's mean of probabilities (ensemble.py)."""
+    model: its log-probabilities (unless not `normalise`: its logits, one model only), or an
+    ensemble's mean of probabilities (ensemble.py)."""
     src_mask = make_src_mask(src, translator.tokenizer.source_pad_id)
     models = [m for m in (translator.model, *translator.ensemble) if m is not None]
     # One decoder row per sentence; beam search makes k (B·k), the source stays (B, S, D).
@@ -459,7 +482,7 @@ def _step_function(translator: Decodable, src: torch.Tensor) -> tuple[StepFn, Se
 
     def log_probs(model: Transformer, tokens: torch.Tensor, s: _DecodeState) -> torch.Tensor:
         logits = model.decode(tokens[:, None], None, s.src_mask, s.cache)  # (N, 1, V)
-        return F.log_softmax(logits[:, 0].float(), dim=-1)
+        return F.log_softmax(logits[:, 0].float(), dim=-1) if normalise else logits[:, 0].float()
 
     if len(models) == 1:
         return (lambda tokens, s: (log_probs(models[0], tokens, s), s)), states[0]

@@ -100,7 +100,9 @@ def _export(
         translator,
         config=apply_overrides(translator.config, ["decode.beam_size=1", "decode.nbest=1"]),
     )
-    expected = [h[0].tokens if h else [] for h in translate.translate_lines(greedy, lines)]
+    expected = [
+        h[0].tokens if h else [] for h in translate.translate_lines(greedy, lines, scores=False)
+    ]
     staging = output.parent / f".tmp-export-{output.name}-{os.getpid()}"
     if output.parent.is_dir():  # what killed exports to this output left behind
         files.recover(

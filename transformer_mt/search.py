@@ -75,15 +75,23 @@ def greedy(
     device: torch.device | str = "cpu",
     prefixes: Sequence[Sequence[int]] = (),
     forced_eos: str = "log_prob",
+    logits: bool = False,
 ) -> list[Hypothesis]:
-    """The argmax token at every step until EOS or the sentence's maximum length (EOS forced)."""
+    """The argmax token at every step until EOS or the sentence's maximum length (EOS forced).
+
+    logits: step_fn returns the raw logits, not log-probabilities, and the hypotheses carry no
+    scores (nan): the argmax needs no normaliser, a pass over the vocabulary saved per step
+    (logits_argmax), with the tokens the log-probabilities would give."""
 
     def argmax(log_probs: torch.Tensor, live: torch.Tensor, t: int) -> tuple[torch.Tensor, ...]:
+        if logits:
+            return torch.zeros(len(live), device=log_probs.device), logits_argmax(log_probs)
         return row_max(log_probs)
 
     return _one_path(
         step_fn, state, max_lengths, bos_id=bos_id, eos_id=eos_id, banned=banned, alpha=alpha,
         form=form, device=device, choose=argmax, prefixes=prefixes, forced_eos=forced_eos,
+        scored=not logits,
     )  # fmt: skip
 
 
@@ -155,9 +163,11 @@ def _one_path(
     choose: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]],
     prefixes: Sequence[Sequence[int]],
     forced_eos: str = "log_prob",
+    scored: bool = True,
 ) -> list[Hypothesis]:
     """One token per row and step, picked by choose(log_probs (N, V), live rows (N,), t) ->
-    (its log-probability (N,), token (N,)), until EOS or the row's maximum length (EOS forced)."""
+    (its log-probability (N,), token (N,)), until EOS or the row's maximum length (EOS forced).
+    Unless `scored`, the hypotheses' scores are nan (none were computed)."""
     forcing = _Forcing(max_lengths, prefixes, eos_id, device)
     n, steps = len(max_lengths), forcing.steps
     live = torch.arange(n, device=device)  # sentence index of each row
@@ -183,6 +193,8 @@ def _one_path(
             live, choice = live[keep], choice[keep]
         tokens = choice
     out, log_prob, end = outputs.tolist(), sums.tolist(), ends.tolist()
+    if not scored:
+        log_prob = [math.nan] * n
     return [
         Hypothesis(out[s][: end[s] - 1], log_prob[s] / length_penalty(end[s], alpha, form),
                    log_prob[s])
@@ -324,9 +336,20 @@ def row_max(values: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.
     row; a plain maximum does): the maxima of blocks of `block` tokens, the first block holding
     the row's maximum, the first position in it. Greedy's argmax over the vocabulary is a tenth
     of a one-layer decoder's step (scripts/bench_decode.py --breakdown)."""
+    best, index, _, _ = _row_max_blocks(values, block)
+    return best, index
+
+
+def _row_max_blocks(
+    values: torch.Tensor, block: int = 64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """row_max's (maxima (N,), indices (N,)) and how it found them: the block maxima (N, blocks)
+    and the values of the block holding the maximum (N, block), or for a vocabulary under two
+    blocks the whole rows in both places."""
     rows, vocab = values.shape
     if vocab < 2 * block:
-        return values.max(dim=-1)
+        best, index = values.max(dim=-1)
+        return best, index, values, values
     full = vocab - vocab % block  # tokens in whole blocks; a shorter block ends the row
     values = values.contiguous()
     maxima = values.as_strided((rows, full // block, block), (vocab, block, 1)).amax(dim=-1)
@@ -336,7 +359,29 @@ def row_max(values: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.
     start = which * block
     # Past a row's end the last token is repeated: after it, so never the first maximum.
     index = (start[:, None] + torch.arange(block, device=values.device)).clamp(max=vocab - 1)
-    return best, start + values.gather(1, index).max(dim=-1).indices
+    inside = values.gather(1, index)  # (N, block)
+    return best, start + inside.max(dim=-1).indices, maxima, inside
+
+
+def logits_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(N,) the token row_max(log_softmax(logits)) picks, from the logits (N, V) alone.
+
+    log_softmax subtracts one constant per row, rounded: it keeps the order of a row's values but
+    may round two that differ by a few ulps to one value, which then ties (and the first wins).
+    So a row whose runner-up lies within `near` of its maximum (rare: two logits equal to about
+    six digits) is decided on its log-probabilities, computed for those rows alone; every other
+    row's argmax is the logits'. `near`, 2^-20 of the magnitudes log_softmax's two subtractions
+    round at (the maximum and log V), is 8 times their rounding error. A runner-up that near
+    lies in the maximum's block or raises its own block's maximum that near: both are counted
+    from row_max's blocks, with no second pass over the vocabulary."""
+    best, index, maxima, inside = _row_max_blocks(logits)
+    floor = (best - (best.abs() + math.log(logits.size(-1)) + 1.0) * 2.0**-20)[:, None]  # (N, 1)
+    # In a short vocabulary (one "block") or a repeated last token, one value may count twice.
+    close = ((maxima >= floor).sum(dim=-1) > 1) | ((inside >= floor).sum(dim=-1) > 1)  # (N,)
+    if bool(close.any()):
+        rows = close.nonzero().squeeze(1)
+        index[rows] = row_max(torch.log_softmax(logits[rows], dim=-1))[1]
+    return index
 
 
 def _ranked(values: torch.Tensor, count: int) -> torch.Tensor:

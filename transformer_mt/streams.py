@@ -76,7 +76,10 @@ def output_and_report(
     """Per line: what translate writes for it (output_rows) and its glossary report line."""
     glossary, decode = translator.glossary, translator.config.decode
     matches = glossary.match_lines(lines) if glossary is not None else [[] for _ in lines]
-    hypotheses = translate_lines(translator, lines, first, prefixes, matches)
+    # Scores are printed with n-best lists only.
+    hypotheses = translate_lines(
+        translator, lines, first, prefixes, matches, scores=decode.nbest > 1
+    )
     out = []
     for i, hyps in enumerate(hypotheses):
         rows = "".join(output_rows(translator, hyps, index=first + i, nbest=decode.nbest))

@@ -350,7 +350,7 @@ def _ctranslate2_cache(translator: Translator, keep_model: bool = False) -> Tran
                                      "decode.precision=fp32", "decode.beam_size=1"])  # fmt: skip
             torch_greedy = dataclasses.replace(translator, config=greedy)
             lines = check_lines(greedy, 200)[0]
-            expected = [h[0].tokens for h in translate_lines(torch_greedy, lines)]
+            expected = [h[0].tokens for h in translate_lines(torch_greedy, lines, scores=False)]
             ids = source_ids(translator, lines)
             report = {"source": translator.origin, "step": translator.step,
                       "parameters": translator.parameters,
@@ -419,7 +419,7 @@ def translate_text(
 ) -> list[str]:
     """Detokenized best translation of each line, in input order (each starting with its target
     prefix, if given)."""
-    hypotheses = translate_lines(translator, lines, prefixes=prefixes)
+    hypotheses = translate_lines(translator, lines, prefixes=prefixes, scores=False)
     return detokenize(translator, [hyps[0].tokens if hyps else [] for hyps in hypotheses])
 
 
