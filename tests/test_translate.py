@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import io
-import math
 import logging
+import math
 import shutil
 from pathlib import Path
 

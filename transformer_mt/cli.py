@@ -24,75 +24,16 @@ from typing import Annotated, Any
 
 import typer
 
-from transformer_mt import exits
+from transformer_mt import exits, flags
 from transformer_mt.config import apply_overrides, load_config
 from transformer_mt.exits import TmtError
-from transformer_mt.flags import (
-    Alignment,
-    Annotate,
-    ApiKey,
-    AsJson,
-    Beam,
-    Best,
-    By,
-    CheckLines,
-    CleanOutput,
-    ConfigOption,
-    Device,
-    DryRun,
-    Engine,
-    Ensemble,
-    GlossaryFile,
-    GlossaryReport,
-    HfModel,
-    Host,
-    Hyps,
-    InitFrom,
-    Languages,
-    Last,
-    Lenpen,
-    MaxTokens,
-    Model,
-    Models,
-    NBest,
-    OldInput,
-    OldLast,
-    OldModel,
-    OldModels,
-    OnceCommand,
-    Output,
-    Overrides,
-    Overwrite,
-    PlotOutput,
-    Port,
-    Precision,
-    Prefix,
-    Quantization,
-    Ref,
-    RunBest,
-    RunDirs,
-    RunLast,
-    Sampling,
-    Seed,
-    SourceFile,
-    Split,
-    TargetLang,
-    Temperature,
-    TextInput,
-    TextOutput,
-    Weights,
-    flag_overrides,
-    given_model,
-    given_models,
-    renamed,
-)
 
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-command = functools.partial(app.command, cls=OnceCommand)
+command = functools.partial(app.command, cls=flags.OnceCommand)
 
 
 @app.callback()
@@ -155,11 +96,11 @@ def _load(
 @command()
 @_user_errors
 def train(
-    config: ConfigOption = "multi30k",
-    set_: Overrides = None,
-    init_from: InitFrom = None,
-    dry_run: DryRun = False,
-    as_json: AsJson = False,
+    config: flags.ConfigOption = "multi30k",
+    set_: flags.Overrides = None,
+    init_from: flags.InitFrom = None,
+    dry_run: flags.DryRun = False,
+    as_json: flags.AsJson = False,
 ) -> None:
     """Train a model. Multi-GPU: torchrun --nproc_per_node=N -m transformer_mt train -c CONFIG."""
     from transformer_mt import dry_run as dry_run_lib
@@ -182,32 +123,33 @@ def train(
 @command()
 @_user_errors
 def translate(
-    model: Ensemble = None,
-    weights: Weights = None,
-    input_: TextInput = "-",
-    output: TextOutput = "-",
-    overwrite: Overwrite = False,
-    nbest: NBest = None,
-    beam: Beam = None,
-    lenpen: Lenpen = None,
-    max_tokens: MaxTokens = None,
-    device: Device = None,
-    precision: Precision = None,
-    engine: Engine = None,
-    sampling: Sampling = None,
-    temperature: Temperature = None,
-    seed: Seed = None,
-    prefix: Prefix = None,
-    alignment: Alignment = None,
-    target_lang: TargetLang = None,
-    glossary: GlossaryFile = None,
-    glossary_report: GlossaryReport = None,
-    last: Last = 0,
-    best: Best = 0,
-    by: By = None,
-    set_: Overrides = None,
-    old_model: OldModel = None,
-    old_last: OldLast = 0,
+    model: flags.Ensemble = None,
+    weights: flags.Weights = None,
+    input_: flags.TextInput = "-",
+    output: flags.TextOutput = "-",
+    overwrite: flags.Overwrite = False,
+    nbest: flags.NBest = None,
+    beam: flags.Beam = None,
+    lenpen: flags.Lenpen = None,
+    max_tokens: flags.MaxTokens = None,
+    device: flags.Device = None,
+    precision: flags.Precision = None,
+    engine: flags.Engine = None,
+    sampling: flags.Sampling = None,
+    temperature: flags.Temperature = None,
+    seed: flags.Seed = None,
+    prefix: flags.Prefix = None,
+    alignment: flags.Alignment = None,
+    target_lang: flags.TargetLang = None,
+    shortlist: flags.ShortlistFlag = None,
+    glossary: flags.GlossaryFile = None,
+    glossary_report: flags.GlossaryReport = None,
+    last: flags.Last = 0,
+    best: flags.Best = 0,
+    by: flags.By = None,
+    set_: flags.Overrides = None,
+    old_model: flags.OldModel = None,
+    old_last: flags.OldLast = 0,
 ) -> None:
     """Translate raw text, one output line per input line (other options: --set decode.KEY=V).
 
@@ -215,13 +157,14 @@ def translate(
     a kill translates only what is missing. Under torchrun the processes share the chunks."""
     from transformer_mt import bulk, streams
 
-    overrides = flag_overrides(
+    overrides = flags.flag_overrides(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
         precision=precision, engine=engine, sampling=sampling, temperature=temperature,
         seed=seed, alignment=alignment, target_lang=target_lang, glossary=glossary,
+        shortlist=shortlist,
     )  # fmt: skip
-    last = renamed(last, old_last, "--last", "--average-last")
-    translator = _load(given_models(model, old_model), weights, overrides, last, best, by)
+    last = flags.renamed(last, old_last, "--last", "--average-last")
+    translator = _load(flags.given_models(model, old_model), weights, overrides, last, best, by)
     if bulk.is_bulk(input_, output, prefix, glossary_report):
         report = bulk.translate_job(translator, input_, output, overwrite, prefix, glossary_report)
         if "output" in report:  # rank 0
@@ -238,39 +181,40 @@ def translate(
 @command()
 @_user_errors
 def evaluate(
-    model: Ensemble = None,
-    weights: Weights = None,
-    split: Split = None,
-    input_: SourceFile = None,
-    ref: Ref = None,
-    hyp: Hyps = None,
-    as_json: AsJson = False,
-    beam: Beam = None,
-    lenpen: Lenpen = None,
-    max_tokens: MaxTokens = None,
-    device: Device = None,
-    precision: Precision = None,
-    engine: Engine = None,
-    target_lang: TargetLang = None,
-    glossary: GlossaryFile = None,
-    last: Last = 0,
-    best: Best = 0,
-    by: By = None,
-    set_: Overrides = None,
-    old_model: OldModel = None,
-    old_input: OldInput = None,
-    old_last: OldLast = 0,
+    model: flags.Ensemble = None,
+    weights: flags.Weights = None,
+    split: flags.Split = None,
+    input_: flags.SourceFile = None,
+    ref: flags.Ref = None,
+    hyp: flags.Hyps = None,
+    as_json: flags.AsJson = False,
+    beam: flags.Beam = None,
+    lenpen: flags.Lenpen = None,
+    max_tokens: flags.MaxTokens = None,
+    device: flags.Device = None,
+    precision: flags.Precision = None,
+    engine: flags.Engine = None,
+    target_lang: flags.TargetLang = None,
+    shortlist: flags.ShortlistFlag = None,
+    glossary: flags.GlossaryFile = None,
+    last: flags.Last = 0,
+    best: flags.Best = 0,
+    by: flags.By = None,
+    set_: flags.Overrides = None,
+    old_model: flags.OldModel = None,
+    old_input: flags.OldInput = None,
+    old_last: flags.OldLast = 0,
 ) -> None:
     """sacreBLEU (with signature), chrF, chrF++, TER and lowercased BLEU of a model or a
     hypothesis file; with several --hyp, paired significance tests against the first; with
     --glossary, term use (entries used / entries matched)."""
     from transformer_mt import evaluate as lib
 
-    input_ = renamed(input_, old_input, "--input", "--src")
+    input_ = flags.renamed(input_, old_input, "--input", "--src")
     translating = {"--weights": weights, "--last": last or old_last, "--best": best, "--by": by,
                    "--beam": beam, "--lenpen": lenpen, "--max-tokens": max_tokens,
                    "--device": device, "--precision": precision, "--engine": engine,
-                   "--target-lang": target_lang}  # fmt: skip
+                   "--target-lang": target_lang, "--shortlist": shortlist}  # fmt: skip
     lib.check_arguments(bool(hyp), bool(model or old_model), input_ is not None, ref is not None,
                         split is not None, translating, glossary is not None)  # fmt: skip
     split = split or "test"
@@ -279,16 +223,16 @@ def evaluate(
         _echo(report, as_json, lib.format_comparison(report))
         return
 
-    overrides = flag_overrides(
+    overrides = flags.flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
-        engine=engine, target_lang=target_lang, glossary=glossary,
+        engine=engine, target_lang=target_lang, glossary=glossary, shortlist=shortlist,
     )  # fmt: skip
     lib.check_split(split)  # before a model is loaded
-    last = renamed(last, old_last, "--last", "--average-last")
+    last = flags.renamed(last, old_last, "--last", "--average-last")
     # Splits come from the model's config (its data section), else from the default preset.
     translator = None
     if model or old_model:
-        translator = _load(given_models(model, old_model), weights, overrides, last, best, by)
+        translator = _load(flags.given_models(model, old_model), weights, overrides, last, best, by)
     cfg = translator.config if translator else apply_overrides(load_config("multi30k"), overrides)
     texts = lib.read_files(input_, ref, hyp[0] if hyp else None)
     report = lib.evaluate(translator, split, *texts, cfg, lib.glossary_of(translator, cfg))
@@ -298,23 +242,23 @@ def evaluate(
 @command()
 @_user_errors
 def export(
-    output: Output,
+    output: flags.Output,
     fmt: Annotated[str, typer.Option("--format", help="ctranslate2 or huggingface.")],
-    model: Model = None,
-    quantization: Quantization = None,
-    check_lines: CheckLines = None,
-    overwrite: Overwrite = False,
-    last: Last = 0,
-    best: Best = 0,
-    by: By = None,
-    as_json: AsJson = False,
-    old_model: OldModel = None,
+    model: flags.Model = None,
+    quantization: flags.Quantization = None,
+    check_lines: flags.CheckLines = None,
+    overwrite: flags.Overwrite = False,
+    last: flags.Last = 0,
+    best: flags.Best = 0,
+    by: flags.By = None,
+    as_json: flags.AsJson = False,
+    old_model: flags.OldModel = None,
 ) -> None:
     """Export to CTranslate2 or Hugging Face; written only if its greedy outputs equal tmt's."""
     from transformer_mt import export as lib
 
     report = lib.export(
-        given_model(model, old_model), fmt, output, quantization=quantization,
+        flags.given_model(model, old_model), fmt, output, quantization=quantization,
         check_lines=check_lines, overwrite=overwrite, last=last, best=best, by=by,
     )  # fmt: skip
     _echo(report, as_json, lib.format_report(report))
@@ -323,18 +267,18 @@ def export(
 @command("import")
 @_user_errors
 def import_(
-    output: Output,
-    model: HfModel = None,
-    src_lang: Languages = None,
-    tgt_lang: Languages = None,
-    overwrite: Overwrite = False,
-    as_json: AsJson = False,
+    output: flags.Output,
+    model: flags.HfModel = None,
+    src_lang: flags.Languages = None,
+    tgt_lang: flags.Languages = None,
+    overwrite: flags.Overwrite = False,
+    as_json: flags.AsJson = False,
 ) -> None:
     """Import a Hugging Face MarianMTModel directory (OPUS-MT) as a tmt model (-m HF_DIR)."""
     from transformer_mt import pretrained
 
     report = pretrained.import_model(
-        given_model(model, None), output, src_lang, tgt_lang, overwrite
+        flags.given_model(model, None), output, src_lang, tgt_lang, overwrite
     )
     _echo(report, as_json, pretrained.format_report(report))
 
@@ -342,12 +286,12 @@ def import_(
 @command()
 @_user_errors
 def clean(
-    output: CleanOutput,
-    config: ConfigOption = "multi30k",
-    set_: Overrides = None,
-    annotate: Annotate = False,
-    overwrite: Overwrite = False,
-    as_json: AsJson = False,
+    output: flags.CleanOutput,
+    config: flags.ConfigOption = "multi30k",
+    set_: flags.Overrides = None,
+    annotate: flags.Annotate = False,
+    overwrite: flags.Overwrite = False,
+    as_json: flags.AsJson = False,
 ) -> None:
     """Clean data.train by the clean section's filters: the pairs kept, what each removed."""
     from transformer_mt import cleaning
@@ -359,12 +303,12 @@ def clean(
 @command()
 @_user_errors
 def terms(
-    output: Output,
-    config: ConfigOption = "multi30k",
-    model: Model = None,
-    set_: Overrides = None,
-    overwrite: Overwrite = False,
-    as_json: AsJson = False,
+    output: flags.Output,
+    config: flags.ConfigOption = "multi30k",
+    model: flags.Model = None,
+    set_: flags.Overrides = None,
+    overwrite: flags.Overwrite = False,
+    as_json: flags.AsJson = False,
 ) -> None:
     """A term dictionary of data.train (TSV: source, targets, count): eflomal's word alignments,
     or with -m a trained model's; what data.terms.dictionary reads. Resumable."""
@@ -377,20 +321,47 @@ def terms(
 
 @command()
 @_user_errors
+def shortlist(
+    model: flags.Model = None,
+    output: flags.ShortlistOutput = None,
+    input_: flags.SourceFile = None,
+    ref: flags.Ref = None,
+    marian: flags.Marian = None,
+    first: flags.First = 100,
+    best: flags.BestPieces = 100,
+    min_prob: flags.MinProb = 0.0001,
+    aligner: flags.Aligner = "auto",
+    overwrite: flags.Overwrite = False,
+    as_json: flags.AsJson = False,
+) -> None:
+    """A lexical shortlist for a model (--shortlist auto finds it beside the model): per source
+    piece its likeliest target pieces, from its training data, -i SRC --ref TGT, -i SRC alone
+    (its own translations), or Marian's lex.s2t."""
+    from transformer_mt import shortlist as lib
+
+    if model is None:
+        raise TmtError("name the model with -m/--model", param="model")
+    report = lib.make(str(model), output, input_, ref, marian, first, best, min_prob, aligner,
+                      overwrite)  # fmt: skip
+    _echo(report, as_json, lib.format_report(report))
+
+
+@command()
+@_user_errors
 def distill(
-    output: Output,
-    model: Ensemble = None,
-    weights: Weights = None,
-    config: ConfigOption = "student",
-    set_: Overrides = None,
-    as_json: AsJson = False,
+    output: flags.Output,
+    model: flags.Ensemble = None,
+    weights: flags.Weights = None,
+    config: flags.ConfigOption = "student",
+    set_: flags.Overrides = None,
+    as_json: flags.AsJson = False,
 ) -> None:
     """Distil a teacher (-m; several: an ensemble) into the config's model in -o DIR: the teacher
     translates data.train, the student trains on that, is compared with it and exported."""
     from transformer_mt import distill as lib
 
     report = lib.distill(
-        load_config(config, set_ or []), given_models(model, None), output, weights
+        load_config(config, set_ or []), flags.given_models(model, None), output, weights
     )
     _echo(report, as_json, lib.format_report(report))
 
@@ -398,20 +369,20 @@ def distill(
 @command()
 @_user_errors
 def average(
-    output: Output,
-    models: Models = None,
-    last: RunLast = 0,
-    best: RunBest = 0,
-    by: By = None,
-    overwrite: Overwrite = False,
-    as_json: AsJson = False,
-    old_models: OldModels = None,
+    output: flags.Output,
+    models: flags.Models = None,
+    last: flags.RunLast = 0,
+    best: flags.RunBest = 0,
+    by: flags.By = None,
+    overwrite: flags.Overwrite = False,
+    as_json: flags.AsJson = False,
+    old_models: flags.OldModels = None,
 ) -> None:
     """Average checkpoints into one self-contained model (§6.1: the last 5 for base, 20 for big):
     -m CKPT -m CKPT ..., or -m RUN_DIR with --last N or --best N."""
     from transformer_mt import averaging
 
-    models = renamed(models, old_models, "-m/--model", "a positional model")
+    models = flags.renamed(models, old_models, "-m/--model", "a positional model")
     report = averaging.average_into(
         models or [], output, last=last, best=best, by=by, overwrite=overwrite
     )
@@ -421,16 +392,16 @@ def average(
 @command()
 @_user_errors
 def plot(
-    models: RunDirs = None,
-    output: PlotOutput = None,
-    overwrite: Overwrite = False,
-    as_json: AsJson = False,
-    old_models: OldModels = None,
+    models: flags.RunDirs = None,
+    output: flags.PlotOutput = None,
+    overwrite: flags.Overwrite = False,
+    as_json: flags.AsJson = False,
+    old_models: flags.OldModels = None,
 ) -> None:
     """Draw training loss, validation loss and BLEU, learning rate and tokens/s against updates."""
     from transformer_mt import plot as lib
 
-    run_dirs = renamed(models, old_models, "-m/--model", "a positional run directory")
+    run_dirs = flags.renamed(models, old_models, "-m/--model", "a positional run directory")
     report = lib.plot(run_dirs or [], output, overwrite)
     panels = ", ".join(f"{title} {n}" for title, n in report["curves"].items())
     _echo(report, as_json, f"{report['output']}: curves drawn per panel: {panels}")
@@ -439,22 +410,23 @@ def plot(
 @command()
 @_user_errors
 def serve(
-    model: Ensemble = None,
-    weights: Weights = None,
-    host: Host = None,
-    port: Port = None,
-    api_key: ApiKey = None,
-    beam: Beam = None,
-    lenpen: Lenpen = None,
-    max_tokens: MaxTokens = None,
-    device: Device = None,
-    precision: Precision = None,
-    engine: Engine = None,
-    target_lang: TargetLang = None,
-    last: Last = 0,
-    best: Best = 0,
-    by: By = None,
-    set_: Overrides = None,
+    model: flags.Ensemble = None,
+    weights: flags.Weights = None,
+    host: flags.Host = None,
+    port: flags.Port = None,
+    api_key: flags.ApiKey = None,
+    beam: flags.Beam = None,
+    lenpen: flags.Lenpen = None,
+    max_tokens: flags.MaxTokens = None,
+    device: flags.Device = None,
+    precision: flags.Precision = None,
+    engine: flags.Engine = None,
+    shortlist: flags.ShortlistFlag = None,
+    target_lang: flags.TargetLang = None,
+    last: flags.Last = 0,
+    best: flags.Best = 0,
+    by: flags.By = None,
+    set_: flags.Overrides = None,
 ) -> None:
     """Serve the model over HTTP: tmt's API, the LibreTranslate API, a page, metrics (serve.*)."""
     try:
@@ -463,13 +435,13 @@ def serve(
         raise TmtError(f"tmt serve needs the serve extra ({err.name} is missing): pip install"
                        " 'transformer_mt[serve]'") from None  # fmt: skip
 
-    overrides = flag_overrides(
+    overrides = flags.flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
-        engine=engine, host=host, port=port, target_lang=target_lang,
+        engine=engine, host=host, port=port, target_lang=target_lang, shortlist=shortlist,
     )  # fmt: skip
     # kept beside a CTranslate2 engine: requests may bring glossaries, decoded by tmt's engine
     translator = _load(
-        given_models(model, None), weights, overrides, last, best, by, keep_model=True
+        flags.given_models(model, None), weights, overrides, last, best, by, keep_model=True
     )
     lib.serve(translator, overrides, api_key=api_key or "")
 

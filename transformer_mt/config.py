@@ -414,6 +414,10 @@ class DecodeConfig:
     # tmt translate -i FILE -o FILE: lines per committed chunk (the unit of resuming and of
     # sharing the work among processes).
     chunk_lines: Count = 2000
+    # A lexical shortlist (tmt shortlist; shortlist.py): each sentence's outputs scored over its
+    # own candidates only (frequent pieces and its source pieces' likely translations): "none"
+    # (the exact decode), "auto" (shortlist.npz beside the model), or a file's path. At load.
+    shortlist: str = "none"
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_mt import alignment, ct2, distributed, ensemble, hints
+from transformer_mt import alignment, ct2, distributed, ensemble, hints, kernels
 from transformer_mt import glossary as glossaries
 from transformer_mt.config import Config
 from transformer_mt.constraints import Terms, constrained_beam_search
@@ -37,6 +38,7 @@ from transformer_mt.search import (
     line_uniforms,
     sample,
 )
+from transformer_mt.shortlist import Shortlist
 from transformer_mt.tokenizer import Tokenizer, language_token_id
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class Decodable(Protocol):
     device: torch.device
     engine: Any
     glossary: glossaries.Glossary | None
+    shortlist: Shortlist | None
 
 
 def check_engine(cfg: Config, device: torch.device) -> None:
@@ -106,15 +109,112 @@ def check_options(cfg: Config, overrides: Sequence[str | tuple[str, str]]) -> No
 
 
 class _DecodeState:
-    """What search.py needs from the model: the decoder cache and source mask, reorderable."""
+    """What search.py needs from the model: the decoder cache and source mask, reorderable, and
+    with a shortlist each sentence's candidates (allowed (B, U), _Shortlisted)."""
 
-    def __init__(self, cache: DecoderCache, src_mask: torch.Tensor) -> None:
-        self.cache, self.src_mask = cache, src_mask
+    def __init__(
+        self, cache: DecoderCache, src_mask: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> None:
+        self.cache, self.src_mask, self.allowed = cache, src_mask, allowed
 
     def reorder(self, index: torch.Tensor, beam: int) -> None:
         sentences = self.cache.reorder(index.to(self.src_mask.device), beam)
         if sentences is not None:  # the source mask is per sentence, like the cross K/V
             self.src_mask = self.src_mask.index_select(0, sentences)
+            if self.allowed is not None:
+                self.allowed = self.allowed.index_select(0, sentences)
+
+
+class _Shortlisted:
+    """A batch's outputs under a lexical shortlist (shortlist.py): the search runs over the
+    union of its sentences' candidate sets, `vocab` (U,) target ids in increasing order (so ties
+    still go to the lower id), and each row is masked to its own sentence's set (`allowed`
+    (B, U)): what a line may output never depends on the lines beside it. A sentence's set is
+    the shortlist's candidates for its source, </s>, and the pieces of its prefix and glossary
+    entries, and the pieces never output, which the search bans after normalising (as without
+    a shortlist); the start token is in the union to be fed. `full`: the
+    search runs over the whole vocabulary instead (constrained search's token ids), the
+    outputs outside a row's set scored -inf."""
+
+    def __init__(self, sets: list[np.ndarray], start: int, device: torch.device, full: bool):
+        union = np.unique(np.concatenate([*sets, [start]]))
+        allowed = np.zeros((len(sets), len(union)), dtype=bool)
+        for row, ids in enumerate(sets):
+            allowed[row, np.searchsorted(union, ids)] = True
+        self.ids, self.full = union, full
+        self.vocab = torch.from_numpy(union).to(device)
+        # Added to a sentence's rows' logits: 0 on its candidates, -inf elsewhere (B, U).
+        self.allowed = torch.zeros(allowed.shape, device=device).masked_fill_(
+            torch.from_numpy(~allowed).to(device), -math.inf)  # fmt: skip
+
+    def index(self, ids: Sequence[int]) -> list[int]:
+        """Search-space indices of these target ids (each in the union)."""
+        return ids if self.full else np.searchsorted(self.ids, ids).tolist()
+
+    def restore(self, hypotheses: list[list[Hypothesis]]) -> list[list[Hypothesis]]:
+        """Hypotheses in search-space indices -> in target ids."""
+        if self.full:
+            return hypotheses
+        return [[dataclasses.replace(h, tokens=self.ids[h.tokens].tolist()) for h in line]
+                for line in hypotheses]  # fmt: skip
+
+    def project(self, model: Transformer) -> Callable[[torch.Tensor], torch.Tensor]:
+        """hidden (N, D) -> logits over the union (N, U): the output matrix's rows (and biases)
+        of the union gathered once a batch, packed for oneDNN where the model's linear layers
+        are (decode.cpu_linear)."""
+        projection = model.output_projection
+        bias = projection.bias[self.vocab] if projection.bias is not None else None
+        weight = projection.weight[self.vocab]  # (U, D)
+        if isinstance(projection, kernels.PackedLinear):
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return lambda x: F.linear(x, weight, bias)
+
+
+def _shortlist_logits(
+    model: Transformer,
+    tokens: torch.Tensor,
+    s: _DecodeState,
+    shortlist: _Shortlisted,
+    project: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """A step's logits over the batch's candidates (N, U), each row's outside its sentence's set
+    -inf; in the whole vocabulary (N, V) for constrained search (shortlist.full)."""
+    fed = tokens if shortlist.full else shortlist.vocab[tokens]  # (N,) target ids
+    hidden = model.decode(fed[:, None], None, s.src_mask, s.cache, project=False)[:, 0]  # (N, D)
+    logits = project(hidden).float()  # (N, U)
+    assert s.allowed is not None
+    sentences, union = s.allowed.shape
+    logits = (logits.view(sentences, -1, union) + s.allowed[:, None]).view(-1, union)
+    if not shortlist.full:
+        return logits
+    whole = logits.new_full((logits.size(0), model.vocab_size), -math.inf)  # (N, V)
+    return whole.index_copy_(1, shortlist.vocab, logits)
+
+
+def _shortlisted(
+    translator: Decodable,
+    sources: list[list[int]],
+    prefixes: list[list[int]],
+    terms: list[Terms] | None,
+    start: int,
+) -> _Shortlisted | None:
+    """Each sentence's candidates under translator.shortlist (None without one)."""
+    table = translator.shortlist
+    if table is None:
+        return None
+    eos = [translator.tokenizer.eos_id]
+    never = np.array(translator.tokenizer.never_output, dtype=np.int64)
+    sets = []
+    for row, source in enumerate(sources):
+        extra = list(prefixes[row]) if prefixes else []
+        if terms is not None:
+            extra += [piece for entry in terms[row] for option in entry for piece in option]
+        # The never-output pieces count in the normaliser as in the exact decode, which bans
+        # them after its log-softmax: a shortlist of every piece decodes exactly as none.
+        found = np.union1d(table.candidates(source), never)
+        sets.append(np.union1d(found, np.array(eos + extra, dtype=np.int64)))
+    return _Shortlisted(sets, start, translator.device, full=terms is not None)
 
 
 def source_ids(translator: Decodable, lines: Sequence[str], what: str = "line") -> list[list[int]]:
@@ -424,9 +524,43 @@ def _translate_batch(
         src[row, : len(seq)] = torch.tensor(seq)
         src[row, len(seq)] = tok.source_eos_id
     logits = not scores and greedy_from_logits(translator)
-    step, state = _step_function(translator, src.to(translator.device), normalise=not logits)
     start = tok.start_id(translator.config.model.decoder_start)
-    common = {"bos_id": start, "eos_id": tok.eos_id, "banned": tok.never_output,
+    shortlist = _shortlisted(translator, sources, prefixes, terms, start)
+    step, state = _step_function(translator, src.to(translator.device), not logits, shortlist)
+    if shortlist is not None:  # the search's ids: indices into the batch's candidates
+        hypotheses = _search(translator, step, state, sources, line_ids, _in_shortlist(
+            shortlist, tok, start, prefixes), terms, logits)  # fmt: skip
+        return shortlist.restore(hypotheses)
+    return _search(translator, step, state, sources, line_ids,
+                   (start, tok.eos_id, tok.never_output, prefixes), terms, logits)  # fmt: skip
+
+
+def _in_shortlist(
+    shortlist: _Shortlisted, tok: Tokenizer, start: int, prefixes: list[list[int]]
+) -> tuple[int, int, list[int], list[list[int]]]:
+    """start, eos, banned ids and prefixes in the search's ids under a shortlist."""
+    start_index, eos = shortlist.index([start])[0], shortlist.index([tok.eos_id])[0]
+    banned = shortlist.index(list(tok.never_output))  # in every set (_shortlisted): banned
+    return start_index, eos, banned, [shortlist.index(p) for p in prefixes]
+
+
+def _search(
+    translator: Decodable,
+    step: StepFn,
+    state: SearchState,
+    sources: list[list[int]],
+    line_ids: Sequence[int],
+    ids: tuple[int, int, Sequence[int], list[list[int]]],
+    terms: list[Terms] | None,
+    logits: bool,
+) -> list[list[Hypothesis]]:
+    """The search decode.* asks for over `step`: ids = (start, eos, banned, prefixes) in the
+    step's token ids."""
+    model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
+    assert model is not None
+    start, eos, banned, prefixes = ids
+    samples = decode.nbest if decode.sampling != "none" else 1
+    common = {"bos_id": start, "eos_id": eos, "banned": banned,
               "alpha": decode.length_penalty, "form": decode.length_penalty_form,
               "device": translator.device, "prefixes": prefixes,
               "forced_eos": decode.forced_eos}  # fmt: skip
@@ -470,19 +604,28 @@ def greedy_from_logits(translator: Decodable) -> bool:
 
 
 def _step_function(
-    translator: Decodable, src: torch.Tensor, normalise: bool = True
+    translator: Decodable,
+    src: torch.Tensor,
+    normalise: bool = True,
+    shortlist: _Shortlisted | None = None,
 ) -> tuple[StepFn, SearchState]:
     """The search's step function and state over a batch of sources (B, S), encoded once by each
     model: its log-probabilities (unless not `normalise`: its logits, one model only), or an
-    ensemble's mean of probabilities (ensemble.py)."""
+    ensemble's mean of probabilities (ensemble.py); with a shortlist, over its candidates."""
     src_mask = make_src_mask(src, translator.tokenizer.source_pad_id)
     models = [m for m in (translator.model, *translator.ensemble) if m is not None]
+    allowed = shortlist.allowed if shortlist is not None else None
     # One decoder row per sentence; beam search makes k (B·k), the source stays (B, S, D).
-    states = [_DecodeState(m.start_cache(m.encode(src, src_mask)), src_mask) for m in models]
+    states = [_DecodeState(m.start_cache(m.encode(src, src_mask)), src_mask, allowed)
+              for m in models]  # fmt: skip
+    projections = {id(m): shortlist.project(m) for m in models} if shortlist else {}
 
     def log_probs(model: Transformer, tokens: torch.Tensor, s: _DecodeState) -> torch.Tensor:
-        logits = model.decode(tokens[:, None], None, s.src_mask, s.cache)  # (N, 1, V)
-        return F.log_softmax(logits[:, 0].float(), dim=-1) if normalise else logits[:, 0].float()
+        if shortlist is None:
+            logits = model.decode(tokens[:, None], None, s.src_mask, s.cache)[:, 0]  # (N, V)
+        else:
+            logits = _shortlist_logits(model, tokens, s, shortlist, projections[id(model)])
+        return F.log_softmax(logits.float(), dim=-1) if normalise else logits.float()
 
     if len(models) == 1:
         return (lambda tokens, s: (log_probs(models[0], tokens, s), s)), states[0]

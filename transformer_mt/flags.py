@@ -143,6 +143,14 @@ HfModel = Annotated[
 Languages = Annotated[
     str | None, typer.Option(help="The model's language, if its tokenizer_config.json lacks it.")
 ]
+ShortlistFlag = Annotated[
+    str | None,
+    typer.Option(
+        "--shortlist",
+        help="none, auto (shortlist.npz beside the model: tmt shortlist) or a file: score each"
+        " sentence's outputs over its own candidates (decode.shortlist).",
+    ),
+]
 GlossaryFile = Annotated[
     str | None,
     typer.Option(
@@ -175,6 +183,24 @@ def flag_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[str
 
 
 # Options of one command each.
+ShortlistOutput = Annotated[
+    Path | None,
+    typer.Option("--output", "-o", help="Where to write it (default: beside the model)."),
+]
+Marian = Annotated[
+    Path | None,
+    typer.Option("--from-marian", help="Read Marian's text shortlist (lex.s2t) instead."),
+]
+First = Annotated[int, typer.Option("--first", help="The corpus's most frequent target pieces.")]
+BestPieces = Annotated[
+    int, typer.Option("--best", help="Translations kept per source piece, likeliest first.")
+]
+MinProb = Annotated[
+    float, typer.Option("--min-prob", help="Drop translations under this p(target | source).")
+]
+Aligner = Annotated[
+    str, typer.Option("--aligner", help="auto (eflomal where installed), eflomal or ibm1.")
+]
 InitFrom = Annotated[
     str | None,
     typer.Option(

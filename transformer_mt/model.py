@@ -397,14 +397,18 @@ class Transformer(nn.Module):
         memory: torch.Tensor | None,
         src_mask: torch.Tensor,
         cache: DecoderCache | None = None,
+        project: bool = True,
     ) -> torch.Tensor:
-        """(B, T) target ids -> logits (B, T, V). With a cache: one new position per call."""
+        """(B, T) target ids -> logits (B, T, V). With a cache: one new position per call.
+        Without `project`: the last layer's normalised states (B, T, D), which a lexical
+        shortlist projects onto its own rows of the output matrix (decoding.py)."""
         y = self.embedding(tgt, start=cache.length if cache is not None else 0)
         for i, layer in enumerate(self.decoder_layers):
             y = layer(y, memory, src_mask, cache, i)
         if cache is not None:
             cache.length += tgt.size(1)
-        return self.output_projection(self.decoder_norm(y))
+        y = self.decoder_norm(y)
+        return self.output_projection(y) if project else y
 
     def start_cache(self, memory: torch.Tensor) -> DecoderCache:
         """A decoding cache holding each layer's cross-attention K/V of `memory` (B, S, D), for

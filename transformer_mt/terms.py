@@ -155,6 +155,12 @@ class _ModelAligner:
                 for s, t, pairs in zip(sources, targets, found, strict=True)]  # fmt: skip
 
 
+def eflomal_aligner() -> Any:
+    """eflomal's aligner (ImportError where it is not installed): .align(source, target) -> links
+    per pair from lists of tokens; .name says what it is."""
+    return _Eflomal()
+
+
 def _aligner(cfg: Config, model: str | None) -> Any:
     if model:
         return _ModelAligner(model)

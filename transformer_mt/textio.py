@@ -226,14 +226,16 @@ class OutputLock:
     flock, released when the command ends, however it ends; removed on a clean end). A second
     command writing the same output is refused, naming the first."""
 
-    def __init__(self, output: str | Path, param: str = "output") -> None:
+    def __init__(self, output: str | Path, param: str = "output", own: bool = False) -> None:
+        """`own`: a file tmt keeps in a model's directory (a shortlist beside the model), which
+        the refusal of outputs inside directories tmt manages does not concern."""
         path = Path(os.path.abspath(str(output)))
-        self.output, self.param = output, param
+        self.output, self.param, self.own = output, param, own
         self.lock = files.Lock(path.parent / f".{path.name}.lock", remove=True)
 
     def __enter__(self) -> OutputLock:
         check_path(self.output, self.param)
-        managed = managed_by_tmt(Path(self.output))
+        managed = None if self.own else managed_by_tmt(Path(self.output))
         if managed:  # refused before the lock's file touches a directory tmt manages
             raise TmtError(f"{self.output}: {managed}; choose another output", param=self.param)
         try:

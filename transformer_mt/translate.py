@@ -35,6 +35,7 @@ from transformer_mt import (
     textio,
 )
 from transformer_mt import glossary as glossaries
+from transformer_mt import shortlist as shortlists
 from transformer_mt.alignment import check_layer
 from transformer_mt.config import MODEL_SECTIONS, Config, apply_overrides, changed_keys
 from transformer_mt.decoding import (
@@ -47,6 +48,7 @@ from transformer_mt.decoding import (
 from transformer_mt.exits import TmtError
 from transformer_mt.files import METRICS_FILE
 from transformer_mt.model import Transformer, count_parameters
+from transformer_mt.shortlist import Shortlist
 from transformer_mt.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class Translator:
     # for it (fingerprint()): hashing every weight is not worth it on each load.
     fingerprint: str = ""
     glossary: glossaries.Glossary | None = None  # glossary.path, read (and checked) at load
+    shortlist: Shortlist | None = None  # decode.shortlist, read and verified at load
 
     @classmethod
     def load(
@@ -120,7 +123,7 @@ class Translator:
         name) apply to this call only."""
         if beam is not None:
             decode["beam_size"] = beam
-        moved = {"device", "precision", "engine"} & set(decode)
+        moved = {"device", "precision", "engine", "shortlist"} & set(decode)
         if moved:
             raise TmtError(f"{', '.join(sorted(moved))}: set when loading (Translator.load)")
         translator = self
@@ -248,6 +251,8 @@ def load_translator(
         step=saved.step, path=saved.path, run_dir=_run_of(Path(path), saved.path),
         parameters=count_parameters(model),
     )  # fmt: skip
+    if cfg.decode.shortlist != "none":
+        translator = with_shortlist(translator)
     if not torch_engine:  # the cache is named by the weights' fingerprint
         keep = keep_model or bool(cfg.glossary.path)  # constrained lines are tmt's to decode
         return _ctranslate2_cache(
@@ -288,7 +293,10 @@ def load_ensemble(
         raise TmtError(
             f"an ensemble decodes with decode.engine=torch: CTranslate2 runs one model{named}"
         )
-    members = [load_translator(p, overrides, last=last, best=best, by=by) for p in paths]
+    # The first model's shortlist serves the ensemble (its candidates for every model).
+    others = [*overrides, "decode.shortlist=none"]
+    members = [load_translator(p, others if i else overrides, last=last, best=best, by=by)
+               for i, p in enumerate(paths)]  # fmt: skip
     first = members[0]
     ensemble.check_same_vocabulary([m.tokenizer for m in members], [m.origin for m in members])
     return _with_glossary(_default_mode(dataclasses.replace(
@@ -394,6 +402,24 @@ def _run_of(given: Path, read: Path) -> Path | None:
         if (candidate / run.CHECKPOINTS).is_dir() and (candidate / METRICS_FILE).is_file():
             return candidate
     return None
+
+
+def with_shortlist(translator: Translator) -> Translator:
+    """The translator with decode.shortlist read and verified against its model: "auto" is
+    shortlist.npz in the model's directory."""
+    setting, tok = translator.config.decode.shortlist, translator.tokenizer
+    if translator.config.decode.engine != "torch":
+        raise TmtError("decode.shortlist: tmt's own engine only (decode.engine=torch), not"
+                       f" {translator.config.decode.engine}")  # fmt: skip
+    if translator.path is None:
+        raise TmtError("decode.shortlist: this model has no directory to find its shortlist in")
+    path = translator.path / shortlists.FILE_NAME if setting == "auto" else Path(setting)
+    if setting == "auto" and not path.is_file():
+        raise TmtError(f"decode.shortlist=auto: no {shortlists.FILE_NAME} in {translator.path}:"
+                       f" make one with tmt shortlist -m {translator.path}")  # fmt: skip
+    weights = fingerprint(translator)
+    table = shortlists.load(path, weights, tok.source_vocab_size, tok.vocab_size)
+    return dataclasses.replace(translator, shortlist=table, fingerprint=weights)
 
 
 def fingerprint(translator: Translator) -> str:
