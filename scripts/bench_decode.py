@@ -273,6 +273,88 @@ def greedy_from_logits(translator, sources, passes: int = 3) -> dict:
     }  # fmt: skip
     print(f"greedy from logits over log-softmax: {report['greedy_logits_over_log_softmax']:.3f}x"
           f" (min of {passes}; identical lines {same}/{len(sources)})", flush=True)  # fmt: skip
+    report["argmax_step_ms"] = argmax_step(translator.tokenizer.vocab_size)
+    return report
+
+
+def argmax_step(vocab: int, repeats: int = 200) -> dict:
+    """One greedy step's choice alone, at batch rows 32, 128 and 300: row_max(log_softmax(x))
+    (before) against search.logits_argmax(x) (after), milliseconds, the median of interleaved
+    rounds."""
+    from transformer_mt import search
+
+    out = {}
+    for rows in (32, 128, 300):
+        x = torch.randn(rows, vocab) * 3
+        ways = {"log_softmax": lambda x=x: search.row_max(torch.log_softmax(x, dim=-1)),
+                "logits": lambda x=x: search.logits_argmax(x)}  # fmt: skip
+        times = {name: [] for name in ways}
+        for _ in range(repeats):
+            for name, way in ways.items():
+                start = time.perf_counter()
+                way()
+                times[name].append(1000 * (time.perf_counter() - start))
+        medians = {name: round(float(np.median(t)), 3) for name, t in times.items()}
+        out[str(rows)] = {**medians, "ratio": round(medians["log_softmax"] / medians["logits"], 2)}
+        print(f"argmax step, {rows} x {vocab}: {medians['log_softmax']} ms -> {medians['logits']}"
+              f" ms ({out[str(rows)]['ratio']}x)", flush=True)  # fmt: skip
+    return out
+
+
+def shortlist_ab(path: str, table: str, split: str, lines: int, passes: int = 3) -> dict:
+    """One model decoded exactly and with a lexical shortlist (decode.shortlist = `table`),
+    greedy and beam 4, the passes interleaved: sentences/s (the fastest pass), lines identical to
+    the exact decode, the miss rate (exact outputs' tokens outside their sentence's candidates),
+    BLEU and chrF with sacreBLEU's paired tests against the exact decode."""
+    from transformer_mt import corpus, evaluate, translate
+
+    exact = translate.load_translator(path, ["decode.device=cpu"])
+    listed = translate.load_translator(path, ["decode.device=cpu", f"decode.shortlist={table}"])
+    key = {"valid": "data.valid", "test": "data.test"}[split]
+    sources, references = (x[:lines] for x in corpus.read_split(exact.config.data, key))
+    tok, report = exact.tokenizer, {"model": path, "shortlist": table, "split": split}
+    ids = tok.encode(sources)
+    sizes = [len(listed.shortlist.candidates(x)) + 1 for x in ids]
+    report.update(mean_candidates=round(float(np.mean(sizes)), 1), vocabulary=tok.vocab_size)
+    for beam in (1, 4):
+        seconds, outputs = {"exact": [], "shortlist": []}, {}
+        for t in (exact, listed):
+            run_tmt(t, sources[:100], beam)  # warm-up
+        for _ in range(passes):
+            for name, t in (("exact", exact), ("shortlist", listed)):
+                elapsed, outputs[name] = run_tmt(t, sources, beam)
+                seconds[name].append(elapsed)
+        texts = {name: tok.decode(out) for name, out in outputs.items()}
+        tested = evaluate.compare([(n, texts[n]) for n in ("exact", "shortlist")], references)
+        missed_lines = missed_tokens = tokens = 0
+        for x, out in zip(ids, outputs["exact"], strict=True):
+            allowed = set(listed.shortlist.candidates(x).tolist()) | {tok.eos_id}
+            outside = sum(t not in allowed for t in out)
+            missed_lines, missed_tokens, tokens = (
+                missed_lines + (outside > 0),
+                missed_tokens + outside,
+                tokens + len(out),
+            )
+        row = {
+            "exact_sentences_per_s": round(len(sources) / min(seconds["exact"]), 1),
+            "shortlist_sentences_per_s": round(len(sources) / min(seconds["shortlist"]), 1),
+            "speedup": round(min(seconds["exact"]) / min(seconds["shortlist"]), 3),
+            "seconds": {k: sorted(round(x, 3) for x in v) for k, v in seconds.items()},
+            "identical_lines_pct": round(100 * sum(
+                a == b for a, b in zip(outputs["exact"], outputs["shortlist"], strict=True))
+                / len(sources), 1),
+            "missed_lines_pct": round(100 * missed_lines / len(sources), 1),
+            "missed_tokens_pct": round(100 * missed_tokens / max(tokens, 1), 2),
+            "systems": tested["systems"],
+        }  # fmt: skip
+        report[f"beam{beam}"] = row
+        b = next(s for s in tested["systems"] if s["system"] == "shortlist")
+        print(f"beam {beam}: {row['exact_sentences_per_s']} -> {row['shortlist_sentences_per_s']}"
+              f" sent/s ({row['speedup']:.2f}x); identical {row['identical_lines_pct']} %;"
+              f" missed lines {row['missed_lines_pct']} %, tokens {row['missed_tokens_pct']} %;"
+              f" BLEU {tested['systems'][0]['bleu']['score']} -> {b['bleu']['score']}"
+              f" (p {b['bleu']['p_bootstrap']} / {b['bleu']['p_randomization']})",
+              flush=True)  # fmt: skip
     return report
 
 
@@ -290,10 +372,17 @@ def main() -> None:
     )
     parser.add_argument("--split", choices=("valid", "test"), default="test")
     parser.add_argument("--breakdown", action="store_true", help="profile --checkpoint instead")
+    parser.add_argument(
+        "--shortlist", metavar="auto|PATH", help="--checkpoint exactly and with this shortlist"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     isa = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...: what decides the winner
     print(f"CPU capability: {isa}, {args.threads} threads", flush=True)
+    if args.shortlist:
+        summary = shortlist_ab(args.checkpoint, args.shortlist, args.split, args.lines)
+        print(json.dumps({"isa": isa, "threads": args.threads, **summary}))
+        return
     if args.breakdown or args.model:
         models = dict(m.split("=", 1) for m in args.model)
         summary = (breakdown(args.checkpoint, args.lines) if args.breakdown
