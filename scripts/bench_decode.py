@@ -348,6 +348,7 @@ def shortlist_ab(path: str, table: str, split: str, lines: int, passes: int = 3)
             "systems": tested["systems"],
         }  # fmt: skip
         report[f"beam{beam}"] = row
+        report.update(_vmap_ab(path, table, listed, sources, references, beam, outputs, passes))
         b = next(s for s in tested["systems"] if s["system"] == "shortlist")
         print(f"beam {beam}: {row['exact_sentences_per_s']} -> {row['shortlist_sentences_per_s']}"
               f" sent/s ({row['speedup']:.2f}x); identical {row['identical_lines_pct']} %;"
@@ -356,6 +357,56 @@ def shortlist_ab(path: str, table: str, split: str, lines: int, passes: int = 3)
               f" (p {b['bleu']['p_bootstrap']} / {b['bleu']['p_randomization']})",
               flush=True)  # fmt: skip
     return report
+
+
+def _vmap_ab(path, table, listed, sources, references, beam, tmt_outputs, passes) -> dict:
+    """CTranslate2 exactly and with the same shortlist as its vmap (tmt export --shortlist), in
+    tmt's batches: its speed-up, and how often its per-batch union changes a line against tmt's
+    per-sentence sets (lines identical to tmt's shortlist decode; to CTranslate2's own one line
+    at a time)."""
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError:
+        return {}
+    from transformer_mt import evaluate, export, translate
+
+    directory = Path(tempfile.mkdtemp(prefix="tmt-vmap-")) / "export"
+    export.export(path, "ctranslate2", directory, check_lines=50, shortlist=table)
+    base = ["decode.engine=ctranslate2", "decode.device=cpu"]
+    engines = {
+        "ct2_exact": translate.load_translator(directory, base),
+        "ct2_vmap": translate.load_translator(directory, [*base, "decode.shortlist=auto"]),
+    }
+    seconds, outputs = {name: [] for name in engines}, {}
+    for t in engines.values():
+        run_tmt(t, sources[:100], beam)
+    for _ in range(passes):
+        for name, t in engines.items():
+            elapsed, outputs[name] = run_tmt(t, sources, beam)
+            seconds[name].append(elapsed)
+    alone = [run_tmt(engines["ct2_vmap"], [line], beam)[1][0] for line in sources]
+
+    def same(a, b):
+        return round(100 * sum(x == y for x, y in zip(a, b, strict=True)) / len(a), 1)
+
+    tok, ours = listed.tokenizer, tmt_outputs["shortlist"]
+    bleu = {n: evaluate.score(tok.decode(o), references, all_metrics=False)["bleu"]
+            for n, o in outputs.items()}  # fmt: skip
+    row = {
+        "ct2_exact_sentences_per_s": round(len(sources) / min(seconds["ct2_exact"]), 1),
+        "ct2_vmap_sentences_per_s": round(len(sources) / min(seconds["ct2_vmap"]), 1),
+        "ct2_vmap_speedup": round(min(seconds["ct2_exact"]) / min(seconds["ct2_vmap"]), 3),
+        "ct2_bleu": bleu,
+        "ct2_vmap_batched_vs_one_line_identical_pct": same(outputs["ct2_vmap"], alone),
+        "ct2_vmap_vs_tmt_shortlist_identical_pct": same(outputs["ct2_vmap"], ours),
+        "ct2_one_line_vs_tmt_shortlist_identical_pct": same(alone, ours),
+    }  # fmt: skip
+    print(f"beam {beam}, CTranslate2: vmap {row['ct2_vmap_speedup']:.2f}x its exact decode;"
+          f" batched = one line at a time on {row['ct2_vmap_batched_vs_one_line_identical_pct']} %"
+          f" of lines; = tmt's shortlist on {row['ct2_vmap_vs_tmt_shortlist_identical_pct']} %"
+          f" (one line at a time: {row['ct2_one_line_vs_tmt_shortlist_identical_pct']} %);"
+          f" BLEU {bleu}", flush=True)  # fmt: skip
+    return {f"beam{beam}_ctranslate2": row}
 
 
 def main() -> None:

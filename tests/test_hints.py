@@ -279,9 +279,9 @@ def test_auto_decodes_again_only_the_lines_that_miss_an_entry(
     calls: list[list[int]] = []
     real = decoding._decode_all
 
-    def counting(translator, ids, forced, todo, *rest):
+    def counting(translator, ids, forced, todo, *rest, **kw):
         calls.append(list(todo))
-        return real(translator, ids, forced, todo, *rest)
+        return real(translator, ids, forced, todo, *rest, **kw)
 
     monkeypatch.setattr(decoding, "_decode_all", counting)
     auto = translate.load_ensemble([hinted_run], [f"glossary.path={glossary_file}",

@@ -37,11 +37,15 @@ LAYERS: list[tuple[str, set[str]]] = [
             "kernels",
             "glossary",
             "hints",
+            "maxima",
+            "aligner",
+            "shortlist",
         },
     ),
     # what decoding adds over the models: several decoding as one (their search states and
     # probabilities combined), alignments from the cross-attention, constrained search
-    ("ensembles", {"ensemble", "alignment", "constraints"}),
+    # ... and a batch's candidates under a lexical shortlist
+    ("ensembles", {"ensemble", "alignment", "constraints", "candidates"}),
     # what tmt keeps on disk: one checkpoint, a run directory, averages of checkpoints
     # ... and a CTranslate2 export of a model, the engine that decodes it
     ("stores", {"checkpoint", "run", "averaging", "ct2"}),
@@ -65,6 +69,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "dry_run",
             "cleaning",
             "terms",
+            "shortlisting",
         },
     ),
     # the server: one worker batching requests, the service that knows the model, the two
@@ -92,6 +97,8 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("data", "hints"): "data.terms: the training sources' term hints, drawn each epoch",
     ("hints", "glossary"): "a hint's terms are a dictionary's, matched as a glossary's",
     ("hints", "tokenizer"): "... and its tags the tokenizer's symbols",
+    ("search", "maxima"): "greedy's argmax and beam search's top-k are block-wise maxima",
+    ("shortlist", "aligner"): "p(target piece | source piece) from eflomal's links",
     ("clean", "corpus"): "the overlap rule reads the validation and test splits",
     ("metrics", "distributed"): "the metrics log all-reduces its sums over ranks",
     ("run", "checkpoint"): "a run directory holds checkpoints",
@@ -108,6 +115,7 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("pretrained", "marian_config"): "an import reads the directory's JSON files as tmt settings",
     ("marian_config", "huggingface"): "... generate's stopping rules as the export names them",
     ("terms", "translate"): "tmt terms -m aligns with a loaded model's attention",
+    ("shortlisting", "translate"): "tmt shortlist reads a loaded model (and its translations)",
     ("export", "recipes"): "an export's README, whose code is its parity check",
     ("recipes", "translate"): "the README's values are a loaded Translator's",
     ("service", "batching"): "requests are translated through the one batching worker",
@@ -186,10 +194,12 @@ def test_the_rule_refuses_imports_up_and_unnamed_sideways(tmp_path: Path) -> Non
 
 
 def test_model_and_search_stand_alone() -> None:
-    # style.md: model.py imports only the config; search.py nothing of the package (it gets a
-    # step function), so it decodes a toy distribution in tests as it decodes the model.
+    # style.md: model.py imports only the config; search.py nothing of the package but its
+    # vocabulary maxima (maxima.py, itself importing nothing: tensor arithmetic), as it gets a
+    # step function, so it decodes a toy distribution in tests as it decodes the model.
     assert project_imports(PACKAGE / "model.py") <= {"config"}
-    assert project_imports(PACKAGE / "search.py") == set()
+    assert project_imports(PACKAGE / "search.py") <= {"maxima"}
+    assert project_imports(PACKAGE / "maxima.py") == set()
 
 
 def test_nothing_imports_the_cli_except_main() -> None:

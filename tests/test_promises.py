@@ -178,7 +178,7 @@ def test_a_failed_translation_keeps_the_old_output(
     source.write_text("kalo mi\n")
     output.write_text("yesterday's translations\n")
 
-    def fail(translator, lines, first_line=0, prefixes=None, matches=None):
+    def fail(translator, lines, first_line=0, prefixes=None, matches=None, **_):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(streams, "translate_lines", fail)  # both paths translate through it

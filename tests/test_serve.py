@@ -411,7 +411,7 @@ def test_a_client_that_has_gone_costs_nothing(
 
     decoded: list[str] = []
     monkeypatch.setattr(batching, "translate_lines",
-                        lambda translator, lines, prefixes=None, matches=None: decoded.extend(lines) or [[] for _ in lines])  # fmt: skip
+                        lambda translator, lines, prefixes=None, matches=None, **_: decoded.extend(lines) or [[] for _ in lines])  # fmt: skip
 
     class Quiet:
         def queued(self, n: int) -> None: ...
@@ -454,7 +454,7 @@ def test_the_batcher_gathers_a_burst_and_lets_a_lone_request_go(
 
     calls: list[list[str]] = []
     monkeypatch.setattr(batching, "translate_lines",
-                        lambda translator, lines, prefixes=None, matches=None: calls.append(lines) or [[] for _ in lines])  # fmt: skip
+                        lambda translator, lines, prefixes=None, matches=None, **_: calls.append(lines) or [[] for _ in lines])  # fmt: skip
 
     class Quiet:
         def queued(self, n: int) -> None: ...

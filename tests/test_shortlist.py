@@ -14,7 +14,7 @@ import pytest
 from conftest import multi30k_sentences, reverse_pairs
 from test_train import run_tmt
 
-from transformer_mt import shortlist, translate
+from transformer_mt import shortlist, shortlisting, translate
 from transformer_mt.exits import TmtError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def made(multi30k_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("shortlist")
     src, ref = _multi30k_pairs(3000, tmp)
     out = tmp / "model.shortlist"
-    shortlist.make(str(multi30k_run), out, src, ref, first=50, best=20)
+    shortlisting.make(str(multi30k_run), out, src, ref, first=50, best=20)
     return out
 
 
@@ -98,7 +98,7 @@ def test_prefix_and_glossary_pieces_are_always_candidates(
     # glossary's target must still come out.
     src, ref = _multi30k_pairs(300, tmp_path)
     tiny = tmp_path / "tiny.shortlist"
-    shortlist.make(str(multi30k_run), tiny, src, ref, first=0, best=1, aligner="ibm1")
+    shortlisting.make(str(multi30k_run), tiny, src, ref, first=0, best=1, aligner="ibm1")
     t = _translator(multi30k_run, tiny)
     out = translate.translate_text(t, ["Ein Hund rennt."], prefixes=["Zebras quickly"])[0]
     assert out.startswith("Zebras quickly")
@@ -138,12 +138,12 @@ def test_the_file_is_verified_and_refused_in_one_line(
 
 
 def test_without_eflomal_ibm_model_1_aligns_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformer_mt import terms
+    from transformer_mt import aligner
 
     def missing() -> None:
         raise ImportError("eflomal")
 
-    monkeypatch.setattr(terms, "eflomal_aligner", missing)
+    monkeypatch.setattr(aligner, "eflomal_aligner", missing)
     # Source piece 10 + i always with target piece 20 + i, beside a frequent 5 / 6 pair.
     pairs = [([5, 10 + i % 7], [6, 20 + i % 7]) for i in range(70)]
     table, report = shortlist.build(pairs, 40, 40, never=(0, 1), first=1, best=1, min_prob=0.0)
@@ -163,13 +163,13 @@ def test_marian_lex_s2t_is_read_and_bad_lines_named(multi30k_run: Path, tmp_path
     lex = tmp_path / "lex.s2t"
     lex.write_text(f"{pieces[0]} {pieces[1]} 0.9\n", encoding="utf-8")
     out = tmp_path / "from_marian.npz"
-    shortlist.make(str(multi30k_run), out, marian=lex, first=10, best=5)
+    shortlisting.make(str(multi30k_run), out, marian=lex, first=10, best=5)
     fingerprint = translate.fingerprint(t)
     table = shortlist.load(out, fingerprint, tok.source_vocab_size, tok.vocab_size)
     assert dog in table.candidates([hund]).tolist()
     lex.write_text(f"{pieces[0]} {pieces[1]} 0.9\nnot-a-piece-here ▁Hund 0.5\n", encoding="utf-8")
     with pytest.raises(TmtError, match=r"lex.s2t:2: .*not in the model's vocabulary"):
-        shortlist.make(str(multi30k_run), out, marian=lex, overwrite=True)
+        shortlisting.make(str(multi30k_run), out, marian=lex, overwrite=True)
 
 
 def test_commands_make_it_beside_the_model_and_decode_with_it(
@@ -188,6 +188,51 @@ def test_commands_make_it_beside_the_model_and_decode_with_it(
     out = run_tmt(["translate", "-m", str(model), "-i", str(src), "--shortlist", "auto"])
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.splitlines()) == 30
+    # The file job (chunks, resumable) writes what the stream wrote; evaluate takes it too.
+    job = tmp_path / "out.txt"
+    run = run_tmt(["translate", "-m", str(model), "-i", str(src), "-o", str(job),
+                   "--shortlist", str(model / "shortlist.npz")])  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert job.read_text(encoding="utf-8") == out.stdout
+    ref = tmp_path / "ref.txt"
+    ref.write_text("".join(t + "\n" for _, t in reverse_pairs(30, seed=3)), encoding="utf-8")
+    scored = run_tmt(["evaluate", "-m", str(model), "-i", str(src), "--ref", str(ref),
+                      "--shortlist", "auto", "--json"])  # fmt: skip
+    assert scored.returncode == 0, scored.stderr
+    assert "bleu" in json.loads(scored.stdout)
     bad = run_tmt(["translate", "-m", str(trained_run), "-i", str(src), "--shortlist", "auto"])
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "no shortlist.npz" in bad.stderr
+
+
+def test_the_ctranslate2_export_carries_it_as_its_vmap(
+    multi30k_run: Path, made: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("ctranslate2")
+    from transformer_mt import ct2, export
+
+    out = tmp_path / "ct2"
+    report = export.export(multi30k_run, "ctranslate2", out, check_lines=50, shortlist=str(made))
+    assert report["vmap_lines"] > 1 and (out / ct2.VMAP_FILE).is_file()
+    assert ct2.read(out).has_vmap and "use_vmap=True" in (out / "README.md").read_text()
+    listed = _translator(multi30k_run, made, "decode.beam_size=1")
+    engine = translate.load_translator(
+        out, ["decode.engine=ctranslate2", "decode.shortlist=auto", "decode.beam_size=1"]
+    )
+    # One line a call, CTranslate2's union is that line's own set: greedy picks as tmt does.
+    for line in LINES[:15]:
+        ours = translate.translate_lines(listed, [line])[0][0].tokens
+        theirs = translate.translate_lines(engine, [line])[0][0].tokens
+        assert ours == theirs
+    # Together, its outputs stay within the batch's union (they may leave a line's own set).
+    assert listed.shortlist is not None
+    union = set().union(*(listed.shortlist.candidates(x).tolist()
+                          for x in listed.tokenizer.encode(LINES)))  # fmt: skip
+    for hyps in translate.translate_lines(engine, LINES):
+        assert set(hyps[0].tokens) <= union | {listed.tokenizer.eos_id}
+    with pytest.raises(TmtError, match="has none"):
+        plain = tmp_path / "plain"
+        export.export(multi30k_run, "ctranslate2", plain, check_lines=20)
+        translate.load_translator(plain, ["decode.engine=ctranslate2", "decode.shortlist=auto"])
+    with pytest.raises(TmtError, match="not for huggingface"):
+        export.export(multi30k_run, "huggingface", tmp_path / "hf", shortlist="auto")

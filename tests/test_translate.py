@@ -60,8 +60,8 @@ def test_empty_lines_are_empty_outputs_without_the_model(
     monkeypatch.setattr(
         decoding,
         "_translate_batch",
-        lambda tr, sources, ids, forced, terms=None: (
-            seen.append(len(sources)) or real(tr, sources, ids, forced)
+        lambda tr, sources, ids, forced, terms=None, **kw: (
+            seen.append(len(sources)) or real(tr, sources, ids, forced, **kw)
         ),
     )
     out = translate.translate_text(t, ["", SOURCES[0], "   ", "\t", SOURCES[1], ""])

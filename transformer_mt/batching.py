@@ -182,8 +182,9 @@ class Batcher:
         start = time.monotonic()
         try:
             translator = jobs[0].translator  # an answer carries scores with n-best lists only
+            nbest = translator.config.decode.nbest if translator is not None else 1
             results = translate_lines(translator, lines, prefixes=prefixes, matches=matches,
-                                      scores=translator.config.decode.nbest > 1)  # fmt: skip
+                                      scores=nbest > 1)  # fmt: skip
         except Exception as err:
             logger.error(
                 "decoding %d lines failed: %s: %s", len(lines), type(err).__name__, first_line(err)

@@ -251,6 +251,7 @@ def export(
     last: flags.Last = 0,
     best: flags.Best = 0,
     by: flags.By = None,
+    shortlist: flags.ExportShortlist = None,
     as_json: flags.AsJson = False,
     old_model: flags.OldModel = None,
 ) -> None:
@@ -260,6 +261,7 @@ def export(
     report = lib.export(
         flags.given_model(model, old_model), fmt, output, quantization=quantization,
         check_lines=check_lines, overwrite=overwrite, last=last, best=best, by=by,
+        shortlist=shortlist,
     )  # fmt: skip
     _echo(report, as_json, lib.format_report(report))
 
@@ -337,7 +339,7 @@ def shortlist(
     """A lexical shortlist for a model (--shortlist auto finds it beside the model): per source
     piece its likeliest target pieces, from its training data, -i SRC --ref TGT, -i SRC alone
     (its own translations), or Marian's lex.s2t."""
-    from transformer_mt import shortlist as lib
+    from transformer_mt import shortlisting as lib
 
     if model is None:
         raise TmtError("name the model with -m/--model", param="model")

@@ -417,7 +417,7 @@ class DecodeConfig:
     # A lexical shortlist (tmt shortlist; shortlist.py): each sentence's outputs scored over its
     # own candidates only (frequent pieces and its source pieces' likely translations): "none"
     # (the exact decode), "auto" (shortlist.npz beside the model), or a file's path. At load.
-    shortlist: str = "none"
+    shortlist: Annotated[str, NonEmpty()] = "none"
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 
 import torch
 
+from transformer_mt import glossary as glossaries
+from transformer_mt.maxima import ranked
 from transformer_mt.search import (
     STOPPING_RULES,
     Hypothesis,
@@ -44,9 +46,9 @@ from transformer_mt.search import (
     _Finished,
     _Forcing,
     _mask,
-    _ranked,
     length_penalty,
 )
+from transformer_mt.tokenizer import Tokenizer
 
 # Per sentence: its entries; per entry: its alternatives; per alternative: token ids.
 Terms = Sequence[Sequence[Sequence[int]]]
@@ -221,7 +223,7 @@ def constrained_beam_search(
             log_probs[guard & free] = log_probs[guard & free].masked_fill(continues, -math.inf)
         m, vocab = len(live), log_probs.size(-1)
         # Candidates: each row's k best tokens, and its sentence's term tokens (once).
-        best = _ranked(log_probs, min(k, vocab))  # (N·w, k)
+        best = ranked(log_probs, min(k, vocab))  # (N·w, k)
         extra = auto.alphabet[row_sentence]  # (N·w, G), -1 padding
         if best.size(1) + extra.size(1) < k:  # a tiny vocabulary: k candidates a row at least
             pad = extra.new_full((extra.size(0), k - best.size(1) - extra.size(1)), -1)
@@ -293,7 +295,7 @@ def constrained_beam_search(
 def _striped(scores: torch.Tensor, bank: torch.Tensor, banks: int) -> torch.Tensor:
     """(m, C) candidate order: the best of each bank (highest bank first), then the second best of
     each, ...; within a bank by score, ties to the lower index; -inf candidates last."""
-    by_score = _ranked(scores, scores.size(1))  # best first, ties to the lower index
+    by_score = ranked(scores, scores.size(1))  # best first, ties to the lower index
     grouped = bank.gather(1, by_score).sort(dim=1, descending=True, stable=True).indices
     order = by_score.gather(1, grouped)  # by bank, by score within
     sorted_bank = bank.gather(1, order)
@@ -315,3 +317,58 @@ def _first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
         pad = ranked.new_full((ranked.size(0), count - ranked.size(1)), mask.size(1))
         ranked = torch.cat([ranked, pad], dim=1)
     return torch.where(ranked < mask.size(1), ranked, -1)
+
+
+# --- a glossary's matches as constraints ------------------------------------------------------
+
+
+_PIECES: dict[tuple[str, str], list[int]] = {}
+
+
+def compile_terms(tok: Tokenizer, matches: Sequence[glossaries.Match]) -> Terms:
+    """Each entry's alternatives as the target tokenizer writes them at a word start, as they
+    stand and with a capital first letter (a sentence's first word); an alternative with a piece
+    the model cannot write (unknown) is left out, and an entry left with none becomes []."""
+    terms = []
+    for match in matches:
+        alternatives: list[list[int]] = []
+        for target in match.entry.targets:
+            for text in dict.fromkeys((target, glossaries.capitalised(target))):
+                key = (tok.sha256, text)
+                if key not in _PIECES:
+                    if len(_PIECES) > 200_000:
+                        _PIECES.clear()
+                    _PIECES[key] = tok.encode([text], side="target")[0]
+                pieces = _PIECES[key]
+                if pieces and tok.unk_id not in pieces and pieces not in alternatives:
+                    alternatives.append(pieces)
+        terms.append(alternatives)
+    return terms
+
+
+_CONTINUES: dict[str, torch.Tensor] = {}
+
+
+_HYPHENS = "-\u2010\u2011"  # join two words into one (glossary.words)
+
+
+def word_continuations(tok: Tokenizer) -> torch.Tensor:
+    """(V,) the target pieces that continue a word: no word-start mark, and a letter, digit,
+    hyphen or byte first (what may not follow a glossary term: it would make it part of a longer
+    word, as glossary.words reads "coffee-like" as one word)."""
+    if tok.sha256 not in _CONTINUES:
+        flags = []
+        for piece in tok.pieces("target"):
+            byte = piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6
+            joined = piece[:1].isalnum() or piece[:1] in _HYPHENS
+            flags.append(byte or (not piece.startswith("\u2581") and joined))
+        _CONTINUES[tok.sha256] = torch.tensor(flags, dtype=torch.bool)
+    return _CONTINUES[tok.sha256]
+
+
+def used_alternatives(
+    tok: Tokenizer, matches: Sequence[glossaries.Match], hyp: Hypothesis
+) -> list[int]:
+    """The alternative of each matched entry that the hypothesis's text uses, -1 for none."""
+    text = tok.decode([hyp.tokens])[0]
+    return [-1 if (alt := glossaries.used(m.entry, text)) is None else alt for m in matches]

@@ -44,6 +44,9 @@ MODEL_FILES = ("model.bin", "config.json", "shared_vocabulary.json", SENTENCEPIE
 # An imported Marian model: its vocabularies (one shared, or one a side) and its tokenizer files.
 VOCABULARY_FILES = ("shared_vocabulary.json", "source_vocabulary.json", "target_vocabulary.json")
 MARIAN_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json")
+# A lexical shortlist as CTranslate2's vocabulary map (tmt export --shortlist): "source piece<TAB>
+# target pieces", the line with no source listing the pieces always allowed.
+VMAP_FILE = "vmap.txt"
 # CTranslate2's activations for tmt's model.activation (gelu: the exact erf, as tmt's).
 ACTIVATIONS = {"relu": "RELU", "swish": "SWISH", "gelu": "GELU"}
 EXTRA = 'pip install "transformer_mt[export]"'
@@ -98,7 +101,8 @@ def write_report(
 ) -> dict[str, Any]:
     """tmt_export.json: `report`, tmt's config (what the engine needs to decode as tmt) and the
     SHA-256 of each model file (what reading it back verifies)."""
-    names = ["model.bin", "config.json", *VOCABULARY_FILES, SENTENCEPIECE_FILE, *MARIAN_FILES]
+    names = ["model.bin", "config.json", *VOCABULARY_FILES, SENTENCEPIECE_FILE, *MARIAN_FILES,
+             VMAP_FILE]  # fmt: skip
     checksums = {
         name: files.sha256_file(directory / name) for name in names if (directory / name).is_file()
     }
@@ -194,6 +198,10 @@ class Export:
     report: dict[str, Any]  # tmt_export.json
     fingerprint: str  # SHA-256 over the model files' checksums: the model, as a job knows it
 
+    @property
+    def has_vmap(self) -> bool:
+        return VMAP_FILE in self.report.get("sha256", {})
+
 
 def read(directory: Path) -> Export:
     """The export at `directory`, its files verified against tmt_export.json."""
@@ -210,7 +218,8 @@ def read(directory: Path) -> Export:
         )
     marian = "source.spm" in checksums
     required = ["model.bin", "config.json", *(MARIAN_FILES[:3] if marian else [SENTENCEPIECE_FILE])]
-    allowed = {"model.bin", "config.json", *VOCABULARY_FILES, SENTENCEPIECE_FILE, *MARIAN_FILES}
+    allowed = {"model.bin", "config.json", *VOCABULARY_FILES, SENTENCEPIECE_FILE, *MARIAN_FILES,
+               VMAP_FILE}  # fmt: skip
     if not set(required) <= set(checksums) <= allowed:
         raise TmtError(f"{where}: lists other files than an export has; export the model again")
     for name in checksums:
@@ -260,6 +269,22 @@ def _reason(err: BaseException) -> str:
     return (err.strerror if isinstance(err, OSError) else None) or str(err).split("\n")[0]
 
 
+def write_vmap(directory: Path, table: Any, tokenizer: Tokenizer) -> int:
+    """A lexical shortlist (shortlist.Shortlist) as CTranslate2's vocabulary map; its lines."""
+    never = set(tokenizer.never_output)
+
+    def pieces(ids: Any) -> str:
+        return " ".join(tokenizer.id_to_piece(int(t)) for t in ids if int(t) not in never)
+
+    rows = ["\t" + pieces(table.frequent)]
+    for source in range(len(table.offsets) - 1):
+        targets = table.targets[table.offsets[source] : table.offsets[source + 1]]
+        if len(targets):
+            rows.append(f"{tokenizer.id_to_piece(source, side='source')}\t{pieces(targets)}")
+    files.atomic_write(directory / VMAP_FILE, ("\n".join(rows) + "\n").encode("utf-8"))
+    return len(rows)
+
+
 # --- decoding ----------------------------------------------------------------------------------
 
 
@@ -270,6 +295,7 @@ def decode(
     limits: Sequence[int],
     decode_cfg: DecodeConfig,
     prefixes: Sequence[Sequence[int]] = (),
+    use_vmap: bool = False,
 ) -> list[list[Hypothesis]]:
     """The n-best of each source (ids, without EOS) by CTranslate2; `limits`: each output's
     maximum length, its EOS included (decoding.output_limits); `prefixes`: target prefixes each
@@ -297,6 +323,7 @@ def decode(
         min_decoding_length=0,  # an empty output is allowed, as in tmt
         return_scores=True,
         suppress_sequences=[[piece(token)] for token in tokenizer.never_output],
+        **({"use_vmap": True} if use_vmap else {}),  # the batch's union of candidates
     )
     # CTranslate2 gives the normalised score only: it stands for the log-probability too.
     return [

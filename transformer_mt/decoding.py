@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_mt import alignment, ct2, distributed, ensemble, hints, kernels
+from transformer_mt import alignment, ct2, distributed, ensemble, hints
 from transformer_mt import glossary as glossaries
+from transformer_mt.candidates import Candidates
 from transformer_mt.config import Config
-from transformer_mt.constraints import Terms, constrained_beam_search
+from transformer_mt.constraints import (
+    Terms,
+    compile_terms,
+    constrained_beam_search,
+    used_alternatives,
+    word_continuations,
+)
 from transformer_mt.data import TokenBucketSampler
 from transformer_mt.ensemble import EnsembleState
 from transformer_mt.exits import TmtError
@@ -110,7 +116,7 @@ def check_options(cfg: Config, overrides: Sequence[str | tuple[str, str]]) -> No
 
 class _DecodeState:
     """What search.py needs from the model: the decoder cache and source mask, reorderable, and
-    with a shortlist each sentence's candidates (allowed (B, U), _Shortlisted)."""
+    with a shortlist each sentence's candidates (allowed (B, U): candidates.py)."""
 
     def __init__(
         self, cache: DecoderCache, src_mask: torch.Tensor, allowed: torch.Tensor | None = None
@@ -123,98 +129,6 @@ class _DecodeState:
             self.src_mask = self.src_mask.index_select(0, sentences)
             if self.allowed is not None:
                 self.allowed = self.allowed.index_select(0, sentences)
-
-
-class _Shortlisted:
-    """A batch's outputs under a lexical shortlist (shortlist.py): the search runs over the
-    union of its sentences' candidate sets, `vocab` (U,) target ids in increasing order (so ties
-    still go to the lower id), and each row is masked to its own sentence's set (`allowed`
-    (B, U)): what a line may output never depends on the lines beside it. A sentence's set is
-    the shortlist's candidates for its source, </s>, and the pieces of its prefix and glossary
-    entries, and the pieces never output, which the search bans after normalising (as without
-    a shortlist); the start token is in the union to be fed. `full`: the
-    search runs over the whole vocabulary instead (constrained search's token ids), the
-    outputs outside a row's set scored -inf."""
-
-    def __init__(self, sets: list[np.ndarray], start: int, device: torch.device, full: bool):
-        union = np.unique(np.concatenate([*sets, [start]]))
-        allowed = np.zeros((len(sets), len(union)), dtype=bool)
-        for row, ids in enumerate(sets):
-            allowed[row, np.searchsorted(union, ids)] = True
-        self.ids, self.full = union, full
-        self.vocab = torch.from_numpy(union).to(device)
-        # Added to a sentence's rows' logits: 0 on its candidates, -inf elsewhere (B, U).
-        self.allowed = torch.zeros(allowed.shape, device=device).masked_fill_(
-            torch.from_numpy(~allowed).to(device), -math.inf)  # fmt: skip
-
-    def index(self, ids: Sequence[int]) -> list[int]:
-        """Search-space indices of these target ids (each in the union)."""
-        return ids if self.full else np.searchsorted(self.ids, ids).tolist()
-
-    def restore(self, hypotheses: list[list[Hypothesis]]) -> list[list[Hypothesis]]:
-        """Hypotheses in search-space indices -> in target ids."""
-        if self.full:
-            return hypotheses
-        return [[dataclasses.replace(h, tokens=self.ids[h.tokens].tolist()) for h in line]
-                for line in hypotheses]  # fmt: skip
-
-    def project(self, model: Transformer) -> Callable[[torch.Tensor], torch.Tensor]:
-        """hidden (N, D) -> logits over the union (N, U): the output matrix's rows (and biases)
-        of the union gathered once a batch, packed for oneDNN where the model's linear layers
-        are (decode.cpu_linear)."""
-        projection = model.output_projection
-        bias = projection.bias[self.vocab] if projection.bias is not None else None
-        weight = projection.weight[self.vocab]  # (U, D)
-        if isinstance(projection, kernels.PackedLinear):
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return lambda x: F.linear(x, weight, bias)
-
-
-def _shortlist_logits(
-    model: Transformer,
-    tokens: torch.Tensor,
-    s: _DecodeState,
-    shortlist: _Shortlisted,
-    project: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """A step's logits over the batch's candidates (N, U), each row's outside its sentence's set
-    -inf; in the whole vocabulary (N, V) for constrained search (shortlist.full)."""
-    fed = tokens if shortlist.full else shortlist.vocab[tokens]  # (N,) target ids
-    hidden = model.decode(fed[:, None], None, s.src_mask, s.cache, project=False)[:, 0]  # (N, D)
-    logits = project(hidden).float()  # (N, U)
-    assert s.allowed is not None
-    sentences, union = s.allowed.shape
-    logits = (logits.view(sentences, -1, union) + s.allowed[:, None]).view(-1, union)
-    if not shortlist.full:
-        return logits
-    whole = logits.new_full((logits.size(0), model.vocab_size), -math.inf)  # (N, V)
-    return whole.index_copy_(1, shortlist.vocab, logits)
-
-
-def _shortlisted(
-    translator: Decodable,
-    sources: list[list[int]],
-    prefixes: list[list[int]],
-    terms: list[Terms] | None,
-    start: int,
-) -> _Shortlisted | None:
-    """Each sentence's candidates under translator.shortlist (None without one)."""
-    table = translator.shortlist
-    if table is None:
-        return None
-    eos = [translator.tokenizer.eos_id]
-    never = np.array(translator.tokenizer.never_output, dtype=np.int64)
-    sets = []
-    for row, source in enumerate(sources):
-        extra = list(prefixes[row]) if prefixes else []
-        if terms is not None:
-            extra += [piece for entry in terms[row] for option in entry for piece in option]
-        # The never-output pieces count in the normaliser as in the exact decode, which bans
-        # them after its log-softmax: a shortlist of every piece decodes exactly as none.
-        found = np.union1d(table.candidates(source), never)
-        sets.append(np.union1d(found, np.array(eos + extra, dtype=np.int64)))
-    return _Shortlisted(sets, start, translator.device, full=terms is not None)
 
 
 def source_ids(translator: Decodable, lines: Sequence[str], what: str = "line") -> list[list[int]]:
@@ -377,7 +291,7 @@ def _obey(
     tok = translator.tokenizer
     strict = translator.config.glossary.mode in ("strict", "auto")  # auto: strict after hints
     with_terms = [i for i in todo if matches[i]]
-    first = {i: [_uses(tok, matches[i], h) for h in results[i]] for i in with_terms}
+    first = {i: [used_alternatives(tok, matches[i], h) for h in results[i]] for i in with_terms}
     redo = [i for i in with_terms if strict and not all(-1 not in u for u in first[i])]
     if redo:
         terms = {i: compile_terms(tok, matches[i]) for i in redo}
@@ -389,63 +303,14 @@ def _obey(
         before = first[i][0] if first[i] else [-1] * len(matches[i])
         annotated = []
         for h in results[i]:
-            uses = _uses(tok, matches[i], h) if i in again else first[i][results[i].index(h)]
+            uses = (used_alternatives(tok, matches[i], h) if i in again
+                    else first[i][results[i].index(h)])  # fmt: skip
             terms_used = tuple(
                 (alt, i in again and alt >= 0 and prior < 0)
                 for alt, prior in zip(uses, before, strict=True)
             )
             annotated.append(dataclasses.replace(h, terms=terms_used))
         results[i] = annotated
-
-
-def _uses(tok: Tokenizer, matches: Sequence[glossaries.Match], hyp: Hypothesis) -> list[int]:
-    """The alternative of each matched entry that the hypothesis's text uses, -1 for none."""
-    text = tok.decode([hyp.tokens])[0]
-    return [-1 if (alt := glossaries.used(m.entry, text)) is None else alt for m in matches]
-
-
-_PIECES: dict[tuple[str, str], list[int]] = {}
-
-
-def compile_terms(tok: Tokenizer, matches: Sequence[glossaries.Match]) -> Terms:
-    """Each entry's alternatives as the target tokenizer writes them at a word start, as they
-    stand and with a capital first letter (a sentence's first word); an alternative with a piece
-    the model cannot write (unknown) is left out, and an entry left with none becomes []."""
-    terms = []
-    for match in matches:
-        alternatives: list[list[int]] = []
-        for target in match.entry.targets:
-            for text in dict.fromkeys((target, glossaries.capitalised(target))):
-                key = (tok.sha256, text)
-                if key not in _PIECES:
-                    if len(_PIECES) > 200_000:
-                        _PIECES.clear()
-                    _PIECES[key] = tok.encode([text], side="target")[0]
-                pieces = _PIECES[key]
-                if pieces and tok.unk_id not in pieces and pieces not in alternatives:
-                    alternatives.append(pieces)
-        terms.append(alternatives)
-    return terms
-
-
-_CONTINUES: dict[str, torch.Tensor] = {}
-
-
-_HYPHENS = "-\u2010\u2011"  # join two words into one (glossary.words)
-
-
-def word_continuations(tok: Tokenizer) -> torch.Tensor:
-    """(V,) the target pieces that continue a word: no word-start mark, and a letter, digit,
-    hyphen or byte first (what may not follow a glossary term: it would make it part of a longer
-    word, as glossary.words reads "coffee-like" as one word)."""
-    if tok.sha256 not in _CONTINUES:
-        flags = []
-        for piece in tok.pieces("target"):
-            byte = piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6
-            joined = piece[:1].isalnum() or piece[:1] in _HYPHENS
-            flags.append(byte or (not piece.startswith("\u2581") and joined))
-        _CONTINUES[tok.sha256] = torch.tensor(flags, dtype=torch.bool)
-    return _CONTINUES[tok.sha256]
 
 
 def _torch_side(translator: Decodable) -> Decodable:
@@ -512,7 +377,8 @@ def _translate_batch(
     prefixes = prefixes if any(prefixes) else []  # none: the search's plain path
     if translator.engine is not None:
         limits = output_limits(translator, sources, prefixes)
-        return ct2.decode(translator.engine, tok, sources, limits, decode, prefixes)
+        return ct2.decode(translator.engine, tok, sources, limits, decode, prefixes,
+                          use_vmap=decode.shortlist != "none")  # fmt: skip
     assert model is not None
     samples = decode.nbest if decode.sampling != "none" else 1
     if samples > 1:  # N independent samples of a line are N rows of the same source
@@ -525,23 +391,15 @@ def _translate_batch(
         src[row, len(seq)] = tok.source_eos_id
     logits = not scores and greedy_from_logits(translator)
     start = tok.start_id(translator.config.model.decoder_start)
-    shortlist = _shortlisted(translator, sources, prefixes, terms, start)
+    shortlist = translator.shortlist and Candidates.of_batch(
+        translator.shortlist, tok, sources, prefixes, terms, start, translator.device)  # fmt: skip
     step, state = _step_function(translator, src.to(translator.device), not logits, shortlist)
     if shortlist is not None:  # the search's ids: indices into the batch's candidates
-        hypotheses = _search(translator, step, state, sources, line_ids, _in_shortlist(
-            shortlist, tok, start, prefixes), terms, logits)  # fmt: skip
+        hypotheses = _search(translator, step, state, sources, line_ids,
+                             shortlist.search_ids(tok, start, prefixes), terms, logits)  # fmt: skip
         return shortlist.restore(hypotheses)
     return _search(translator, step, state, sources, line_ids,
                    (start, tok.eos_id, tok.never_output, prefixes), terms, logits)  # fmt: skip
-
-
-def _in_shortlist(
-    shortlist: _Shortlisted, tok: Tokenizer, start: int, prefixes: list[list[int]]
-) -> tuple[int, int, list[int], list[list[int]]]:
-    """start, eos, banned ids and prefixes in the search's ids under a shortlist."""
-    start_index, eos = shortlist.index([start])[0], shortlist.index([tok.eos_id])[0]
-    banned = shortlist.index(list(tok.never_output))  # in every set (_shortlisted): banned
-    return start_index, eos, banned, [shortlist.index(p) for p in prefixes]
 
 
 def _search(
@@ -607,7 +465,7 @@ def _step_function(
     translator: Decodable,
     src: torch.Tensor,
     normalise: bool = True,
-    shortlist: _Shortlisted | None = None,
+    shortlist: Candidates | None = None,
 ) -> tuple[StepFn, SearchState]:
     """The search's step function and state over a batch of sources (B, S), encoded once by each
     model: its log-probabilities (unless not `normalise`: its logits, one model only), or an
@@ -624,7 +482,9 @@ def _step_function(
         if shortlist is None:
             logits = model.decode(tokens[:, None], None, s.src_mask, s.cache)[:, 0]  # (N, V)
         else:
-            logits = _shortlist_logits(model, tokens, s, shortlist, projections[id(model)])
+            assert s.allowed is not None
+            logits = shortlist.logits(model, tokens, s.src_mask, s.cache, s.allowed,
+                                      projections[id(model)])  # fmt: skip
         return F.log_softmax(logits.float(), dim=-1) if normalise else logits.float()
 
     if len(models) == 1:

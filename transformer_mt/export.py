@@ -58,12 +58,14 @@ def export(
     last: int = 0,
     best: int = 0,
     by: str | None = None,
+    shortlist: str | None = None,
 ) -> dict[str, Any]:
     """Export `model` (a checkpoint, an average or a run directory; with `last` or `best`, the
     average of the run's newest or best N) to `output` in format `fmt` after checking it against
     tmt on `check_lines` validation lines (0: all of them; None: all for CTranslate2, the first
     HF_CHECK_LINES for Hugging Face, whose generate is slow on a CPU); an earlier export at
-    `output` is replaced only with `overwrite`."""
+    `output` is replaced only with `overwrite`; `shortlist` (auto or a file, CTranslate2 only): the
+    model's lexical shortlist written as the export's vmap.txt."""
     if fmt not in FORMATS:
         raise TmtError(f"{fmt}: expected one of {', '.join(FORMATS)}", param="fmt")
     if quantization is not None and (fmt != "ctranslate2" or quantization not in QUANTIZATIONS):
@@ -72,6 +74,9 @@ def export(
             f"{quantization}: not for {{fmt}} {fmt} ({allowed})",
             param="quantization", mentions=["fmt"],
         )  # fmt: skip
+    if shortlist not in (None, "none") and fmt != "ctranslate2":
+        raise TmtError(f"--shortlist: a CTranslate2 export's vocabulary map, not for {fmt}",
+                       param="shortlist")  # fmt: skip
     if check_lines is None:
         check_lines = HF_CHECK_LINES if fmt == "huggingface" else 0
     if check_lines < 0:
@@ -80,17 +85,22 @@ def export(
         raise TmtError(f"{model}: a CTranslate2 export already; export the tmt model it came from")
     textio.check_path(output)
     with textio.OutputLock(output):  # one writer: the checks below hold while it writes
-        return _export(model, fmt, output, quantization, check_lines, overwrite, last, best, by)
+        return _export(model, fmt, output, quantization, check_lines, overwrite, last, best, by,
+                       None if shortlist == "none" else shortlist)  # fmt: skip
 
 
 def _export(
     model: str | Path, fmt: str, output: Path, quantization: str | None, check_lines: int,
-    overwrite: bool, last: int, best: int, by: str | None,
+    overwrite: bool, last: int, best: int, by: str | None, shortlist: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     _check_destination(output, model, overwrite)
     builder = _require(fmt)
     settings = ["decode.device=cpu", "decode.precision=fp32", "decode.engine=torch"]
     translator = translate.load_translator(model, settings, last=last, best=best, by=by)
+    table = None  # read and verified before anything is written
+    if shortlist is not None:
+        table = translate.with_shortlist(dataclasses.replace(translator, config=apply_overrides(
+            translator.config, [f"decode.shortlist={shortlist}"]))).shortlist  # fmt: skip
     every, checked_on = translate.check_lines(translator.config, 0)
     lines = every[: check_lines or None]
     if len(lines) < len(every):  # a sample, and what checking them all would take
@@ -110,9 +120,12 @@ def _export(
         )
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        report = _write_report(staging, fmt, translator, builder(
-            translator, staging, lines, expected, quantization
-        ) | {"checked_on": checked_on})  # fmt: skip
+        built = builder(translator, staging, lines, expected, quantization)
+        if table is not None:  # after the parity check, which is the exact decode's
+            built["vmap_lines"] = ct2.write_vmap(staging, table, translator.tokenizer)
+            with open(staging / recipes.README_FILE, "a", encoding="utf-8") as readme:
+                readme.write(recipes.VMAP_NOTE)
+        report = _write_report(staging, fmt, translator, built | {"checked_on": checked_on})
         output.parent.mkdir(parents=True, exist_ok=True)
         files.swap_into_place(staging, output)  # an empty directory or an earlier export
     except BaseException:

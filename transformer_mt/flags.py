@@ -187,6 +187,14 @@ ShortlistOutput = Annotated[
     Path | None,
     typer.Option("--output", "-o", help="Where to write it (default: beside the model)."),
 ]
+ExportShortlist = Annotated[
+    str | None,
+    typer.Option(
+        "--shortlist",
+        help="ctranslate2: write the model's lexical shortlist (auto: beside it; or a file) as"
+        " the export's vmap.txt.",
+    ),
+]
 Marian = Annotated[
     Path | None,
     typer.Option("--from-marian", help="Read Marian's text shortlist (lex.s2t) instead."),

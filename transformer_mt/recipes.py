@@ -208,6 +208,17 @@ print(translate("{example}", beam=1))
 """
 
 
+VMAP_NOTE = """
+## Its lexical shortlist (`vmap.txt`)
+
+This export carries the model's lexical shortlist as CTranslate2's vocabulary map: pass
+`use_vmap=True` to `translate_batch` to score only each batch's candidate pieces (faster on a
+large vocabulary; CTranslate2 takes the union of the batch's candidates, so a line's output may
+depend on the lines beside it). tmt decodes it with `tmt translate -m THIS_DIR --engine
+ctranslate2 --shortlist auto`.
+"""
+
+
 def _values(translator: Translator) -> dict[str, Any]:
     cfg, tok = translator.config, translator.tokenizer
     marian = tok.kind == "marian"

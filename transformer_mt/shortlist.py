@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from transformer_mt import aligner as aligner_module
 from transformer_mt import files
 from transformer_mt.exits import TmtError
 
@@ -118,9 +119,7 @@ def _align(
     """Links (source index, target index) per pair, and the aligner's name."""
     if aligner in ("auto", "eflomal"):
         try:
-            from transformer_mt.terms import eflomal_aligner
-
-            found = eflomal_aligner()
+            found = aligner_module.eflomal_aligner()
         except ImportError:
             if aligner == "eflomal":
                 raise TmtError("eflomal is not installed: pip install 'transformer_mt[terms]',"
@@ -261,88 +260,3 @@ def load(path: Path, fingerprint: str, source_vocab: int, target_vocab: int) -> 
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= target_vocab):
         raise TmtError(f"{path}: names target ids outside this model's {target_vocab} pieces")
     return table
-
-
-# --- the tmt shortlist command ------------------------------------------------------------------
-
-
-def make(
-    model: str,
-    output: Path | None = None,
-    source_file: Path | None = None,
-    reference_file: Path | None = None,
-    marian: Path | None = None,
-    first: int = 100,
-    best: int = 100,
-    min_prob: float = 0.0001,
-    aligner: str = "auto",
-    overwrite: bool = False,
-) -> dict[str, Any]:
-    """tmt shortlist: a shortlist for `model` from its training corpora, from -i SRC --ref TGT,
-    from -i SRC alone (the model's own greedy translations as targets: an imported model ships
-    no corpus), or from Marian's lex.s2t; written to `output` or beside the model."""
-    from transformer_mt import corpus, textio, translate  # commands above this module
-
-    translator = translate.load_translator(model, ["decode.device=cpu", "decode.engine=torch"])
-    tok, cfg = translator.tokenizer, translator.config
-    if translator.path is None:
-        raise TmtError(f"{model}: no model directory to write its shortlist in: give -o FILE")
-    # Beside the model (tmt's own file in its directory, as the CTranslate2 export is), or where
-    # -o says (never inside a directory tmt manages).
-    beside = output is None
-    output = translator.path / FILE_NAME if output is None else output
-    textio.check_path(output)
-    if output.exists() and not overwrite:
-        raise TmtError(f"{output}: exists; --overwrite replaces it", param="output")
-    if reference_file is not None and source_file is None:
-        raise TmtError("--ref needs -i SRC: the sources of those references", param="ref")
-    with textio.OutputLock(output, own=beside):
-        if marian is not None:
-            table = from_marian(marian, tok, first, best)
-            report: dict[str, Any] = {"aligner": table.header["aligner"], "pairs": 0}
-        else:
-            if source_file is not None:
-                sources = textio.read_text_file(source_file, "input")
-                if reference_file is not None:
-                    targets = textio.read_text_file(reference_file, "ref")
-                    if len(targets) != len(sources):
-                        raise TmtError(f"{reference_file}: {len(targets)} lines for"
-                                       f" {len(sources)} sources in {source_file}")  # fmt: skip
-                    target_ids = tok.encode(targets, side="target")
-                    what = f"{source_file} and {reference_file}"
-                else:  # the model's own translations: what it would output
-                    greedy = apply_greedy(translator)
-                    found = translate.translate_lines(greedy, sources, scores=False)
-                    target_ids = [h[0].tokens if h else [] for h in found]
-                    what = f"{source_file} and the model's greedy translations of it"
-            else:
-                corpora = corpus.open_training(cfg.data)
-                pairs = [p for split in corpora for block in split.pairs(20_000, as_trained=True)
-                         for p in block]  # fmt: skip
-                sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
-                target_ids, what = tok.encode(targets, side="target"), "data.train"
-            source_ids = tok.encode(sources, side="source")
-            table, report = build(zip(source_ids, target_ids, strict=True),
-                                  tok.source_vocab_size, tok.vocab_size, tok.never_output, first,
-                                  best, min_prob, aligner)  # fmt: skip
-            table = Shortlist(table.frequent, table.offsets, table.targets,
-                              {**table.header, "corpus": what})  # fmt: skip
-            report["corpus"] = what
-        save(table, output, translate.fingerprint(translator))
-    return {"output": str(output), **report, "mean_translations": round(table.size(), 1)}
-
-
-def apply_greedy(translator: Any) -> Any:
-    """The translator decoding greedily, one hypothesis a line, without a shortlist."""
-    import dataclasses
-
-    decode = dataclasses.replace(translator.config.decode, beam_size=1, nbest=1,
-                                 sampling="none", shortlist="none")  # fmt: skip
-    config = dataclasses.replace(translator.config, decode=decode)
-    return dataclasses.replace(translator, config=config, shortlist=None)
-
-
-def format_report(report: dict[str, Any]) -> str:
-    return (f"tmt: {report['output']}: {report.get('mean_translations')} translations a source"
-            f" piece on average, from {report.get('corpus', report['aligner'])}"
-            f" ({report['pairs']} pairs; aligner: {report['aligner']})")  # fmt: skip

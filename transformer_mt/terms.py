@@ -25,13 +25,12 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformer_mt import corpus, files, textio
+from transformer_mt import aligner, corpus, files, textio
 from transformer_mt import glossary as glossaries
 from transformer_mt.config import Config, to_dict
 from transformer_mt.exits import TmtError
@@ -42,7 +41,7 @@ logger = logging.getLogger("tmt")
 WORK_SUFFIX = ".tmt-terms"
 FORMAT = 1
 _MAX_COUNTS = 1_000_000  # distinct phrase pairs kept (about 300 MB) before the rarest are dropped
-Links = set[tuple[int, int]]
+Links = aligner.Links
 
 
 def build(cfg: Config, output: Path, model: str | None = None, overwrite: bool = False) -> dict:
@@ -112,27 +111,6 @@ def bounded(
 # --- aligners ----------------------------------------------------------------------------------
 
 
-class _Eflomal:
-    """eflomal's forward and reverse links, symmetrised by grow-diag."""
-
-    def __init__(self) -> None:
-        import eflomal
-
-        self.module = eflomal
-        version = getattr(eflomal, "__version__", "")
-        self.name = f"eflomal {version}".strip() + " (forward and reverse, grow-diag)"
-
-    def align(self, source: list[list[str]], target: list[list[str]]) -> list[Links]:
-        with tempfile.TemporaryDirectory(prefix="tmt-terms-") as scratch:
-            fwd, rev = Path(scratch) / "fwd", Path(scratch) / "rev"
-            src = [" ".join(s) + "\n" for s in source]
-            tgt = [" ".join(t) + "\n" for t in target]
-            self.module.Aligner().align(src, tgt, links_filename_fwd=str(fwd),
-                                        links_filename_rev=str(rev))  # fmt: skip
-            rows = zip(fwd.read_text().splitlines(), rev.read_text().splitlines(), strict=True)
-            return [grow_diag(_links(a), _links(b)) for a, b in rows]
-
-
 class _ModelAligner:
     """A trained model's word alignments of each pair (teacher-forced cross-attention)."""
 
@@ -155,44 +133,15 @@ class _ModelAligner:
                 for s, t, pairs in zip(sources, targets, found, strict=True)]  # fmt: skip
 
 
-def eflomal_aligner() -> Any:
-    """eflomal's aligner (ImportError where it is not installed): .align(source, target) -> links
-    per pair from lists of tokens; .name says what it is."""
-    return _Eflomal()
-
-
 def _aligner(cfg: Config, model: str | None) -> Any:
     if model:
         return _ModelAligner(model)
     try:
-        return _Eflomal()
+        return aligner.Eflomal()
     except ImportError:
         raise TmtError("tmt terms needs an aligner: pip install 'transformer_mt[terms]' (eflomal),"
                        " or give -m a trained model of this pair to align with its attention"
                        ) from None  # fmt: skip
-
-
-def _links(text: str) -> Links:
-    return {(int(i), int(j)) for i, j in (p.split("-") for p in text.split())}
-
-
-def grow_diag(forward: Links, reverse: Links) -> Links:
-    """The intersection of two directions' links, grown by the union's links next to it (Koehn
-    et al. 2003's grow-diag): what phrase extraction reads."""
-    found, union = forward & reverse, forward | reverse
-    added = True
-    while added:
-        added = False
-        for i, j in sorted(found):
-            for di, dj in ((-1, 0), (1, 0), (0, -1), (0, 1), (-1, -1), (-1, 1), (1, -1), (1, 1)):
-                cand = (i + di, j + dj)
-                if cand in union and cand not in found:
-                    src_free = all(a != cand[0] for a, _ in found)
-                    tgt_free = all(b != cand[1] for _, b in found)
-                    if src_free or tgt_free:
-                        found.add(cand)
-                        added = True
-    return found
 
 
 # --- counting ----------------------------------------------------------------------------------

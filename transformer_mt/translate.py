@@ -321,6 +321,13 @@ def _load_export(directory: Path, overrides: Sequence[str | tuple[str, str]]) ->
             f"{directory}: a CTranslate2 export; decode it with decode.engine=ctranslate2"
             " (--engine ctranslate2), or give the tmt model it came from"
         )
+    if cfg.decode.shortlist not in ("none", "auto") or (
+        cfg.decode.shortlist == "auto" and not export.has_vmap
+    ):
+        has = "has one" if export.has_vmap else "has none"
+        raise TmtError(f"decode.shortlist={cfg.decode.shortlist}: a CTranslate2 export decodes"
+                       " with its own vmap.txt (tmt export --shortlist; then --shortlist auto),"
+                       f" and {directory} {has}")  # fmt: skip
     target = distributed.resolve_device(cfg.decode.device, key="decode.device")
     check_engine(cfg, target)
     engine = ct2.load(export, target, cfg.decode.precision, torch.get_num_threads())
@@ -409,8 +416,9 @@ def with_shortlist(translator: Translator) -> Translator:
     shortlist.npz in the model's directory."""
     setting, tok = translator.config.decode.shortlist, translator.tokenizer
     if translator.config.decode.engine != "torch":
-        raise TmtError("decode.shortlist: tmt's own engine only (decode.engine=torch), not"
-                       f" {translator.config.decode.engine}")  # fmt: skip
+        raise TmtError("decode.shortlist with decode.engine=ctranslate2: export the model with"
+                       " tmt export --format ctranslate2 --shortlist auto and decode that export"
+                       " (-m EXPORT --shortlist auto)")  # fmt: skip
     if translator.path is None:
         raise TmtError("decode.shortlist: this model has no directory to find its shortlist in")
     path = translator.path / shortlists.FILE_NAME if setting == "auto" else Path(setting)
