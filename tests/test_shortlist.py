@@ -200,6 +200,13 @@ def test_commands_make_it_beside_the_model_and_decode_with_it(
                       "--shortlist", "auto", "--json"])  # fmt: skip
     assert scored.returncode == 0, scored.stderr
     assert "bleu" in json.loads(scored.stdout)
+    for args, named in ((["--first", "-1"], "--first -1"), (["--min-prob", "2"], "--min-prob 2"),
+                        (["--aligner", "fast"], "--aligner fast"),
+                        (["-o", str(src), "--overwrite"], str(src))):  # fmt: skip
+        refused = run_tmt(["shortlist", "-m", str(model), "-i", str(src), *args])
+        assert refused.returncode == 2 and named in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+    assert len(src.read_text(encoding="utf-8").splitlines()) == 30  # the input survives
     bad = run_tmt(["translate", "-m", str(trained_run), "-i", str(src), "--shortlist", "auto"])
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "no shortlist.npz" in bad.stderr
