@@ -177,6 +177,7 @@ class Corpus:
     # Prepended to every source sentence (Caswell et al., 2019: tagged back-translation); added
     # to the sentencepiece model as a user-defined symbol, so it is always one piece.
     tag: Annotated[str, TagText()] = ""
+    # The data section's keys of the same names, for this corpus ("" = the data section's value).
     source: Literal["", "multi30k", "files", "tsv", "jsonl", "hf", "hf_disk"] = ""
     path: str = ""
     hf_config: str = ""
@@ -226,16 +227,16 @@ class DataConfig:
     #   hf        datasets.load_dataset(path, hf_config, split=...): a hub name or a local directory
     #   hf_disk   datasets.load_from_disk(path): a DatasetDict written by save_to_disk
     source: Source = "multi30k"
-    src_lang: Text = "de"
-    tgt_lang: Text = "en"
+    src_lang: Text = "de"  # the source language's code (ISO 639-1 or -3), as the files name it
+    tgt_lang: Text = "en"  # the target language's code
     path: str = ""  # hf: dataset name or directory; hf_disk: the saved DatasetDict's directory
     hf_config: str = ""  # hf: configuration name, e.g. "de-en" for wmt14
     # Splits: a split name (multi30k, hf, hf_disk), a path prefix (files) or a file (tsv, jsonl).
     # data.train may also be a list of corpora, each a mapping with the keys of `Corpus` (split,
     # weight, tag, and source/path/hf_config/src_field/tgt_field when they differ from these).
     train: Annotated[str | Corpora, TrainSplits()] = "train"
-    valid: Text = "val"
-    test: Text = "test_2016_flickr"
+    valid: Text = "val"  # validation split: the loss and BLEU that pick the best checkpoint
+    test: Text = "test_2016_flickr"  # the split `tmt evaluate` scores by default
     # tsv: "" reads columns 0 and 1 with no header; names pick columns of a header line; digits pick
     # columns by index. jsonl/hf: "" reads record["translation"][lang]; names read top-level fields.
     src_field: str = ""
@@ -268,7 +269,7 @@ class CleanConfig:
     empty: bool = True  # a side empty or blank
     encoding: bool = True  # control characters, U+FFFD, mojibake (Ã© for é)
     length: bool = True  # words per side (not for zh, ja, th...) and characters
-    min_words: Count = 1
+    min_words: Count = 1  # words a side at least
     max_words: Count = 150  # OpusCleaner's and Mozilla's max_length
     max_chars: Count = 1024  # bicleaner-hardrules' not_too_long
     ratio: bool = True  # the longer side over the shorter, in characters (UTF-8 bytes for CJK)
@@ -276,7 +277,7 @@ class CleanConfig:
     copy: bool = True  # the target is the source once case, spaces and punctuation are set aside
     copy_min_words: Count = 3  # ... with this many words with letters: shorter copies are names
     script: bool = True  # letters in each side's expected script (those of shared tokens aside)
-    min_script_share: Annotated[float, Interval(0.0, 1.0)] = 0.5
+    min_script_share: Annotated[float, Interval(0.0, 1.0)] = 0.5  # of a side's letters
     symbols: bool = True  # digits, punctuation and symbols among a side's characters
     max_symbol_share: Annotated[float, Interval(0.0, 1.0)] = 0.5  # bicleaner's no_only_numbers
     overlap: bool = True  # a source or target of data.valid or data.test (normalised)
@@ -320,18 +321,18 @@ class OptimConfig:
     schedule: Literal["noam", "budget"] = "noam"
     # budget: > 0 warms up over this fraction of the budget instead of warmup_steps
     warmup_fraction: Annotated[float, Interval(0.0, 1.0, high_open=True)] = 0.0
-    decay_fraction: Annotated[float, Interval(0.0, 1.0, low_open=True)] = 0.2
+    decay_fraction: Annotated[float, Interval(0.0, 1.0, low_open=True)] = 0.2  # budget: decay
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     out_dir: Text = "runs/default"  # run directory: config, metrics, tokenizer, checkpoints
-    seed: Annotated[int, Interval(0, 2**31 - 1)] = 1
+    seed: Annotated[int, Interval(0, 2**31 - 1)] = 1  # initialisation, batch order, dropout
     max_steps: Number = 100_000  # §5.2 base model: 100K steps; whichever budget ends first stops
     max_epochs: Number = 0  # 0 = no epoch budget
     max_minutes: Amount = 0.0  # wall-clock budget; 0 = none
     update_freq: Count = 1  # micro-batches accumulated per optimizer step
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # autocast; fp16 with a loss scaler
     compile: bool = False  # torch.compile the model
     log_every: Count = 100  # steps between metrics.jsonl records
     valid_every: Number = 1000  # steps between validation loss measurements (0 = off)
@@ -377,7 +378,7 @@ class DecodeConfig:
     # 0 ("zero": transformers' forced_eos_token_id, which `tmt import` sets to decode as generate).
     forced_eos: Literal["log_prob", "zero"] = "log_prob"
     max_len_a: Amount = 1.0  # §6.1 maximum output length a · input length + b
-    max_len_b: Number = 50
+    max_len_b: Number = 50  # §6.1 b: "input length + 50"
     max_tokens: Count = 4096  # source tokens per translation batch (padded), before beam expansion
     nbest: Count = 1  # hypotheses written per input line (tmt translate --nbest)
     buffer_lines: Count = 256  # stdin lines translated together when they are already waiting
