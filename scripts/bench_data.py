@@ -34,7 +34,7 @@ def peak_rss_bytes() -> int:
 def child_tmt(corpus: str, cache: str) -> dict:
     """One tmt run of the pipeline in this process (imports excluded from the timing)."""
     from transformer_mt.config import load_config
-    from transformer_mt.data import padding_efficiency, prepare_data
+    from transformer_mt.data.batches import padding_efficiency, prepare_data
 
     overrides = [f"data.cache_dir={cache}", f"data.max_tokens={MAX_TOKENS}"]
     if corpus != "multi30k":
@@ -63,11 +63,11 @@ def child_in_memory(corpus: str, tokenizer_path: str) -> dict:
     import numpy as np
     import sentencepiece as spm
 
-    from transformer_mt.data import TokenBucketSampler, padding_efficiency
+    from transformer_mt.data.batches import TokenBucketSampler, padding_efficiency
 
     start = time.perf_counter()
     if corpus == "multi30k":
-        from transformer_mt.corpus import BUNDLED_DIR
+        from transformer_mt.data.corpus import BUNDLED_DIR
 
         paths = [BUNDLED_DIR / "train.de.gz", BUNDLED_DIR / "train.en.gz"]
     else:
@@ -128,7 +128,7 @@ def run_child(*args: str) -> dict:
 
 def write_synthetic(root: Path, pairs: int) -> None:
     """Multi30k train repeated to `pairs` lines per side (plain text), plus Multi30k val."""
-    from transformer_mt.corpus import BUNDLED_DIR
+    from transformer_mt.data.corpus import BUNDLED_DIR
 
     for lang in ("de", "en"):
         lines = gzip.decompress((BUNDLED_DIR / f"train.{lang}.gz").read_bytes()).splitlines(

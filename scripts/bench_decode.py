@@ -5,14 +5,14 @@ batching, length rule and outputs around the same CTranslate2 model, to show wha
 of raw CTranslate2) and int8: tmt's `--precision int8` (torchao dynamic int8) and CTranslate2's
 int8 model, raw and through tmt.
 
-The peers get tmt's weights through `tmt export`'s own converters (transformer_mt/export.py): a
-post-norm model becomes a MarianMTModel, a pre-norm one (the default preset) a
-PegasusForConditionalGeneration, and either a CTranslate2 TransformerSpec, float32 and int8. All
-systems decode the same sentences of test_2016_flickr in the same length-sorted batches (tmt's
-decode.max_tokens source tokens each), with the same length normalisation (score / |Y|^α, α 0.6:
-the "power" form all three support), pad and bos never emitted, on the same number of threads;
-each figure is the fastest of two timed passes after a warm-up pass. Matching outputs show the
-ports are exact. Needs the bench extra: pip install -e ".[bench]".
+The peers get tmt's weights through `tmt export`'s own converters
+(transformer_mt/exchange/export.py): a post-norm model becomes a MarianMTModel, a pre-norm one (the
+default preset) a PegasusForConditionalGeneration, and either a CTranslate2 TransformerSpec,
+float32 and int8. All systems decode the same sentences of test_2016_flickr in the same length-
+sorted batches (tmt's decode.max_tokens source tokens each), with the same length normalisation
+(score / |Y|^α, α 0.6: the "power" form all three support), pad and bos never emitted, on the same
+number of threads; each figure is the fastest of two timed passes after a warm-up pass. Matching
+outputs show the ports are exact. Needs the bench extra: pip install -e ".[bench]".
 
     tmt train --set train.out_dir=runs/bench_decode --set train.max_minutes=10
     python scripts/bench_decode.py --checkpoint runs/bench_decode
@@ -47,14 +47,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from transformer_mt.allocator import keep_freed_memory
+from transformer_mt.common.allocator import keep_freed_memory
 
 keep_freed_memory()  # as the tmt command does, before the models allocate
 
 
 def batches_of(translator, lines):
     """tmt's own batching of these lines (sorted by length, decode.max_tokens): used by everyone."""
-    from transformer_mt.data import TokenBucketSampler
+    from transformer_mt.data.batches import TokenBucketSampler
 
     ids = translator.tokenizer.encode(lines)
     lengths = np.array([len(x) + 1 for x in ids])
@@ -72,7 +72,7 @@ def with_decode(translator, **changes):
 
 
 def run_tmt(translator, lines, beam: int, early_stopping: str = "bound"):
-    from transformer_mt import translate
+    from transformer_mt.translation import translate
 
     t = with_decode(translator, beam_size=beam, early_stopping=early_stopping)
     start = time.perf_counter()
@@ -109,7 +109,7 @@ def run_ct2(model_dir: Path, translator, lines, beam: int, compute_type: str = "
     largest output limit (tmt's a · |x| + b, its EOS excluded), ids out."""
     import ctranslate2
 
-    from transformer_mt import translate
+    from transformer_mt.translation import translate
 
     tok = translator.tokenizer
     ct2 = ctranslate2.Translator(
@@ -142,7 +142,8 @@ def _timed(run, warm):
 
 def compare_models(models: dict[str, str], split: str, lines: int) -> dict:
     """Each model greedy and beam 4, tmt's engine (fp32, int8) and CTranslate2's (fp32, int8)."""
-    from transformer_mt import corpus, evaluate, translate
+    from transformer_mt.data import corpus
+    from transformer_mt.translation import evaluate, translate
 
     base = ["decode.length_penalty_form=power", "decode.device=cpu"]
     first = translate.load_translator(next(iter(models.values())), base)
@@ -186,7 +187,8 @@ def breakdown(path: str, lines: int) -> dict:
     """Where tmt's greedy and beam-4 time goes, by torch.profiler over labelled parts."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from transformer_mt import corpus, translate
+    from transformer_mt.data import corpus
+    from transformer_mt.translation import translate
 
     translator = translate.load_translator(path, ["decode.device=cpu"])
     model = translator.model
@@ -228,7 +230,7 @@ def breakdown(path: str, lines: int) -> dict:
         print(f"beam {beam}: " + ", ".join(f"{k} {v} %" for k, v in shares.items()), flush=True)
     # Greedy's argmax by block maxima (search.row_max) against torch's max with indices, the
     # same outputs, the faster of two passes each, alternated.
-    from transformer_mt import search
+    from transformer_mt.network import search
 
     fast, seconds = search.row_max, {"row_max": [], "torch_max": []}
     for _ in range(2):
@@ -252,7 +254,7 @@ def breakdown(path: str, lines: int) -> dict:
 def greedy_from_logits(translator, sources, passes: int = 3) -> dict:
     """Greedy's argmax from the raw logits (issue 49's exact saving: no log-softmax over the
     vocabulary per step) against the log-probabilities' argmax, interleaved; outputs compared."""
-    from transformer_mt import decoding
+    from transformer_mt.translation import decoding
 
     exact, seconds, outputs = decoding.greedy_from_logits, {"logits": [], "log_softmax": []}, {}
     try:
@@ -281,7 +283,7 @@ def argmax_step(vocab: int, repeats: int = 200) -> dict:
     """One greedy step's choice alone, at batch rows 32, 128 and 300: row_max(log_softmax(x))
     (before) against search.logits_argmax(x) (after), milliseconds, the median of interleaved
     rounds."""
-    from transformer_mt import search
+    from transformer_mt.network import search
 
     out = {}
     for rows in (32, 128, 300):
@@ -306,7 +308,8 @@ def shortlist_ab(path: str, table: str, split: str, lines: int, passes: int = 3)
     greedy and beam 4, the passes interleaved: sentences/s (the fastest pass), lines identical to
     the exact decode, the miss rate (exact outputs' tokens outside their sentence's candidates),
     BLEU and chrF with sacreBLEU's paired tests against the exact decode."""
-    from transformer_mt import corpus, evaluate, translate
+    from transformer_mt.data import corpus
+    from transformer_mt.translation import evaluate, translate
 
     exact = translate.load_translator(path, ["decode.device=cpu"])
     listed = translate.load_translator(path, ["decode.device=cpu", f"decode.shortlist={table}"])
@@ -368,7 +371,8 @@ def _vmap_ab(path, table, listed, sources, references, beam, tmt_outputs, passes
         import ctranslate2  # noqa: F401
     except ImportError:
         return {}
-    from transformer_mt import evaluate, export, translate
+    from transformer_mt.exchange import export
+    from transformer_mt.translation import evaluate, translate
 
     directory = Path(tempfile.mkdtemp(prefix="tmt-vmap-")) / "export"
     export.export(path, "ctranslate2", directory, check_lines=50, shortlist=table)
@@ -443,7 +447,9 @@ def main() -> None:
 
     import transformers
 
-    from transformer_mt import corpus, ct2, evaluate, huggingface, translate
+    from transformer_mt.data import corpus
+    from transformer_mt.exchange import huggingface
+    from transformer_mt.translation import ct2, evaluate, translate
 
     transformers.logging.set_verbosity_error()  # not a warning per batch about max_length
 

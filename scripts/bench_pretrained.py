@@ -86,13 +86,13 @@ def memory(hf_dir: Path, imported: Path) -> dict:
     baseline = peak_rss("import torch, safetensors.torch; from transformer_mt import pretrained")
     start = time.perf_counter()
     importing = peak_rss(
-        "from transformer_mt.allocator import keep_freed_memory; keep_freed_memory()\n"
+        "from transformer_mt.common.allocator import keep_freed_memory; keep_freed_memory()\n"
         f"from transformer_mt import pretrained; pretrained.import_model({str(hf_dir)!r},"
         f" {str(imported)!r})"
     )
     seconds = time.perf_counter() - start
     loading = peak_rss(
-        "from transformer_mt.allocator import keep_freed_memory; keep_freed_memory()\n"
+        "from transformer_mt.common.allocator import keep_freed_memory; keep_freed_memory()\n"
         f"from transformer_mt import Translator; Translator.load({str(imported)!r}, device='cpu')"
     )
     return {
@@ -127,8 +127,8 @@ def tmt_finetune(imported: Path, out: Path, updates: int) -> dict:
 
 
 def tmt_sentences_per_batch(imported: Path) -> float:
-    from transformer_mt import checkpoint
-    from transformer_mt.data import prepare_data
+    from transformer_mt.data.batches import prepare_data
+    from transformer_mt.runs import checkpoint
 
     saved = checkpoint.read(imported)  # its config reads the bundled Multi30k, de -> en
     data = prepare_data(saved.config, saved.tokenizer)
@@ -186,8 +186,8 @@ def decode_all(hf_dir: Path, imported: Path, workdir: Path, count: int) -> dict:
     import ctranslate2
     import transformers
 
-    from transformer_mt import translate
-    from transformer_mt.data import TokenBucketSampler
+    from transformer_mt.data.batches import TokenBucketSampler
+    from transformer_mt.translation import translate
 
     sources = lines_of("de", "test_2016_flickr")[:count]
     ours = translate.load_translator(imported, ["decode.device=cpu"])
@@ -281,7 +281,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=8, help="tmt fine-tuning updates timed")
     parser.add_argument("--hf-steps", type=int, default=8, help="Seq2SeqTrainer steps timed")
     args = parser.parse_args()
-    from transformer_mt.allocator import keep_freed_memory
+    from transformer_mt.common.allocator import keep_freed_memory
 
     keep_freed_memory()
     print(f"machine: {os.cpu_count()} cores, {isa()}, torch {torch.__version__},"

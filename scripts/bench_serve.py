@@ -57,7 +57,7 @@ def offline(model: str, sentences: list[str], beam: int, threads: int, levels: l
     one-sentence requests in flight."""
     import torch
 
-    from transformer_mt import translate
+    from transformer_mt.translation import translate
 
     torch.set_num_threads(threads)
     translator = translate.load_translator(model, [f"decode.beam_size={beam}"])

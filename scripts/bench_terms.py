@@ -55,7 +55,7 @@ def read(path: Path) -> list[str]:
 
 
 def tokens(line: str) -> list[str]:
-    from transformer_mt.glossary import plain, words
+    from transformer_mt.data.glossary import plain, words
 
     return [plain(w) for w, _, _ in words(line)]
 
@@ -112,7 +112,7 @@ def inflection(a: str, b: str) -> bool:
 def term_lists(
     found: dict[str, collections.Counter], sources: list[str], refs: list[str], seed: int
 ) -> dict[str, list[tuple[str, str]]]:
-    from transformer_mt import glossary as glossaries
+    from transformer_mt.data import glossary as glossaries
 
     lines_of: dict[str, list[int]] = collections.defaultdict(list)
     for n, line in enumerate(sources):
@@ -146,7 +146,7 @@ def write_tsv(path: Path, entries: list[tuple[str, str]]) -> None:
 
 
 def timed(translator, lines: list[str]) -> tuple[list[str], float, list]:
-    from transformer_mt import streams
+    from transformer_mt.translation import streams
 
     start = time.perf_counter()
     both = streams.output_and_report(translator, lines, 0, None)
@@ -174,7 +174,7 @@ def glossary_speed(out: Path, sentences: list[str], entries: int) -> dict:
     """Load time of an `entries`-entry glossary (not cached) and match speed on one thread, for a
     termbase-like glossary (5 % single corpus words, the rest phrases) and for a stress case in
     which nearly every word of every sentence starts an entry (half of them single words)."""
-    from transformer_mt import glossary as glossaries
+    from transformer_mt.data import glossary as glossaries
 
     vocabulary = sorted({w for line in sentences[:20000] for w in tokens(line) if w.isalpha()})
     found = {}
@@ -219,8 +219,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from transformer_mt import evaluate, translate
-    from transformer_mt import glossary as glossaries
+    from transformer_mt.data import glossary as glossaries
+    from transformer_mt.translation import evaluate, translate
 
     lscpu = Path("/proc/cpuinfo").read_text()
     isa = "AVX-512" if "avx512f" in lscpu else "AVX2" if "avx2" in lscpu else "no AVX2"

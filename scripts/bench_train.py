@@ -38,7 +38,7 @@ SYSTEMS = (
 
 def load_batches(config: str, overrides: list[str], n: int, device: str):
     from transformer_mt.config import load_config
-    from transformer_mt.data import prepare_data
+    from transformer_mt.data.batches import prepare_data
 
     cfg = load_config(config, overrides)
     data = prepare_data(cfg)
@@ -47,7 +47,7 @@ def load_batches(config: str, overrides: list[str], n: int, device: str):
 
 
 def build_tmt(cfg, tok):
-    from transformer_mt.model import Transformer
+    from transformer_mt.network.model import Transformer
 
     return Transformer(cfg.model, tok.vocab_size, tok.pad_id)
 
@@ -98,7 +98,7 @@ def build_torch_nn_transformer(cfg, tok):
     import torch
     import torch.nn.functional as F
 
-    from transformer_mt.model import sinusoidal_positions
+    from transformer_mt.network.model import sinusoidal_positions
 
     m, pad = cfg.model, tok.pad_id
 
@@ -139,13 +139,13 @@ def build_torch_nn_transformer(cfg, tok):
 
 def child(system: str, args: argparse.Namespace) -> dict:
     if system == "tmt" or system.endswith("+alloc"):
-        from transformer_mt.allocator import keep_freed_memory
+        from transformer_mt.common.allocator import keep_freed_memory
 
         keep_freed_memory()  # before torch is imported, as the tmt command does
     import torch
 
-    from transformer_mt.loss import label_smoothed_nll
-    from transformer_mt.model import count_parameters
+    from transformer_mt.network.model import count_parameters
+    from transformer_mt.training.loss import label_smoothed_nll
 
     torch.manual_seed(0)
     cfg, tok, batches = load_batches(

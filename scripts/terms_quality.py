@@ -34,7 +34,7 @@ PAIRED = ("score", "p_bootstrap", "p_randomization")
 
 def translators(plain_path: Path, hinted_path: Path, lists: list[str], out: Path, beam: int):
     """{mode name: translator}: plain/none, plain/LIST/strict, hinted/none, hinted/LIST/MODE."""
-    from transformer_mt import translate
+    from transformer_mt.translation import translate
 
     plain = translate.load_translator(plain_path, [f"decode.beam_size={beam}"])
     hinted = translate.load_translator(hinted_path, [f"decode.beam_size={beam}"])
@@ -67,8 +67,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=bench_terms.REPO / "runs" / "terms_quality")
     args = parser.parse_args()
 
-    from transformer_mt import evaluate
-    from transformer_mt import glossary as glossaries
+    from transformer_mt.data import glossary as glossaries
+    from transformer_mt.translation import evaluate
 
     cpu = Path("/proc/cpuinfo").read_text()
     isa = "AVX-512" if "avx512f" in cpu else "AVX2" if "avx2" in cpu else "no AVX2"

@@ -96,7 +96,7 @@ def with_data(cfg: Config, **changes: object) -> Config:
 @pytest.fixture(scope="session")
 def trained_run(tiny_cfg: Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model trained for 30 steps, a checkpoint every 10 (all kept), validated every 10."""
-    from transformer_mt.train import train
+    from transformer_mt.training.train import train
 
     out = tmp_path_factory.mktemp("trained_run")
     changes = {"out_dir": str(out), "max_steps": 30, "save_every": 10, "valid_every": 10}
@@ -111,7 +111,7 @@ def trained_run(tiny_cfg: Config, tmp_path_factory: pytest.TempPathFactory) -> P
 @pytest.fixture(scope="session")
 def tiny_spm(tiny_cfg: Config) -> bytes:
     """The sentencepiece model of the tiny corpus (64 pieces), as bytes."""
-    from transformer_mt.data import prepare_data
+    from transformer_mt.data.batches import prepare_data
 
     return prepare_data(tiny_cfg).tokenizer.model_bytes
 
@@ -121,10 +121,10 @@ def model_parts(cfg: Config, spm: bytes, seed: int = 0) -> tuple[dict, dict]:
     what checkpoint.read verifies a checkpoint against."""
     import torch
 
-    from transformer_mt import train_state
-    from transformer_mt.model import Transformer
-    from transformer_mt.optim import build_optimizer
-    from transformer_mt.tokenizer import Tokenizer
+    from transformer_mt.data.tokenizer import Tokenizer
+    from transformer_mt.network.model import Transformer
+    from transformer_mt.runs import train_state
+    from transformer_mt.training.optim import build_optimizer
 
     tokenizer = Tokenizer(spm)
     torch.manual_seed(seed)
@@ -144,7 +144,7 @@ def multi30k_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for every input, which would make such comparisons vacuous)."""
     import dataclasses
 
-    from transformer_mt.train import train
+    from transformer_mt.training.train import train
 
     cfg = load_config(REPO / "configs" / "tiny.yaml")
     out = tmp_path_factory.mktemp("multi30k_run")
@@ -186,7 +186,7 @@ def marian_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def imported(marian_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The two MarianMTModel directories imported into tmt model directories."""
-    from transformer_mt import pretrained
+    from transformer_mt.exchange import pretrained
 
     root = tmp_path_factory.mktemp("imported")
     return {kind: Path(pretrained.import_model(path, root / kind)["output"])
@@ -198,7 +198,7 @@ def bounded_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """A hang guard on each read of a file tmt wrote (files.read_plain, sha256_plain: where a
     FIFO or /dev/zero in its place would hang), never on the command around them: a slow, busy
     machine makes the command slow, not a read of a small file."""
-    from transformer_mt import files
+    from transformer_mt.common import files
 
     for name in ("read_plain", "sha256_plain"):
         real = getattr(files, name)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 # The interface and the length penalty are the current ones: the reference is the algorithm.
-from transformer_mt.search import Hypothesis, SearchState, StepFn, length_penalty
+from transformer_mt.network.search import Hypothesis, SearchState, StepFn, length_penalty
 
 
 def greedy(

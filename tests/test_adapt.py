@@ -16,15 +16,15 @@ import torch
 from conftest import reverse_pairs, with_data, write_parallel
 from typer.testing import CliRunner
 
-from transformer_mt import averaging, checkpoint, run
 from transformer_mt.cli import app
+from transformer_mt.common.distributed import DistInfo
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, Corpus
-from transformer_mt.data import TokenBucketSampler, prepare_data
-from transformer_mt.distributed import DistInfo
-from transformer_mt.exits import TmtError
-from transformer_mt.model import Transformer
-from transformer_mt.optim import noam_lr
-from transformer_mt.train import _build, train
+from transformer_mt.data.batches import TokenBucketSampler, prepare_data
+from transformer_mt.network.model import Transformer
+from transformer_mt.runs import averaging, checkpoint, run
+from transformer_mt.training.optim import noam_lr
+from transformer_mt.training.train import _build, train
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 
@@ -83,8 +83,8 @@ def test_fine_tuning_starts_at_step_1_from_the_parents_weights_with_a_fresh_opti
     def no_training(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("the tokenizer was trained again")
 
-    monkeypatch.setattr("transformer_mt.tokenizer.train_tokenizer", no_training)
-    from transformer_mt.dry_run import dry_run
+    monkeypatch.setattr("transformer_mt.data.tokenizer.train_tokenizer", no_training)
+    from transformer_mt.training.dry_run import dry_run
 
     assert dry_run(cfg)["vocab_size"] == parent.tokenizer.vocab_size  # the parent's, too
     capsys.readouterr()
@@ -227,7 +227,7 @@ def test_a_mixture_reads_each_corpus_from_its_own_source(
 def test_a_mixture_resumes_bit_exactly_and_is_no_split_to_score(
     tiny_cfg: Config, tiny_corpus: dict[str, Path], new_corpus: Path, tmp_path: Path
 ) -> None:
-    from transformer_mt import corpus
+    from transformer_mt.data import corpus
 
     mixture = (Corpus(str(tiny_corpus["train"])), Corpus(str(new_corpus), weight=3.0, tag="<x>"))
     cfg = with_data(with_train(tiny_cfg, save_every=4, max_steps=8), train=mixture)
@@ -280,7 +280,7 @@ def test_a_tag_is_one_piece_that_reaches_the_encoder_of_its_corpus_only(
 def test_dry_run_reports_pairs_tokens_and_the_mixture_drawn_per_corpus(
     tiny_cfg: Config, tiny_corpus: dict[str, Path], new_corpus: Path
 ) -> None:
-    from transformer_mt.dry_run import dry_run, format_report
+    from transformer_mt.training.dry_run import dry_run, format_report
 
     cfg = with_data(
         tiny_cfg,
@@ -391,7 +391,7 @@ def write_metrics(run_dir: Path, scale: float) -> Path:
 def test_plot_overlays_runs_into_a_png_with_every_curve(tmp_path: Path) -> None:
     from matplotlib import image
 
-    from transformer_mt import plot
+    from transformer_mt.runs import plot
 
     runs = [write_metrics(tmp_path / "a", 1.0), write_metrics(tmp_path / "b", 1.3)]
     result = plot.draw_curves(runs, tmp_path / "out.png")

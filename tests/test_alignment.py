@@ -12,9 +12,10 @@ import pytest
 from conftest import REPO, WORDS, multi30k_sentences, write_parallel
 from typer.testing import CliRunner
 
-from transformer_mt import alignment, decoding, translate
 from transformer_mt.cli import app
 from transformer_mt.config import load_config
+from transformer_mt.network import alignment
+from transformer_mt.translation import decoding, translate
 
 SOURCES = multi30k_sentences(12)
 runner = CliRunner()
@@ -31,7 +32,7 @@ def copy_pairs(n: int, seed: int) -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def copy_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small model trained to copy (500 updates, about 20 s): it copies 38 of 40 new lines."""
-    from transformer_mt.train import train
+    from transformer_mt.training.train import train
 
     root = tmp_path_factory.mktemp("copy")
     cfg = load_config(REPO / "configs" / "tiny.yaml")

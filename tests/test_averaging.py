@@ -9,9 +9,10 @@ import pytest
 import torch
 from conftest import model_parts, reverse_pairs
 
-from transformer_mt import averaging, checkpoint, run, translate
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, apply_overrides
-from transformer_mt.exits import TmtError
+from transformer_mt.runs import averaging, checkpoint, run
+from transformer_mt.translation import translate
 
 SOURCES = [s for s, _ in reverse_pairs(12, seed=7)]
 
@@ -48,7 +49,7 @@ def test_average_of_copies_is_bitwise_the_original(trained_run: Path) -> None:
 def test_average_refuses_different_models(
     tiny_cfg: Config, tiny_spm: bytes, tmp_path: Path
 ) -> None:
-    from transformer_mt.tokenizer import train_tokenizer
+    from transformer_mt.data.tokenizer import train_tokenizer
 
     a = fake(tmp_path, "a", tiny_cfg, tiny_spm, 1)
     wider = apply_overrides(tiny_cfg, ["model.d_ff=128"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_serve import Server
 
-from transformer_mt import translate
+from transformer_mt.translation import translate
 
 pytestmark = pytest.mark.browser
 SENTENCES = ["Ein Hund rennt über eine grüne Wiese.", "Zwei Kinder spielen im Sand."]

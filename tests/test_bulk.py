@@ -10,9 +10,10 @@ from conftest import reverse_pairs
 from test_train import run_tmt
 from typer.testing import CliRunner
 
-from transformer_mt import bulk, faults, translate
 from transformer_mt.cli import app
-from transformer_mt.exits import TmtError
+from transformer_mt.common import faults
+from transformer_mt.common.exits import TmtError
+from transformer_mt.translation import bulk, translate
 
 runner = CliRunner()
 CHUNK = 10

@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import model_parts
 
-from transformer_mt import checkpoint, run, train_state
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import load_config
-from transformer_mt.exits import TmtError
+from transformer_mt.runs import checkpoint, run, train_state
 
 CFG = load_config("tiny")
 

@@ -16,18 +16,18 @@ from conftest import REPO, write_parallel
 from test_promises import one_line_error
 from typer.testing import CliRunner
 
-from transformer_mt import clean, cleaning
 from transformer_mt.cli import app
 from transformer_mt.config import CleanConfig, Config
+from transformer_mt.data import cleaning, filters
 
 runner = CliRunner()
-RULES = clean.Rules(CleanConfig(), "de", "en")
+RULES = filters.Rules(CleanConfig(), "de", "en")
 GOOD = ("Ein Hund rennt über eine grüne Wiese.", "A dog runs across a green meadow.")
 
 
-def reason(src: str, tgt: str, rules: clean.Rules = RULES, identify=None) -> str:
-    code = clean.pair_reason(src, tgt, rules, identify)
-    return clean.FILTERS[code - 1] if code else ""
+def reason(src: str, tgt: str, rules: filters.Rules = RULES, identify=None) -> str:
+    code = filters.pair_reason(src, tgt, rules, identify)
+    return filters.FILTERS[code - 1] if code else ""
 
 
 # Each filter: pairs it removes, and nearby pairs it must keep.
@@ -64,7 +64,7 @@ def test_each_filter_removes_what_it_is_for(name: str) -> None:
     for src, tgt in PLANTED[name]:
         assert reason(src, tgt) == name, (src, tgt)
     # Off, it removes nothing of its own.
-    off = clean.Rules(dataclasses.replace(CleanConfig(), **{name: False}), "de", "en")
+    off = filters.Rules(dataclasses.replace(CleanConfig(), **{name: False}), "de", "en")
     assert all(reason(s, t, off) != name for s, t in PLANTED[name])
 
 
@@ -74,8 +74,8 @@ def test_pairs_that_must_stay_do(pair: tuple[str, str]) -> None:
 
 
 def test_overlap_removes_a_validation_or_test_sentence_in_any_casing() -> None:
-    rules = clean.Rules(CleanConfig(), "de", "en", clean.eval_digests(["Zwei Hunde spielen."]),
-                        clean.eval_digests(["Two dogs play."]))  # fmt: skip
+    rules = filters.Rules(CleanConfig(), "de", "en", filters.eval_digests(["Zwei Hunde spielen."]),
+                        filters.eval_digests(["Two dogs play."]))  # fmt: skip
     assert reason("zwei Hunde spielen", "Something else entirely.", rules) == "overlap"
     assert reason("Etwas ganz anderes hier.", "TWO dogs play!", rules) == "overlap"
     assert reason(*GOOD, rules) == ""
@@ -90,8 +90,8 @@ def test_duplicates_exact_and_normalised_across_chunks() -> None:
     found = []
     for chunk in chunks:
         codes = np.zeros(len(chunk), dtype=np.int8)
-        clean.duplicate_reasons(chunk, codes, seen, CleanConfig())
-        found += [clean.FILTERS[c - 1] if c else "" for c in codes]
+        filters.duplicate_reasons(chunk, codes, seen, CleanConfig())
+        found += [filters.FILTERS[c - 1] if c else "" for c in codes]
     assert found == ["", "", "duplicate", "near_duplicate", "duplicate", ""]
     assert len(seen["duplicate"]) == 4  # 8 bytes a distinct pair, not its text
 
@@ -138,7 +138,7 @@ def test_tmt_clean_writes_the_kept_pairs_and_counts_each_removal_once(tmp_path: 
     assert table.exit_code == 0 and "near_duplicate" in table.stdout and "pairs_out" in table.stdout
     # Trains as it is: data.source=files data.train=PREFIX.
     from transformer_mt.config import load_config
-    from transformer_mt.corpus import open_split, read_split
+    from transformer_mt.data.corpus import open_split, read_split
 
     cfg = load_config("tiny", ["data.source=files", f"data.train={tmp_path / 'out' / 'kept'}"])
     assert len(read_split(cfg.data, "data.train")[0]) == 40
@@ -204,8 +204,8 @@ def test_a_killed_runs_staged_outputs_are_swept_and_a_live_ones_kept(tmp_path: P
 
 def test_language_identification_removes_another_language(tmp_path: Path) -> None:
     pytest.importorskip("py3langid")
-    identify = clean.Identify()
-    rules = clean.Rules(dataclasses.replace(CleanConfig(), langid=True), "de", "en")
+    identify = filters.Identify()
+    rules = filters.Rules(dataclasses.replace(CleanConfig(), langid=True), "de", "en")
     french = ("Ein Hund rennt über eine grüne Wiese.", "Un chien court dans une prairie verte.")
     assert reason(*french, rules, identify) == "langid"
     assert reason(*GOOD, rules, identify) == ""
@@ -240,8 +240,8 @@ def test_without_the_extra_language_identification_is_one_line(
 def test_training_applies_the_same_filters_cached_and_the_dry_run_counts_them(
     tiny_cfg: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from transformer_mt.data import prepare_data
-    from transformer_mt.dry_run import dry_run
+    from transformer_mt.data.batches import prepare_data
+    from transformer_mt.training.dry_run import dry_run
 
     prefix = noisy_corpus(tmp_path)
     cfg = dataclasses.replace(

@@ -245,7 +245,7 @@ def test_translate_into_head_exits_quietly(trained: Path) -> None:
 def test_decoding_flags_become_decode_overrides(
     trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformer_mt import translate
+    from transformer_mt.translation import translate
 
     seen = []
     real = translate.load_translator

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from transformer_mt import cli
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import (
     SECTIONS,
     Config,
@@ -28,7 +29,6 @@ from transformer_mt.config import (
     to_dict,
     to_yaml,
 )
-from transformer_mt.exits import TmtError
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_search import BOS, EOS, PAD, WORDS, ToyState, all_outputs, sequence_score, toy_step
 
-from transformer_mt.constraints import Automata, constrained_beam_search
-from transformer_mt.search import beam_search, length_penalty
+from transformer_mt.network.constraints import Automata, constrained_beam_search
+from transformer_mt.network.search import beam_search, length_penalty
 
 V = 6
 

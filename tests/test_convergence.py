@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from conftest import reverse_pairs, write_parallel
 
-from transformer_mt import evaluate, translate
 from transformer_mt.config import load_config
-from transformer_mt.train import train
+from transformer_mt.training.train import train
+from transformer_mt.translation import evaluate, translate
 
 
 @pytest.mark.slow

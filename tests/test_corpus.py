@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import reverse_pairs, with_data, write_parallel
 
-from transformer_mt import corpus
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, DataConfig
-from transformer_mt.exits import TmtError
+from transformer_mt.data import corpus
 
 # Awkward but legal text: a lone CR, U+2028 and U+0085 are not line breaks; quotes and non-ASCII.
 PAIRS = [

@@ -13,16 +13,16 @@ from conftest import reverse_pairs, with_data, write_parallel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer_mt import corpus
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config
-from transformer_mt.data import (
+from transformer_mt.data import corpus
+from transformer_mt.data.batches import (
     SubwordSampling,
     TokenBucketSampler,
     collate,
     padding_efficiency,
     prepare_data,
 )
-from transformer_mt.exits import TmtError
 
 # --- TokenBucketSampler ------------------------------------------------------------------------
 

@@ -15,9 +15,12 @@ import pytest
 import yaml
 from sacrebleu.metrics import CHRF
 
-from transformer_mt import bulk, distill, textio, train, translate
+from transformer_mt.common import textio
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, apply_overrides
-from transformer_mt.exits import TmtError
+from transformer_mt.distillation import distill
+from transformer_mt.training import train
+from transformer_mt.translation import bulk, translate
 
 REPO = Path(__file__).resolve().parent.parent
 # A one-layer decoder student of the tiny config; the tiny teacher's outputs are long, so the
@@ -241,7 +244,7 @@ def test_the_command_line(trained_run: Path, tmp_path: Path) -> None:
 def test_a_second_distillation_into_the_same_directory_is_refused(
     student_cfg: Config, trained_run: Path, tmp_path: Path
 ) -> None:
-    from transformer_mt import run
+    from transformer_mt.runs import run
 
     holder = run.RunLock(tmp_path / "d")
     holder.acquire()

@@ -15,9 +15,10 @@ from test_bulk import big_input, translate_args  # noqa: F401 (a fixture)
 from test_train import REPO, run_tmt
 from typer.testing import CliRunner
 
-from transformer_mt import ct2, export, translate
 from transformer_mt.cli import app
-from transformer_mt.exits import TmtError
+from transformer_mt.common.exits import TmtError
+from transformer_mt.exchange import export
+from transformer_mt.translation import ct2, translate
 
 pytest.importorskip("ctranslate2")
 runner = CliRunner()

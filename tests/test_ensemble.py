@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from conftest import reverse_pairs
 from typer.testing import CliRunner
 
-from transformer_mt import ensemble, translate
 from transformer_mt.cli import app
-from transformer_mt.exits import TmtError
-from transformer_mt.model import make_src_mask
-from transformer_mt.tokenizer import Tokenizer
+from transformer_mt.common.exits import TmtError
+from transformer_mt.data.tokenizer import Tokenizer
+from transformer_mt.network import ensemble
+from transformer_mt.network.model import make_src_mask
+from transformer_mt.translation import translate
 
 SOURCES = [s for s, _ in reverse_pairs(10, seed=5)]
 runner = CliRunner()

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from transformer_mt import corpus, evaluate, textio, translate
-from transformer_mt.exits import TmtError
+from transformer_mt.common import textio
+from transformer_mt.common.exits import TmtError
+from transformer_mt.data import corpus
+from transformer_mt.translation import evaluate, translate
 
 
 def translator(trained_run: Path, *overrides: str) -> translate.Translator:

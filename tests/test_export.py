@@ -11,11 +11,14 @@ import torch
 from conftest import reverse_pairs
 from typer.testing import CliRunner
 
-from transformer_mt import averaging, corpus, ct2, export, translate
 from transformer_mt.cli import app
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config
-from transformer_mt.exits import TmtError
-from transformer_mt.train import train
+from transformer_mt.data import corpus
+from transformer_mt.exchange import export
+from transformer_mt.runs import averaging
+from transformer_mt.training.train import train
+from transformer_mt.translation import ct2, translate
 
 runner = CliRunner()
 LINES = 8  # validation lines each export must reproduce (the tiny models' outputs run long)
@@ -212,7 +215,7 @@ def test_a_ctranslate2_export_is_self_contained_and_its_readme_code_reproduces_t
     import subprocess
     import sys
 
-    from transformer_mt import recipes
+    from transformer_mt.exchange import recipes
 
     out = tmp_path / "ct2"
     export.export(trained_run, "ctranslate2", out, check_lines=LINES)
@@ -239,7 +242,7 @@ def test_a_huggingface_export_has_a_readme_whose_code_reproduces_tmt(
     import subprocess
     import sys
 
-    from transformer_mt import recipes
+    from transformer_mt.exchange import recipes
 
     out = tmp_path / "hf"
     export.export(trained_run, "huggingface", out, check_lines=LINES)
@@ -262,7 +265,7 @@ def test_huggingface_generate_defaults_carry_the_stopping_rule(
 ) -> None:
     # What generate's early_stopping means for each of tmt's rules (its docstring): "never" is
     # the exact bound, False the current-length heuristic, True "stop once num_beams finished".
-    from transformer_mt import huggingface
+    from transformer_mt.exchange import huggingface
 
     translator = translate.load_translator(
         trained_run, ["decode.beam_size=3", f"decode.early_stopping={rule}"]

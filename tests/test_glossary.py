@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from transformer_mt import glossary as glossaries
-from transformer_mt import streams, translate
 from transformer_mt.cli import app
-from transformer_mt.exits import TmtError
+from transformer_mt.common.exits import TmtError
+from transformer_mt.data import glossary as glossaries
+from transformer_mt.translation import streams, translate
 
 runner = CliRunner()
 LINES = multi30k_sentences(24)
@@ -165,9 +165,9 @@ def test_an_output_uses_an_entry_as_whole_words() -> None:
 
 
 def test_a_term_may_not_run_on_into_a_longer_word(model) -> None:
-    from transformer_mt import decoding
+    from transformer_mt.network import constraints
 
-    continues = decoding.word_continuations(model.tokenizer).tolist()
+    continues = constraints.word_continuations(model.tokenizer).tolist()
     pieces = model.tokenizer.pieces("target")
     # the same rule as glossary.words: "coffee-like" is one word, "coffee -like" two
     assert glossaries.used(glossaries.Entry("Café", ("coffee",), 1), "a coffee-like cafe") is None
@@ -254,7 +254,7 @@ def test_check_reports_without_changing_anything(model, terms) -> None:
 def test_greedy_nbest_alignment_and_narrow_beams_obey(model, terms, overrides) -> None:
     strict = with_glossary(model, terms, *[f"{o}" for o in overrides])
     matches = strict.glossary.match_lines(LINES)
-    from transformer_mt.decoding import translate_lines
+    from transformer_mt.translation.decoding import translate_lines
 
     for found, hyps in zip(matches, translate_lines(strict, LINES, matches=matches), strict=True):
         for h in hyps:
@@ -298,7 +298,7 @@ def test_ctranslate2_decodes_the_lines_without_terms(multi30k_run: Path, terms) 
 def test_an_export_without_its_model_is_refused_strict_but_checks(
     multi30k_run: Path, terms, tmp_path: Path
 ) -> None:
-    from transformer_mt import export
+    from transformer_mt.exchange import export
 
     export.export(multi30k_run, "ctranslate2", tmp_path / "ct2")
     with pytest.raises(TmtError, match="glossary.mode=strict with decode.engine=ctranslate2"):

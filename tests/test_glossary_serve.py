@@ -10,8 +10,8 @@ import pytest
 from conftest import multi30k_sentences
 from test_serve import Server
 
-from transformer_mt import glossary as glossaries
-from transformer_mt import translate
+from transformer_mt.data import glossary as glossaries
+from transformer_mt.translation import translate
 
 SOURCES = multi30k_sentences(12)
 PAIRS = [["Mann", "guy"], ["Frau", "lady"], ["Hut", "cap"]]

@@ -11,7 +11,7 @@ import torch
 from test_train import records, with_train
 
 from transformer_mt.config import Config
-from transformer_mt.train import train
+from transformer_mt.training.train import train
 
 pytestmark = [
     pytest.mark.gpu,

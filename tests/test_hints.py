@@ -22,13 +22,14 @@ from test_reliability import same_run
 from test_train import cli_args, run_tmt, with_train
 from typer.testing import CliRunner
 
-from transformer_mt import decoding, hints, terms, translate
-from transformer_mt import glossary as glossaries
 from transformer_mt.cli import app
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, apply_overrides
-from transformer_mt.data import prepare_data
-from transformer_mt.exits import TmtError
-from transformer_mt.train import train
+from transformer_mt.data import glossary as glossaries
+from transformer_mt.data import hints
+from transformer_mt.data.batches import prepare_data
+from transformer_mt.training.train import train
+from transformer_mt.translation import decoding, terms, translate
 
 runner = CliRunner()
 # Identity entries of the reverse task (a target writes the source's words): the terms a pair's
@@ -301,7 +302,7 @@ def test_auto_decodes_again_only_the_lines_that_miss_an_entry(
 def test_the_ctranslate2_export_decodes_hints_as_tmt(
     hinted_run: Path, glossary_file, tmp_path: Path
 ) -> None:
-    from transformer_mt import export
+    from transformer_mt.exchange import export
 
     export.export(hinted_run, "ctranslate2", tmp_path / "ct2")
     ours = translate.load_ensemble(
@@ -319,7 +320,7 @@ def test_the_ctranslate2_export_decodes_hints_as_tmt(
 def test_with_tags_keeps_every_weight_and_adds_rows(tiny_spm: bytes, tiny_cfg: Config) -> None:
     from conftest import model_parts
 
-    from transformer_mt.tokenizer import Tokenizer
+    from transformer_mt.data.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_spm)
     weights, _ = model_parts(tiny_cfg, tiny_spm)
@@ -347,7 +348,8 @@ def test_with_tags_keeps_every_weight_and_adds_rows(tiny_spm: bytes, tiny_cfg: C
 def test_fine_tuning_an_import_with_hints(imported: dict[str, Path], tmp_path: Path) -> None:
     from test_pretrained import multi30k
 
-    from transformer_mt import checkpoint, export
+    from transformer_mt.exchange import export
+    from transformer_mt.runs import checkpoint
 
     pairs = list(zip(multi30k("en", n=300), multi30k("fr", n=300), strict=True))
     corpus = write_parallel(tmp_path / "data" / "train", pairs, src="en", tgt="fr")

@@ -1,208 +1,160 @@
-"""Imports flow one way: each module sits in a layer and imports only from the layers below it,
-with the exceptions named here (style.md §5.3). An import against the rule fails, whether it is
-new or old: the rule is stated, not a snapshot of today's imports."""
+"""Imports flow one way (style.md §5.3): the package is in wings by stage, and a wing imports only
+the wings below it, which its docstring names on its "Imports:" line; modules import each other in
+no circle, within a wing or across. An import against the rule fails, whether it is new or old:
+the rule is stated, not a snapshot of today's imports."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "transformer_mt"
 
-# Bottom to top. A module may import any module of a lower layer.
-LAYERS: list[tuple[str, set[str]]] = [
-    # stdlib only: exit codes and TmtError, file primitives and tmt's file names, fault points,
-    # the allocator setting that must run before torch loads
-    # ... and the one table of language codes
-    ("leaves", {"exits", "files", "faults", "allocator", "languages"}),
-    # the config tree (stdlib + yaml), and text in and out (stdlib)
-    ("foundations", {"config", "textio"}),
-    # one concern each, knowing nothing of runs or commands
-    (
-        "components",
-        {
-            "corpus",
-            "clean",
-            "marian_tokenizer",
-            "foreign",
-            "tokenizer",
-            "data",
-            "model",
-            "loss",
-            "optim",
-            "search",
-            "distributed",
-            "train_state",
-            "metrics",
-            "kernels",
-            "glossary",
-            "hints",
-            "maxima",
-            "aligner",
-            "shortlist",
-        },
-    ),
-    # what decoding adds over the models: several decoding as one (their search states and
-    # probabilities combined), alignments from the cross-attention, constrained search
-    # ... and a batch's candidates under a lexical shortlist
-    ("ensembles", {"ensemble", "alignment", "constraints", "candidates"}),
-    # what tmt keeps on disk: one checkpoint, a run directory, averages of checkpoints
-    # ... and a CTranslate2 export of a model, the engine that decodes it
-    ("stores", {"checkpoint", "run", "averaging", "ct2"}),
-    # a model's lines to hypotheses: batches, the search or CTranslate2 (what translate reads)
-    ("decoding", {"decoding"}),
-    # what the commands do: translate, score, one update, the file job, export, plots, dry run
-    (
-        "engines",
-        {
-            "translate",
-            "streams",
-            "evaluate",
-            "step",
-            "bulk",
-            "export",
-            "huggingface",
-            "pretrained",
-            "marian_config",
-            "recipes",
-            "plot",
-            "dry_run",
-            "cleaning",
-            "terms",
-            "shortlisting",
-        },
-    ),
-    # the server: one worker batching requests, the service that knows the model, the two
-    # APIs (tmt's own and LibreTranslate's) and the HTTP app around them
-    ("serving", {"batching", "glossary_store", "service", "gate", "libretranslate", "serve"}),
-    # the training loop: the only module that knows a whole run; where it stands, why it stops
-    ("training", {"train", "progress"}),
-    # recipes over whole runs: distillation translates with a teacher, then trains a student
-    ("workflows", {"distill_record", "distill"}),
-    # the command line's options: spellings, help, decoding flags as overrides (typer only)
-    ("options", {"flags"}),
-    # the faces: the command line, `python -m transformer_mt`, the Python API
-    ("faces", {"cli", "__main__", "__init__"}),
+# Bottom to top: the stages as a user names them. "config" is the one config tree (a module);
+# "faces" are the top-level modules users meet: the command line, its options, `python -m`, the
+# Python API.
+WINGS = [
+    "common",
+    "config",
+    "data",
+    "network",
+    "runs",
+    "translation",
+    "exchange",
+    "training",
+    "serving",
+    "distillation",
+    "faces",
 ]
-LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
-
-# Imports within one layer, each with its reason; nothing else crosses sideways.
-SIDEWAYS: dict[tuple[str, str], str] = {
-    ("files", "faults"): "a set of files replaced together has fault points between its renames",
-    ("tokenizer", "corpus"): "the joint vocabulary is trained on the training corpora",
-    ("tokenizer", "marian_tokenizer"): "a model's tokenizer is tmt's joint one or Marian's pair",
-    ("data", "corpus"): "batches are made of the corpora's pairs",
-    ("data", "tokenizer"): "... encoded with the joint vocabulary",
-    ("data", "clean"): "data.clean judges the training corpora by the clean rules as they are read",
-    ("data", "hints"): "data.terms: the training sources' term hints, drawn each epoch",
-    ("hints", "glossary"): "a hint's terms are a dictionary's, matched as a glossary's",
-    ("hints", "tokenizer"): "... and its tags the tokenizer's symbols",
-    ("search", "maxima"): "greedy's argmax and beam search's top-k are block-wise maxima",
-    ("shortlist", "aligner"): "p(target piece | source piece) from eflomal's links",
-    ("clean", "corpus"): "the overlap rule reads the validation and test splits",
-    ("metrics", "distributed"): "the metrics log all-reduces its sums over ranks",
-    ("run", "checkpoint"): "a run directory holds checkpoints",
-    ("averaging", "checkpoint"): "averaging reads and writes checkpoints",
-    ("averaging", "run"): "... of a run: its newest or best",
-    ("evaluate", "translate"): "scores what translate decodes (validation BLEU too)",
-    ("bulk", "translate"): "the file job translates chunks",
-    ("bulk", "streams"): "... into the rows (and glossary reports) a stream gets",
-    ("streams", "translate"): "a stream's lines are translated by a loaded Translator",
-    ("export", "translate"): "an export is checked against tmt's own decoding",
-    ("export", "huggingface"): "the Hugging Face export is huggingface.py's conversion",
-    ("huggingface", "translate"): "converts a loaded Translator's model and tokenizer",
-    ("pretrained", "huggingface"): "an import reads transformers' names through the export's map",
-    ("pretrained", "marian_config"): "an import reads the directory's JSON files as tmt settings",
-    ("marian_config", "huggingface"): "... generate's stopping rules as the export names them",
-    ("terms", "translate"): "tmt terms -m aligns with a loaded model's attention",
-    ("shortlisting", "translate"): "tmt shortlist reads a loaded model (and its translations)",
-    ("export", "recipes"): "an export's README, whose code is its parity check",
-    ("recipes", "translate"): "the README's values are a loaded Translator's",
-    ("service", "batching"): "requests are translated through the one batching worker",
-    ("libretranslate", "service"): "the LibreTranslate API is a second face of the service",
-    ("serve", "service"): "the HTTP app answers with the service",
-    ("serve", "libretranslate"): "... and mounts the LibreTranslate API",
-    ("serve", "batching"): "... and starts and drains the batching worker",
-    ("service", "glossary_store"): "requests name the server's stored glossaries",
-    ("serve", "glossary_store"): "the glossary endpoints manage the stored glossaries",
-    ("gate", "service"): "the outer layer checks the service's key and limits, counts its metrics",
-    ("serve", "gate"): "... around the HTTP app",
-    ("train", "progress"): "where the run stands and why it stops",
-    ("distill", "distill_record"): "the distillation's record, read back verified",
-    ("__main__", "cli"): "python -m transformer_mt is the command line",
-    ("__init__", "translate"): "the Python API is the Translator (imported lazily)",
-}
+FACES = {"cli", "flags", "__main__", "__init__"}
 
 
-def project_imports(path: Path) -> set[str]:
-    """The package's modules that `path` imports, at module level or inside functions."""
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
+def module_name(path: Path) -> str:
+    """transformer_mt/data/batches.py -> "data.batches"; transformer_mt/cli.py -> "cli"."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 else ".".join(parts)
+
+
+MODULES = {module_name(p) for p in PACKAGE.rglob("*.py")}
+
+
+def wing_of(module: str) -> str:
+    top = module.split(".")[0]
+    return "faces" if top in FACES else top
+
+
+def project_imports(path: Path, module: str | None = None) -> set[str]:
+    """The package's modules that `path` (the package's `module`) imports, at module level or
+    inside functions, named as module_name names them; a wing's package for a name that is not
+    one of its modules."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if (
-            isinstance(node, ast.ImportFrom)
-            and node.module
-            and node.module.startswith("transformer_mt")
-        ):
-            parts = node.module.split(".")
-            if len(parts) > 1:
-                found.add(parts[1])
-            else:  # from transformer_mt import x: a module, or a name of the package (__init__)
-                found.update(a.name if a.name in modules else "__init__" for a in node.names)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformer_mt"):
+            base = node.module.removeprefix("transformer_mt").lstrip(".")
+            for alias in node.names:
+                inner = f"{base}.{alias.name}" if base else alias.name
+                found.add(inner if inner in MODULES else base or "__init__")
         elif isinstance(node, ast.Import):
             found.update(
-                a.name.split(".")[1] for a in node.names if a.name.startswith("transformer_mt.")
+                a.name.removeprefix("transformer_mt.")
+                for a in node.names
+                if a.name.startswith("transformer_mt.")
             )
-    return found - {path.stem}
+    return found - {module or module_name(path)}
 
 
-def test_every_module_has_a_layer() -> None:
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
-    assert modules == set(LAYER_OF), "place new modules in LAYERS"
+def allowed_wings(wing: str) -> list[str]:
+    """The wings a wing's docstring says it imports ("Imports: common, config."); faces may
+    import every wing, config only common."""
+    if wing == "faces":
+        return WINGS
+    if wing == "config":
+        return ["common"]
+    doc = ast.get_docstring(ast.parse((PACKAGE / wing / "__init__.py").read_text())) or ""
+    line = re.search(r"^Imports: (.*)$", doc, re.MULTILINE)
+    assert line, f"{wing}/__init__.py: say on an 'Imports:' line which wings it imports"
+    if line.group(1).startswith("nothing"):
+        return []
+    return re.findall(r"[a-z_]+", line.group(1).split("(")[0])  # "(why)" may follow the names
 
 
 def against_the_rule(module: str, imported: set[str]) -> list[str]:
-    """The imports of `module` that neither go down the layers nor sideways with a reason."""
+    """The imports of `module` that run up between wings or to a wing its docstring omits."""
+    wing = wing_of(module)
+    allowed = {wing, *allowed_wings(wing)}
     return [
-        f"{module} imports {name} ({LAYERS[LAYER_OF[name]][0]}, {module} is in"
-        f" {LAYERS[LAYER_OF[module]][0]})"
+        f"{module} imports {name} ({wing_of(name)}: not below {wing} or not named by it)"
         for name in sorted(imported)
-        if LAYER_OF[name] >= LAYER_OF[module] and (module, name) not in SIDEWAYS
+        if wing_of(name) not in allowed or WINGS.index(wing_of(name)) > WINGS.index(wing)
     ]
 
 
-def test_imports_go_down_the_layers_or_sideways_with_a_reason() -> None:
+def test_every_module_is_in_a_wing_and_every_wing_says_what_it_holds() -> None:
+    assert {wing_of(m) for m in MODULES} == set(WINGS)
+    for wing in set(WINGS) - {"config", "faces"}:
+        package = importlib.import_module(f"transformer_mt.{wing}")
+        assert package.__doc__ and len(package.__doc__.split()) > 10, wing
+        below = WINGS[: WINGS.index(wing)]
+        assert set(allowed_wings(wing)) <= set(below), f"{wing} names a wing above it"
+
+
+def test_imports_run_down_between_wings() -> None:
     wrong = [
         problem
-        for path in sorted(PACKAGE.glob("*.py"))
-        for problem in against_the_rule(path.stem, project_imports(path))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for problem in against_the_rule(module_name(path), project_imports(path))
     ]
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_rule_refuses_imports_up_and_unnamed_sideways(tmp_path: Path) -> None:
+def test_no_module_imports_itself_through_a_circle() -> None:
+    graph = {module_name(p): project_imports(p) & MODULES for p in PACKAGE.rglob("*.py")}
+    for wing in WINGS[:-1]:  # a wing's package imports nothing; its name is its modules' folder
+        graph.pop(wing, None)
+    state: dict[str, str] = {}
+    circles = []
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = "open"
+        for name in sorted(graph.get(module, ())):
+            if state.get(name) == "open":
+                circles.append(" -> ".join([*trail[trail.index(name) :], name]))
+            elif name not in state:
+                visit(name, [*trail, name])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "\n".join(circles)
+
+
+def test_the_rule_refuses_imports_up_and_to_unnamed_wings(tmp_path: Path) -> None:
     up = tmp_path / "model.py"
-    up.write_text("from transformer_mt import run\n")  # a component reaching into a store
-    assert against_the_rule("model", project_imports(up)) == [
-        "model imports run (stores, model is in components)"
+    up.write_text("from transformer_mt.runs import run\n")  # the network reaching into runs
+    assert against_the_rule("network.model", project_imports(up, "network.model")) == [
+        "network.model imports runs.run (runs: not below network or not named by it)"
     ]
-    sideways = tmp_path / "loss.py"
-    sideways.write_text("def f():\n    from transformer_mt.model import Transformer\n")
-    assert against_the_rule("loss", project_imports(sideways)) == [
-        "loss imports model (components, loss is in components)"
+    inside = tmp_path / "loss.py"
+    inside.write_text("def f():\n    from transformer_mt.serving.service import Service\n")
+    assert against_the_rule("training.loss", project_imports(inside, "training.loss")) == [
+        "training.loss imports serving.service (serving: not below training or not named by it)"
     ]
+    assert against_the_rule("training.loss", {"network.model", "common.exits"}) == []
 
 
 def test_model_and_search_stand_alone() -> None:
     # style.md: model.py imports only the config; search.py nothing of the package but its
     # vocabulary maxima (maxima.py, itself importing nothing: tensor arithmetic), as it gets a
     # step function, so it decodes a toy distribution in tests as it decodes the model.
-    assert project_imports(PACKAGE / "model.py") <= {"config"}
-    assert project_imports(PACKAGE / "search.py") <= {"maxima"}
-    assert project_imports(PACKAGE / "maxima.py") == set()
+    assert project_imports(PACKAGE / "network" / "model.py") <= {"config"}
+    assert project_imports(PACKAGE / "network" / "search.py") <= {"network.maxima"}
+    assert project_imports(PACKAGE / "network" / "maxima.py") == set()
 
 
 def test_nothing_imports_the_cli_except_main() -> None:
-    for path in PACKAGE.glob("*.py"):
-        if path.stem not in ("cli", "__main__"):
-            assert "cli" not in project_imports(path), path.name
+    for path in PACKAGE.rglob("*.py"):
+        if module_name(path) not in ("cli", "__main__"):
+            assert "cli" not in project_imports(path), path

@@ -13,9 +13,11 @@ from test_bulk import big_input, translate_args  # noqa: F401 (a fixture)
 from test_model import PAD, TINY, V, tokens
 from typer.testing import CliRunner
 
-from transformer_mt import faults, kernels, translate
 from transformer_mt.cli import app
-from transformer_mt.model import Transformer, make_src_mask
+from transformer_mt.common import faults
+from transformer_mt.network import kernels
+from transformer_mt.network.model import Transformer, make_src_mask
+from transformer_mt.translation import translate
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="this PyTorch has no oneDNN")
 SOURCES = [s for s, _ in reverse_pairs(24, seed=11)]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer_mt.loss import label_smoothed_nll
+from transformer_mt.training.loss import label_smoothed_nll
 
 PAD = 0
 

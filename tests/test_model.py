@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_mt.config import ModelConfig, load_config
-from transformer_mt.model import (
+from transformer_mt.network.model import (
     MultiHeadAttention,
     Transformer,
     count_parameters,
@@ -260,7 +260,7 @@ def test_key_bias_gradient_is_zero_up_to_rounding() -> None:
 
 
 def test_dropout_keeps_each_element_with_probability_one_minus_p() -> None:
-    from transformer_mt.model import Dropout
+    from transformer_mt.network.model import Dropout
 
     torch.manual_seed(0)
     layer = Dropout(0.3).train()
@@ -352,7 +352,7 @@ def test_a_default_model_keeps_its_weight_names() -> None:
     ],
 )
 def test_parameter_count_equals_the_built_model(changes: dict) -> None:
-    from transformer_mt.model import parameter_count
+    from transformer_mt.network.model import parameter_count
 
     cfg = dataclasses.replace(TINY, **changes)
     with torch.device("meta"):

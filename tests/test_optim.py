@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from transformer_mt.config import ModelConfig, OptimConfig
-from transformer_mt.optim import (
+from transformer_mt.training.optim import (
     BudgetSchedule,
     build_optimizer,
     measuring,

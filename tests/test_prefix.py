@@ -10,8 +10,9 @@ import pytest
 from conftest import multi30k_sentences
 from typer.testing import CliRunner
 
-from transformer_mt import bulk, faults, translate
 from transformer_mt.cli import app
+from transformer_mt.common import faults
+from transformer_mt.translation import bulk, translate
 
 SOURCES = multi30k_sentences(12)
 runner = CliRunner()

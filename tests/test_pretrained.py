@@ -17,10 +17,12 @@ import torch
 from marian_models import multi30k
 from typer.testing import CliRunner
 
-from transformer_mt import checkpoint, decoding, pretrained, translate
 from transformer_mt.cli import app
-from transformer_mt.exits import TmtError
-from transformer_mt.model import make_src_mask
+from transformer_mt.common.exits import TmtError
+from transformer_mt.exchange import pretrained
+from transformer_mt.network.model import make_src_mask
+from transformer_mt.runs import checkpoint
+from transformer_mt.translation import decoding, translate
 
 transformers = pytest.importorskip("transformers")
 runner = CliRunner()
@@ -92,7 +94,7 @@ def test_the_tokenizer_gives_marian_tokenizers_ids(
 
 
 def test_a_damaged_tokenizer_is_one_line(imported: dict[str, Path]) -> None:
-    from transformer_mt.marian_tokenizer import MarianTokenizer
+    from transformer_mt.data.marian_tokenizer import MarianTokenizer
 
     data = checkpoint.read(imported["multi"]).tokenizer.model_bytes
     broken_json = data.replace(b'"<unk>": ', b'"<unk>"; ', 1)  # same length, not JSON
@@ -335,7 +337,7 @@ def test_what_tmt_cannot_hold_is_refused_in_one_line(
 def test_ctranslate2_engine_and_export_equal_tmt(
     imported: dict[str, Path], kind: str, tmp_path: Path
 ) -> None:
-    from transformer_mt import export, recipes
+    from transformer_mt.exchange import export, recipes
 
     expected = tmt_outputs(imported[kind], LINES, 1)
     model = shutil.copytree(imported[kind], tmp_path / "model")  # the engine's cache goes there
@@ -361,7 +363,7 @@ def test_ctranslate2_engine_and_export_equal_tmt(
 def test_a_huggingface_export_of_an_import_generates_as_the_original(
     marian_dirs: dict[str, Path], imported: dict[str, Path], kind: str, tmp_path: Path
 ) -> None:
-    from transformer_mt import export
+    from transformer_mt.exchange import export
 
     out = tmp_path / "hf"
     export.export(imported[kind], "huggingface", out, check_lines=24)
@@ -466,7 +468,7 @@ def test_fine_tuning_an_import_uses_its_tokenizer_and_resumes_bit_exactly(
     final = checkpoint.read(tmp_path / "straight" / "checkpoints" / "step_00000008")
     assert final.tokenizer.model_bytes == parent.model_bytes
     assert (tmp_path / "straight" / "tokenizer.model").read_bytes() == parent.model_bytes
-    from transformer_mt.data import prepare_data
+    from transformer_mt.data.batches import prepare_data
 
     data = prepare_data(final.config, final.tokenizer)
     source_ids, target_ids = data.valid.ids(list(range(3)))

@@ -26,12 +26,13 @@ from conftest import reverse_pairs, write_parallel
 from test_train import cli_args, numbers, records, run_tmt, with_train
 from typer.testing import CliRunner
 
-from transformer_mt import checkpoint, files, metrics, run
 from transformer_mt.cli import app
+from transformer_mt.common import files
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, apply_overrides
-from transformer_mt.data import prepare_data
-from transformer_mt.exits import TmtError
-from transformer_mt.train import train
+from transformer_mt.data.batches import prepare_data
+from transformer_mt.runs import checkpoint, metrics, run
+from transformer_mt.training.train import train
 
 REPO = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -172,7 +173,7 @@ def test_translate_refuses_an_output_that_is_an_input(finished: Path, tmp_path: 
 def test_a_failed_translation_keeps_the_old_output(
     finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformer_mt import streams
+    from transformer_mt.translation import streams
 
     source, output = tmp_path / "in.txt", tmp_path / "out.txt"
     source.write_text("kalo mi\n")

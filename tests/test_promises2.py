@@ -16,11 +16,11 @@ from test_promises import REPO, copy_run, one_line_error
 from test_train import run_tmt
 from typer.testing import CliRunner
 
-from transformer_mt import bulk, decoding, translate
 from transformer_mt.cli import app
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config
-from transformer_mt.data import prepare_data
-from transformer_mt.exits import TmtError
+from transformer_mt.data.batches import prepare_data
+from transformer_mt.translation import bulk, decoding, translate
 
 runner = CliRunner()
 CHUNK = 10
@@ -122,7 +122,7 @@ def test_an_altered_data_cache_entry_is_rebuilt_not_trusted(
 def test_a_replaced_cached_tokenizer_is_trained_again(
     tiny_cfg: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from transformer_mt.tokenizer import train_tokenizer
+    from transformer_mt.data.tokenizer import train_tokenizer
 
     cfg = with_cache(tiny_cfg, tmp_path)
     first = prepare_data(cfg).tokenizer
@@ -142,7 +142,7 @@ def test_a_damaged_metrics_log_neither_stops_a_resume_nor_a_plot(
     trained_run: Path, tmp_path: Path
 ) -> None:
     from transformer_mt.config import load_config
-    from transformer_mt.train import train
+    from transformer_mt.training.train import train
 
     run_dir = copy_run(trained_run, tmp_path)
     log = run_dir / "metrics.jsonl"
@@ -162,7 +162,7 @@ def test_a_damaged_metrics_log_neither_stops_a_resume_nor_a_plot(
 def test_no_command_writes_where_tmt_manages_files(
     trained_run: Path, lines_in: Path, tmp_path: Path
 ) -> None:
-    from transformer_mt import averaging
+    from transformer_mt.runs import averaging
 
     run_dir = copy_run(trained_run, tmp_path)
     averaging.write(averaging.newest(run_dir, 2), run_dir / "average")
@@ -214,9 +214,9 @@ def test_a_small_checkpoint_cannot_make_tmt_build_a_large_model(
 ) -> None:
     from conftest import model_parts
 
-    from transformer_mt import checkpoint
     from transformer_mt.config import apply_overrides
-    from transformer_mt.model import Transformer
+    from transformer_mt.network.model import Transformer
+    from transformer_mt.runs import checkpoint
 
     weights, _ = model_parts(tiny_cfg, tiny_spm)
     huge = apply_overrides(tiny_cfg, ["model.d_model=65536", "model.n_heads=2"])
@@ -231,7 +231,7 @@ def test_allocation_failures_when_building_and_decoding_are_one_line(
 ) -> None:
     from test_train import with_train
 
-    from transformer_mt import train as train_module
+    from transformer_mt.training import train as train_module
 
     def no_memory(*args: object, **kwargs: object) -> None:
         raise RuntimeError(
@@ -264,7 +264,8 @@ def test_updates_that_never_fit_stop_the_run_in_one_line(tiny_cfg: Config, tmp_p
 def test_cleaning_up_after_a_killed_write_touches_only_tmt_s_own_leftovers(
     trained_run: Path, tmp_path: Path
 ) -> None:
-    from transformer_mt import averaging, export
+    from transformer_mt.exchange import export
+    from transformer_mt.runs import averaging
 
     dead = 2**22 + 12345  # above any pid this machine hands out (pid_max)
     mine = tmp_path / f".tmp-notes-{dead}"

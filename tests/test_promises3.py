@@ -20,10 +20,12 @@ from conftest import REPO, reverse_pairs
 from test_promises import one_line_error
 from typer.testing import CliRunner
 
-from transformer_mt import ensemble, optim, translate
 from transformer_mt.cli import app
 from transformer_mt.config import Config, ModelConfig, OptimConfig, apply_overrides
-from transformer_mt.data import TokenBucketSampler
+from transformer_mt.data.batches import TokenBucketSampler
+from transformer_mt.network import ensemble
+from transformer_mt.training import optim
+from transformer_mt.translation import translate
 
 runner = CliRunner()
 
@@ -190,7 +192,7 @@ def test_the_decay_fits_the_clock_when_validations_cost_more_than_measured(
 def test_a_run_the_clock_stops_at_its_peak_says_so(
     tiny_cfg: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from transformer_mt.train import train
+    from transformer_mt.training.train import train
 
     # One update a budget (the clock already run out after the first): no plan can be made.
     cfg = dataclasses.replace(
@@ -219,8 +221,8 @@ def test_training_refuses_shares_of_the_budget_that_exceed_it(
 
 
 def test_the_dry_run_refuses_what_the_run_refuses(tiny_cfg: Config, tmp_path: Path) -> None:
-    from transformer_mt.dry_run import dry_run
-    from transformer_mt.exits import TmtError
+    from transformer_mt.common.exits import TmtError
+    from transformer_mt.training.dry_run import dry_run
 
     unigram = dataclasses.replace(
         tiny_cfg,
@@ -231,7 +233,7 @@ def test_the_dry_run_refuses_what_the_run_refuses(tiny_cfg: Config, tmp_path: Pa
     )  # fmt: skip
     with pytest.raises(TmtError, match="BPE-dropout needs a bpe tokenizer"):
         dry_run(unigram)
-    from transformer_mt.train import train
+    from transformer_mt.training.train import train
 
     with pytest.raises(TmtError, match="BPE-dropout needs a bpe tokenizer"):
         train(unigram)
@@ -294,7 +296,7 @@ def test_a_directory_or_a_fifo_is_named_as_such(
 
 
 def test_a_paired_test_on_a_handful_of_sentences_reports_no_p_value(tmp_path: Path) -> None:
-    from transformer_mt.evaluate import MIN_TEST_SENTENCES
+    from transformer_mt.translation.evaluate import MIN_TEST_SENTENCES
 
     for n in (1, MIN_TEST_SENTENCES - 1):
         ref, worse = tmp_path / f"ref{n}", tmp_path / f"worse{n}"

@@ -19,10 +19,13 @@ import torch
 from conftest import REPO, write_parallel
 from typer.testing import CliRunner
 
-from transformer_mt import decoding, distill, files, pretrained, textio, translate
 from transformer_mt.cli import app
+from transformer_mt.common import files, textio
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, apply_overrides
-from transformer_mt.exits import TmtError
+from transformer_mt.distillation import distill
+from transformer_mt.exchange import pretrained
+from transformer_mt.translation import decoding, translate
 
 runner = CliRunner()
 transformers = pytest.importorskip("transformers")
@@ -561,7 +564,7 @@ def test_the_one_writer_rule_is_the_same_lock_everywhere(tmp_path) -> None:
 
 
 def test_a_hugging_face_export_is_checked_on_a_sample_and_says_so(multi30k_run, tmp_path) -> None:
-    from transformer_mt import export
+    from transformer_mt.exchange import export
 
     report = export.export(multi30k_run, "huggingface", tmp_path / "hf")
     assert report["check_lines"] == export.HF_CHECK_LINES == 200

@@ -1,6 +1,6 @@
 """The fault and bad-input matrix (docs/reliability.md): every guarantee, made to fail on purpose.
 
-Faults come from TMT_FAULT fault points (transformer_mt/faults.py), so they happen exactly where a
+Faults come from TMT_FAULT fault points (transformer_mt/common/faults.py), so they happen exactly where a
 test says. Tests that need more than 30 s are marked slow and run by `make test-reliability`.
 """
 
@@ -26,15 +26,17 @@ from hypothesis import strategies as st
 from test_train import cli_args, final_weights, numbers, records, run_tmt, with_train
 from typer.testing import CliRunner
 
-from transformer_mt import averaging, checkpoint, run, textio, train_state, translate
 from transformer_mt.cli import app
+from transformer_mt.common import textio
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, apply_overrides
-from transformer_mt.data import prepare_data
-from transformer_mt.exits import TmtError
-from transformer_mt.model import Transformer
-from transformer_mt.optim import build_optimizer
-from transformer_mt.step import Optimization, train_step
-from transformer_mt.train import train
+from transformer_mt.data.batches import prepare_data
+from transformer_mt.network.model import Transformer
+from transformer_mt.runs import averaging, checkpoint, run, train_state
+from transformer_mt.training.optim import build_optimizer
+from transformer_mt.training.step import Optimization, train_step
+from transformer_mt.training.train import train
+from transformer_mt.translation import translate
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "transformer_mt"
@@ -288,7 +290,7 @@ def orphans(run_dir: Path) -> list[str]:
 
 
 def step_fixture(tiny_cfg: Config, precision: str = "fp32", init_scale: float = 2.0**16):
-    from transformer_mt.distributed import DistInfo
+    from transformer_mt.common.distributed import DistInfo
 
     data = prepare_data(tiny_cfg)
     torch.manual_seed(0)

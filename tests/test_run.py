@@ -13,13 +13,14 @@ import pytest
 from conftest import model_parts
 from typer.testing import CliRunner
 
-from transformer_mt import averaging, checkpoint, run, translate
 from transformer_mt.cli import app
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, load_config
-from transformer_mt.exits import TmtError
-from transformer_mt.model import Transformer
-from transformer_mt.tokenizer import Tokenizer
-from transformer_mt.train import train
+from transformer_mt.data.tokenizer import Tokenizer
+from transformer_mt.network.model import Transformer
+from transformer_mt.runs import averaging, checkpoint, run
+from transformer_mt.training.train import train
+from transformer_mt.translation import translate
 
 CFG = load_config("tiny")
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer_mt.search import Hypothesis, beam_search, greedy, length_penalty, sample
+from transformer_mt.network.search import Hypothesis, beam_search, greedy, length_penalty, sample
 
 PAD, BOS, EOS = 0, 1, 2
 WORDS = (3, 4, 5)
@@ -282,7 +282,7 @@ def test_k_finished_stops_once_k_hypotheses_finished(seed: int, k: int) -> None:
 def test_best_continuations_equal_a_stable_sort_of_all(rows, width, vocab, count, ties, seed):
     # The block-wise top of search.py against its definition: all w·V continuations of each
     # sentence sorted best first, ties to the lower index; fewer than `count` padded with -inf.
-    from transformer_mt.search import _best_continuations
+    from transformer_mt.network.search import _best_continuations
 
     g = torch.Generator().manual_seed(seed)
     log_probs = torch.randn(rows * width, vocab, generator=g)
@@ -311,7 +311,7 @@ def test_best_continuations_equal_a_stable_sort_of_all(rows, width, vocab, count
 )
 def test_row_max_equals_torch_max(rows, vocab, ties, seed):
     # Greedy's block-wise argmax against torch's: the same maxima, the first of equal indices.
-    from transformer_mt.search import row_max
+    from transformer_mt.network.search import row_max
 
     g = torch.Generator().manual_seed(seed)
     values = torch.randn(rows, vocab, generator=g)
@@ -337,7 +337,7 @@ def test_logits_argmax_picks_what_log_softmax_picks(rows, vocab, case, seed):
     # Greedy's argmax from raw logits (issue 49's exact saving) against today's: the argmax of the
     # log-probabilities, first of equal ones, including logits a few ulps apart, which
     # log_softmax's rounding may merge into a tie.
-    from transformer_mt.search import logits_argmax, row_max
+    from transformer_mt.network.search import logits_argmax, row_max
 
     g = torch.Generator().manual_seed(seed)
     scale = {"large": 30.0, "near ties": 0.3}.get(case, 3.0)  # small logits, V large: merges
@@ -419,7 +419,7 @@ def test_search_outputs_equal_the_reference(
     nbest = data.draw(st.integers(1, k))
     make = tied_step if ties else toy_step
     results = []
-    for module in (reference, __import__("transformer_mt.search", fromlist=["greedy"])):
+    for module in (reference, __import__("transformer_mt.network.search", fromlist=["greedy"])):
         step, state = make(seed), ToyState(list(range(len(lengths))))
         if k == 1:
             found = module.greedy(step, state, lengths, BOS, EOS, (PAD, BOS), alpha, form)

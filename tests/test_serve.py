@@ -20,8 +20,9 @@ import httpx
 import pytest
 from conftest import multi30k_sentences
 
-from transformer_mt import alignment, translate
-from transformer_mt.decoding import translate_lines
+from transformer_mt.network import alignment
+from transformer_mt.translation import translate
+from transformer_mt.translation.decoding import translate_lines
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = multi30k_sentences(16)
@@ -247,7 +248,7 @@ def test_bad_requests_are_a_4xx_with_one_message(server: Server) -> None:
 def test_the_queue_is_bounded_and_a_request_beyond_it_is_503_with_retry_after(
     trained_run: Path,
 ) -> None:
-    from transformer_mt.batching import Batcher, Job, QueueFull
+    from transformer_mt.serving.batching import Batcher, Job, QueueFull
 
     class Quiet:
         def queued(self, n: int) -> None: ...
@@ -407,7 +408,7 @@ def test_a_request_whose_client_has_gone_is_never_decoded(trained_run: Path) -> 
 def test_a_client_that_has_gone_costs_nothing(
     trained_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformer_mt import batching
+    from transformer_mt.serving import batching
 
     decoded: list[str] = []
     monkeypatch.setattr(batching, "translate_lines",
@@ -450,7 +451,7 @@ def test_a_missing_serve_extra_is_one_line_and_exit_2(trained_run: Path) -> None
 def test_the_batcher_gathers_a_burst_and_lets_a_lone_request_go(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from transformer_mt import batching
+    from transformer_mt.serving import batching
 
     calls: list[list[str]] = []
     monkeypatch.setattr(batching, "translate_lines",
@@ -493,7 +494,7 @@ def test_serve_settings_come_from_this_tmt_and_set_not_from_the_checkpoint(
     serve.max_sentences=1 is served with the default limit unless --set says otherwise."""
     import dataclasses
 
-    from transformer_mt.train import train
+    from transformer_mt.training.train import train
 
     train(dataclasses.replace(
         tiny_cfg, serve=dataclasses.replace(tiny_cfg.serve, max_sentences=1),
@@ -513,7 +514,7 @@ def test_serve_settings_come_from_this_tmt_and_set_not_from_the_checkpoint(
 
 
 def test_an_error_is_logged_as_its_first_line() -> None:
-    from transformer_mt.exits import first_line
+    from transformer_mt.common.exits import first_line
 
     assert first_line(RuntimeError("out of memory\nframe #0: at::...\nframe #1")) == "out of memory"
     assert first_line(RuntimeError("  ")) == "RuntimeError"

@@ -14,8 +14,9 @@ import pytest
 from conftest import multi30k_sentences, reverse_pairs
 from test_train import run_tmt
 
-from transformer_mt import shortlist, shortlisting, translate
-from transformer_mt.exits import TmtError
+from transformer_mt.common.exits import TmtError
+from transformer_mt.network import shortlist
+from transformer_mt.translation import shortlisting, translate
 
 REPO = Path(__file__).resolve().parents[1]
 LINES = multi30k_sentences(40)
@@ -138,7 +139,7 @@ def test_the_file_is_verified_and_refused_in_one_line(
 
 
 def test_without_eflomal_ibm_model_1_aligns_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformer_mt import aligner
+    from transformer_mt.data import aligner
 
     def missing() -> None:
         raise ImportError("eflomal")
@@ -216,7 +217,8 @@ def test_the_ctranslate2_export_carries_it_as_its_vmap(
     multi30k_run: Path, made: Path, tmp_path: Path
 ) -> None:
     pytest.importorskip("ctranslate2")
-    from transformer_mt import ct2, export
+    from transformer_mt.exchange import export
+    from transformer_mt.translation import ct2
 
     out = tmp_path / "ct2"
     report = export.export(multi30k_run, "ctranslate2", out, check_lines=50, shortlist=str(made))

@@ -9,9 +9,9 @@ import pytest
 import sentencepiece as spm
 from conftest import reverse_pairs
 
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import TokenizerConfig
-from transformer_mt.exits import TmtError
-from transformer_mt.tokenizer import Tokenizer, train_tokenizer
+from transformer_mt.data.tokenizer import Tokenizer, train_tokenizer
 
 SENTENCES = [s for pair in reverse_pairs(300, seed=1) for s in pair]
 
@@ -98,7 +98,7 @@ def test_few_lines_one_by_one_equal_many_lines_pooled(tokenizer: Tokenizer) -> N
     thread pool costs more than the work); the ids and texts are the same either way."""
     import random
 
-    from transformer_mt import tokenizer as module
+    from transformer_mt.data import tokenizer as module
 
     rng = random.Random(0)
     texts = ["", " ", "\x00", "ü" * 40] + [

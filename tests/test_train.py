@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer_mt import checkpoint, run
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, load_config, to_dict
-from transformer_mt.exits import TmtError
-from transformer_mt.train import train
+from transformer_mt.runs import checkpoint, run
+from transformer_mt.training.train import train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -197,7 +197,7 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
         optim=dataclasses.replace(train_cfg.optim, clip_norm=clip_norm),
     )
     cfg = with_train(cfg, max_steps=6, valid_every=3, save_every=0, save_every_minutes=0.0)
-    from transformer_mt.data import prepare_data
+    from transformer_mt.data.batches import prepare_data
 
     data = prepare_data(cfg)
     assert len(data.train.sampler(cfg.data.max_tokens, cfg.train.seed).epoch_batches(0)) % 2 == 0
@@ -320,7 +320,7 @@ def test_best_by_bleu_and_average_at_the_end(train_cfg: Config, tmp_path: Path) 
     assert run.best(tmp_path).name == f"step_{best['step']:08d}"
     # The validation BLEU of training is the BLEU tmt evaluate reports for the same model: for
     # the checkpoint of step 6 and for the final average.
-    from transformer_mt import evaluate, translate
+    from transformer_mt.translation import evaluate, translate
 
     step6 = translate.load_translator(run.checkpoint_dir(tmp_path, 6), ["decode.beam_size=1"])
     report = evaluate.evaluate(step6, split="valid")
@@ -356,7 +356,7 @@ def test_the_last_updates_are_logged_and_the_last_record_says_why_the_run_stoppe
     train(with_train(cfg, valid_every=2, patience=2))
     rows = records(tmp_path / "p")
     assert rows[-1]["stop"] == "patience" and rows[-2]["step"] == rows[-1]["step"] == 6
-    from transformer_mt import plot
+    from transformer_mt.runs import plot
 
     assert plot.read_curves(tmp_path / "p")["loss"][-1][0] == 6
     # And a signal: SIGTERM after update 6, a record every 4, so updates 5 and 6 are partial.
@@ -409,7 +409,7 @@ def test_a_time_budget_is_planned_again_before_its_decay_so_that_the_decay_fits(
     # decay would start after update 48 and the clock would stop the run at 55, at half the
     # peak; checked again two updates before the decay, the plan is what the clock allows, 55,
     # and the decay fits.
-    from transformer_mt import train as train_module
+    from transformer_mt.training import train as train_module
 
     clock = {"now": 0.0, "planned": False}
 
@@ -468,7 +468,7 @@ def test_a_time_budget_is_planned_once_and_a_resume_keeps_the_plan(
     assert again.returncode == 143, again.stderr
     rows = records(tmp_path)
     assert [r for r in rows if "planned_updates" in r] == plans  # not planned again
-    from transformer_mt.optim import BudgetSchedule
+    from transformer_mt.training.optim import BudgetSchedule
 
     schedule = BudgetSchedule(cfg.model, cfg.optim)
     vars(schedule).update(saved_plan)

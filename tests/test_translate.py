@@ -12,9 +12,10 @@ import pytest
 import torch
 from conftest import reverse_pairs
 
-from transformer_mt import checkpoint, decoding, run, streams, translate
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, apply_overrides
-from transformer_mt.exits import TmtError
+from transformer_mt.runs import checkpoint, run
+from transformer_mt.translation import decoding, streams, translate
 
 SOURCES = [s for s, _ in reverse_pairs(12, seed=7)]
 
@@ -145,7 +146,7 @@ def test_decode_settings_given_to_train_are_what_the_run_decodes_with(
     # make demo trains with --set decode.length_penalty=1.0, then translates and scores the run
     # without saying it again. Decode settings leave training alone (the same weights), and the
     # run trained with them decodes as the other run does when it is given them at translation.
-    from transformer_mt.train import train
+    from transformer_mt.training.train import train
 
     decode = ["decode.length_penalty=1.0", "decode.beam_size=3"]
     plain = apply_overrides(tiny_cfg, [f"train.out_dir={tmp_path / 'plain'}", "train.max_steps=4"])
@@ -168,7 +169,7 @@ def test_decode_settings_given_to_train_are_what_the_run_decodes_with(
 
 
 def test_python_api_translates_as_the_command_does(trained_run: Path) -> None:
-    from transformer_mt import Translator  # the package's own face, loaded on first use
+    from transformer_mt import Translator
 
     translator = Translator.load(trained_run, device="cpu")
     assert translator.config.decode.device == "cpu" and translator.device.type == "cpu"

@@ -14,7 +14,7 @@ __all__ = ["Translator", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "Translator":
-        from transformer_mt.translate import Translator
+        from transformer_mt.translation.translate import Translator
 
         return Translator
     raise AttributeError(f"module 'transformer_mt' has no attribute {name!r}")

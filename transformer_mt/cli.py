@@ -24,9 +24,10 @@ from typing import Annotated, Any
 
 import typer
 
-from transformer_mt import exits, flags
+from transformer_mt import flags
+from transformer_mt.common import exits
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import apply_overrides, load_config
-from transformer_mt.exits import TmtError
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -66,7 +67,7 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except OSError as err:  # what the library did not name itself: still one line
             if os.environ.get("TMT_DEBUG") or isinstance(err, BrokenPipeError):
                 raise
-            from transformer_mt.textio import WRITE_FAILED
+            from transformer_mt.common.textio import WRITE_FAILED
 
             where = f"{err.filename}: " if err.filename else ""
             full = err.errno in WRITE_FAILED
@@ -86,7 +87,8 @@ def _load(
     by: str | None, keep_model: bool = False,
 ) -> Any:  # fmt: skip
     """The model, average or ensemble the command decodes (translate.load_ensemble)."""
-    from transformer_mt import ensemble, translate
+    from transformer_mt.network import ensemble
+    from transformer_mt.translation import translate
 
     chosen = ensemble.parse_weights(weights)
     return translate.load_ensemble(models, overrides, chosen, last=last, best=best, by=by,
@@ -103,9 +105,9 @@ def train(
     as_json: flags.AsJson = False,
 ) -> None:
     """Train a model. Multi-GPU: torchrun --nproc_per_node=N -m transformer_mt train -c CONFIG."""
-    from transformer_mt import dry_run as dry_run_lib
-    from transformer_mt import progress
-    from transformer_mt import train as train_lib
+    from transformer_mt.training import dry_run as dry_run_lib
+    from transformer_mt.training import progress
+    from transformer_mt.training import train as train_lib
 
     overrides = [*(set_ or []), *([f"train.init_from={init_from}"] if init_from else [])]
     cfg = load_config(config, overrides)
@@ -155,7 +157,7 @@ def translate(
 
     A file into a file is a resumable job in chunks (decode.chunk_lines): the same command after
     a kill translates only what is missing. Under torchrun the processes share the chunks."""
-    from transformer_mt import bulk, streams
+    from transformer_mt.translation import bulk, streams
 
     overrides = flags.flag_overrides(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
@@ -208,7 +210,7 @@ def evaluate(
     """sacreBLEU (with signature), chrF, chrF++, TER and lowercased BLEU of a model or a
     hypothesis file; with several --hyp, paired significance tests against the first; with
     --glossary, term use (entries used / entries matched)."""
-    from transformer_mt import evaluate as lib
+    from transformer_mt.translation import evaluate as lib
 
     input_ = flags.renamed(input_, old_input, "--input", "--src")
     translating = {"--weights": weights, "--last": last or old_last, "--best": best, "--by": by,
@@ -256,7 +258,7 @@ def export(
     old_model: flags.OldModel = None,
 ) -> None:
     """Export to CTranslate2 or Hugging Face; written only if its greedy outputs equal tmt's."""
-    from transformer_mt import export as lib
+    from transformer_mt.exchange import export as lib
 
     report = lib.export(
         flags.given_model(model, old_model), fmt, output, quantization=quantization,
@@ -277,7 +279,7 @@ def import_(
     as_json: flags.AsJson = False,
 ) -> None:
     """Import a Hugging Face MarianMTModel directory (OPUS-MT) as a tmt model (-m HF_DIR)."""
-    from transformer_mt import pretrained
+    from transformer_mt.exchange import pretrained
 
     report = pretrained.import_model(
         flags.given_model(model, None), output, src_lang, tgt_lang, overwrite
@@ -296,7 +298,7 @@ def clean(
     as_json: flags.AsJson = False,
 ) -> None:
     """Clean data.train by the clean section's filters: the pairs kept, what each removed."""
-    from transformer_mt import cleaning
+    from transformer_mt.data import cleaning
 
     report = cleaning.clean_corpus(load_config(config, set_ or []), output, annotate, overwrite)
     _echo(report, as_json, cleaning.format_report(report))
@@ -314,7 +316,7 @@ def terms(
 ) -> None:
     """A term dictionary of data.train (TSV: source, targets, count): eflomal's word alignments,
     or with -m a trained model's; what data.terms.dictionary reads. Resumable."""
-    from transformer_mt import terms as lib
+    from transformer_mt.translation import terms as lib
 
     cfg = load_config(config, set_ or [])
     report = lib.build(cfg, output, str(model) if model else None, overwrite)
@@ -339,7 +341,7 @@ def shortlist(
     """A lexical shortlist for a model (--shortlist auto finds it beside the model): per source
     piece its likeliest target pieces, from its training data, -i SRC --ref TGT, -i SRC alone
     (its own translations), or Marian's lex.s2t."""
-    from transformer_mt import shortlisting as lib
+    from transformer_mt.translation import shortlisting as lib
 
     if model is None:
         raise TmtError("name the model with -m/--model", param="model")
@@ -360,7 +362,7 @@ def distill(
 ) -> None:
     """Distil a teacher (-m; several: an ensemble) into the config's model in -o DIR: the teacher
     translates data.train, the student trains on that, is compared with it and exported."""
-    from transformer_mt import distill as lib
+    from transformer_mt.distillation import distill as lib
 
     report = lib.distill(
         load_config(config, set_ or []), flags.given_models(model, None), output, weights
@@ -382,7 +384,7 @@ def average(
 ) -> None:
     """Average checkpoints into one self-contained model (§6.1: the last 5 for base, 20 for big):
     -m CKPT -m CKPT ..., or -m RUN_DIR with --last N or --best N."""
-    from transformer_mt import averaging
+    from transformer_mt.runs import averaging
 
     models = flags.renamed(models, old_models, "-m/--model", "a positional model")
     report = averaging.average_into(
@@ -401,7 +403,7 @@ def plot(
     old_models: flags.OldModels = None,
 ) -> None:
     """Draw training loss, validation loss and BLEU, learning rate and tokens/s against updates."""
-    from transformer_mt import plot as lib
+    from transformer_mt.runs import plot as lib
 
     run_dirs = flags.renamed(models, old_models, "-m/--model", "a positional run directory")
     report = lib.plot(run_dirs or [], output, overwrite)
@@ -432,7 +434,7 @@ def serve(
 ) -> None:
     """Serve the model over HTTP: tmt's API, the LibreTranslate API, a page, metrics (serve.*)."""
     try:
-        from transformer_mt import serve as lib
+        from transformer_mt.serving import serve as lib
     except ImportError as err:
         raise TmtError(f"tmt serve needs the serve extra ({err.name} is missing): pip install"
                        " 'transformer_mt[serve]'") from None  # fmt: skip
@@ -449,7 +451,7 @@ def serve(
 
 
 def main() -> None:
-    from transformer_mt.allocator import keep_freed_memory
+    from transformer_mt.common.allocator import keep_freed_memory
 
     keep_freed_memory()  # before torch is imported and allocates
     app()

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 
-from transformer_mt.exits import TmtError, first_line
+from transformer_mt.common.exits import TmtError, first_line
 
 
 @dataclass(frozen=True)

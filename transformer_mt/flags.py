@@ -12,7 +12,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from typer.core import TyperCommand
 
-from transformer_mt.exits import TmtError
+from transformer_mt.common.exits import TmtError
 
 ConfigOption = Annotated[
     str,

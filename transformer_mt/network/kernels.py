@@ -1,0 +1,101 @@
+"""How a model computes while it decodes: its precision on its device, torchao's dynamic int8,
+and on a CPU its float32 linear layers through oneDNN with their weights packed once.
+
+PyTorch computes a float32 linear layer on x86 with MKL's sgemm, which on AMD CPUs does not
+use AVX-512 (MKL picks its kernels by vendor); oneDNN, also inside every PyTorch wheel, does.
+On the AVX-512 machine of docs/benchmarks.md the decoder's products run 1.5-2.5x faster
+through it, and beam search as a whole 1.4x (scripts/bench_decode.py). The products are the
+same ones: bit for bit for 128-wide inputs there, wider ones summed in another order (a median
+relative difference of 3e-7 at 512). On the demo model's 1,000 test sentences every output was
+the same. decode.cpu_linear=torch keeps torch's own kernels. A packed layer has no gradient, so
+with autograd on it computes as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer_mt.common.exits import TmtError
+
+
+def in_precision(model: nn.Module, precision: str, device: torch.device) -> nn.Module:
+    """The model on `device` in the decoding precision (float32 for int8: int8() quantizes it)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return model.to(device=device, dtype=dtype)
+
+
+def int8(model: nn.Module) -> nn.Module:
+    """Dynamic int8 of the linear layers (torchao: int8 weights per channel, activations per
+    token at each call). The stacked Q/K/V projections stay float32: cross attention slices
+    theirs, which a quantized tensor cannot. Unlike float32, a line's output may differ in rare
+    lines with its batch (149 of 150 test sentences identical alone and batched, demo model)."""
+    # torchao's import logs the GPU kernels it cannot load on this machine: not the user's news.
+    logging.disable(logging.WARNING)
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+        from torchao.utils import should_reduce_range
+    except ImportError:
+        raise TmtError(
+            'decode.precision=int8 needs the torchao package: pip install "transformer_mt[int8]"'
+        ) from None
+    finally:
+        logging.disable(logging.NOTSET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # Without VNNI, int8 products summed in pairs can saturate: a reduced range avoids it.
+        config = Int8DynamicActivationInt8WeightConfig(
+            reduce_range=should_reduce_range(torch.device("cpu"))
+        )
+        quantize_(model, config, filter_fn=_quantizable)
+    return model
+
+
+def _quantizable(module: nn.Module, name: str) -> bool:
+    return isinstance(module, nn.Linear) and not name.endswith("in_proj")
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear (the same parameters and state dict) that multiplies by a copy of its
+    weight in oneDNN's layout, made by pack_linears. The copy is not updated if the weight
+    changes: pack a model once its weights are final."""
+
+    packed: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def available() -> bool:
+    """Whether this PyTorch has oneDNN's packed linear product for float32 on the CPU, and it
+    agrees with F.linear on a probe."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight, x = torch.randn(24, 40), torch.randn(3, 40)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        with torch.inference_mode():
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (AttributeError, RuntimeError):  # an op missing or refused in this build
+        return False
+    return torch.allclose(y, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def pack_linears(model: nn.Module) -> bool:
+    """Make every float32 CPU nn.Linear of `model` a PackedLinear, in place; False (and the model
+    untouched) where oneDNN cannot (see available)."""
+    on_cpu = [m for m in model.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"]
+    linears = [m for m in on_cpu if m.weight.dtype == torch.float32]
+    if not linears or not available():
+        return False
+    for module in linears:
+        # A plain attribute, not a buffer: state_dict (and the weights' fingerprint) unchanged.
+        module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+        module.__class__ = PackedLinear
+    return True

@@ -1,0 +1,139 @@
+"""Training curves from metrics.jsonl: loss, validation BLEU, learning rate and tokens/s against
+updates, for one run or several overlaid (a colour per run). matplotlib draws them headless (the
+Agg canvas, no pyplot state); the file is written atomically, so a kill never leaves half a PNG.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformer_mt.common import files, textio
+from transformer_mt.common.exits import TmtError
+from transformer_mt.runs.metrics import METRICS_FILE, read_log
+
+RUN_CURVES = "curves.png"  # what training draws into its run directory at each validation
+FORMATS = (".png", ".svg", ".pdf")
+# (title, y label, [(metrics.jsonl key, line style, legend suffix)]) per panel, in reading order.
+PANELS = (
+    (
+        "loss",
+        "label-smoothed loss per token",
+        [("loss", "-", "train"), ("val_loss", "--o", "valid")],
+    ),
+    ("validation BLEU", "BLEU", [("val_bleu", "-o", "")]),
+    ("learning rate", "lr", [("lr", "-", "")]),
+    ("throughput", "target tokens/s", [("tokens_per_s", "-", "")]),
+)
+
+
+class NoMatplotlib(TmtError):
+    """matplotlib is an optional extra: training goes on without curves, `tmt plot` says so."""
+
+
+def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's (step, value) points from a run's metrics.jsonl, in step order. Lines that
+    do not read (a torn last line after a kill) are skipped."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise TmtError(f"{run_dir}: no {METRICS_FILE} (not a tmt run directory, or not started)")
+    points: dict[str, list[tuple[int, float]]] = {}
+    try:
+        lines = [line for line in read_log(path) if line]
+    except OSError as err:
+        raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
+    for line in lines:
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+            continue
+        for name, value in record.items():
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if number and name not in ("step", "epoch") and math.isfinite(value):
+                points.setdefault(name, []).append((step, float(value)))
+    if not points:
+        raise TmtError(f"{path}: no records to plot ({len(lines)} lines, none readable)")
+    return {name: sorted(values) for name, values in points.items()}
+
+
+def plot(
+    run_dirs: Sequence[Path], output: Path | None = None, overwrite: bool = False
+) -> dict[str, Any]:
+    """`tmt plot`: the runs' curves into `output` (default: the one run's own curves.png, which is
+    refreshed as training refreshes it, or ./curves.png for several). Another existing file is
+    replaced only with `overwrite`, and never a run's own files (textio.check_output)."""
+    if not run_dirs:
+        raise TmtError("no run directories to plot: name them with {model}", mentions=["model"])
+    own = output is None and len(run_dirs) == 1
+    if output is None:
+        output = run_dirs[0] / RUN_CURVES if own else Path(RUN_CURVES)
+    textio.check_path(output)
+    with textio.OutputLock(output):
+        textio.check_output(output, run_dirs, overwrite=overwrite or own)
+        return draw_curves(run_dirs, output)
+
+
+def draw_curves(run_dirs: Sequence[Path], output: Path) -> dict[str, Any]:
+    """Draw the runs' curves into `output` (.png, .svg or .pdf); what was drawn: the number of
+    curves in each panel."""
+    output = Path(output)
+    if output.suffix.lower() not in FORMATS:
+        raise TmtError(f"{output}: the plot is written as {', '.join(FORMATS)}; name it so")
+    image, counts = render_curves(run_dirs, output.suffix.lower().lstrip("."))
+    files.atomic_write(output, image)
+    return {"output": str(output), "runs": len(run_dirs), "curves": counts}
+
+
+def render_curves(run_dirs: Sequence[Path], fmt: str = "png") -> tuple[bytes, dict[str, int]]:
+    """The runs' curves as an image in `fmt` (png, svg or pdf), and the curves of each panel."""
+    runs = [(Path(run_dir), read_curves(Path(run_dir))) for run_dir in run_dirs]
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise NoMatplotlib(
+            "plotting needs matplotlib: pip install 'transformer_mt[plot]'"
+        ) from None
+
+    figure = Figure(figsize=(11, 7.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    names = _labels([run_dir for run_dir, _ in runs])
+    # Every panel spans the whole run, from 0 to its last update: a validation BLEU point or two
+    # at the end sits where it was measured, not on an axis of their own.
+    last = max(step for _, points in runs for series in points.values() for step, _ in series)
+    counts = {}
+    for axes, (title, ylabel, series) in zip(figure.subplots(2, 2).flat, PANELS, strict=True):
+        drawn = 0
+        for colour, ((_, points), name) in enumerate(zip(runs, names, strict=True)):
+            for key, style, suffix in series:
+                if key not in points:
+                    continue
+                steps, values = zip(*points[key], strict=True)
+                label = f"{name} {suffix}".strip()
+                axes.plot(steps, values, style, color=f"C{colour}", label=label, markersize=3)
+                drawn += 1
+        counts[title] = drawn
+        axes.set_title(title)
+        axes.set_xlabel("updates")
+        axes.set_xlim(0, max(last, 1))
+        axes.set_ylabel(ylabel)
+        axes.grid(alpha=0.3)
+        if drawn:
+            axes.legend(fontsize="small")
+        else:
+            keys = ", ".join(key for key, _, _ in series)
+            axes.text(0.5, 0.5, f"no {keys} recorded", ha="center", transform=axes.transAxes)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=fmt)
+    return buffer.getvalue(), counts
+
+
+def _labels(run_dirs: list[Path]) -> list[str]:
+    """Short names for the legend: the directory names, or the paths when those collide."""
+    names = [run_dir.name or str(run_dir) for run_dir in run_dirs]
+    return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]

@@ -1,0 +1,222 @@
+"""One optimizer update (§5.3, §5.4) and the fault handling inside it.
+
+An update takes train.update_freq micro-batches on each rank. It begins with a small collective that
+agrees on its global token count and on any rank's request to stop or save, accumulates the
+label-smoothed loss (divided by the global token count) through forward and backward passes, and
+ends with a second collective on its verdict: applied everywhere (unscale, clip, Adam, schedule) or,
+if any rank ran out of memory or saw a non-finite value, skipped everywhere with nothing changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from transformer_mt.common import distributed
+from transformer_mt.common.distributed import DistInfo
+from transformer_mt.common.faults import fault_point
+from transformer_mt.config import Config
+from transformer_mt.data.batches import Batch
+from transformer_mt.network.model import Transformer
+from transformer_mt.training.loss import label_smoothed_nll
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """§5.3 Adam, its learning-rate schedule, and the fp16 loss scaler (disabled otherwise)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+
+
+@dataclass(frozen=True)
+class Requests:
+    """What this rank asks of the next update; granted if any rank asks."""
+
+    stop: str | None = None  # "sigterm", "sigint" (a signal), "max_minutes" (the time budget)
+    save: bool = False  # rank 0's clock: a time-based checkpoint is due
+    plan: int = 0  # rank 0's clock: the updates the time budget allows (optim.schedule=budget)
+
+
+@dataclass
+class StepStats:
+    loss_sum: float  # label-smoothed loss summed over this rank's target tokens
+    nll_sum: float
+    tokens: int  # this rank's target tokens
+    global_tokens: int
+    real_tokens: int  # non-pad source + target tokens (padding efficiency)
+    padded_tokens: int
+    lr: float  # the learning rate this update used
+    grad_norm: float
+    skipped: str | None  # why no update was applied: "oom", "overflow", "non_finite", "stopped"
+    stop: str | None  # a stop every rank agreed on: "sigterm", "sigint", "max_minutes"
+    save: bool  # rank 0's clock asked for a checkpoint after this step
+    plan: int = 0  # the updates rank 0 planned for the time budget, agreed at this step; 0: none
+
+
+def train_step(
+    model: torch.nn.Module,
+    micro: list[Batch],
+    opt: Optimization,
+    cfg: Config,
+    info: DistInfo,
+    attempt: int = 1,
+    requests: Requests = Requests(),  # frozen: a shared default is safe
+) -> StepStats:
+    """One optimizer update over `micro` (update_freq micro-batches on this rank).
+
+    The loss is summed over target tokens and divided by the global token count of the update, so
+    the gradient is the same however tokens are split over micro-batches and ranks (DDP averages
+    gradients over ranks, hence the factor world_size). An update whose gradients are not finite,
+    or in which a rank ran out of memory, is skipped on every rank: no parameter, optimizer state or
+    schedule changes.
+    """
+    tokens = sum(b.n_tokens for b in micro)
+    global_tokens, stop, save, plan = _agree(tokens, requests, info)
+    lr = opt.optimizer.param_groups[0]["lr"]
+    if stop is not None:  # agreed by every rank: stop before this update, its batches unused
+        return StepStats(
+            loss_sum=0.0, nll_sum=0.0, tokens=0, global_tokens=global_tokens, real_tokens=0,
+            padded_tokens=0, lr=lr, grad_norm=0.0, skipped="stopped", stop=stop, save=False,
+        )  # fmt: skip
+    loss_sum, nll_sum, oom = _accumulate(
+        model, micro, opt.scaler, cfg, info, global_tokens=global_tokens, attempt=attempt
+    )
+    skipped, norm = _apply(model, opt, cfg, info, loss_sum=loss_sum, oom=oom)
+    pad_id = micro[0].pad_id
+    real = sum(int((b.src != pad_id).sum()) + b.n_tokens for b in micro)
+    padded = sum(b.src.numel() + b.tgt_out.numel() for b in micro)
+    return StepStats(
+        loss_sum=loss_sum, nll_sum=nll_sum, tokens=tokens, global_tokens=global_tokens,
+        real_tokens=real, padded_tokens=padded, lr=lr, grad_norm=norm, skipped=skipped, stop=None,
+        save=save, plan=plan,
+    )  # fmt: skip
+
+
+def _agree(tokens: int, requests: Requests, info: DistInfo) -> tuple[int, str | None, bool, int]:
+    """The update's first collective: its global token count, whether any rank asks to stop
+    (a signal, the time budget) or to save, and rank 0's plan of the time budget, so that every
+    rank decides the same at this step."""
+    wanted = [tokens, requests.stop == "max_minutes", requests.stop == "sigterm"]
+    wanted += [requests.stop == "sigint", requests.save, requests.plan]
+    control = torch.tensor(wanted, dtype=torch.float64, device=info.device)
+    distributed.all_reduce_sum(control, info)
+    stop = "sigterm" if control[2] > 0 else "sigint" if control[3] > 0 else None
+    stop = stop or ("max_minutes" if control[1] > 0 else None)
+    return int(control[0].item()), stop, control[4].item() > 0, int(control[5].item())
+
+
+def _accumulate(
+    model: torch.nn.Module,
+    micro: list[Batch],
+    scaler: torch.amp.GradScaler,
+    cfg: Config,
+    info: DistInfo,
+    global_tokens: int,
+    attempt: int,
+) -> tuple[float, float, bool]:
+    """Forward and backward of every micro-batch (DDP synchronises gradients in the last one);
+    returns this rank's loss and NLL sums and whether it ran out of memory."""
+    loss_sum = nll_sum = 0.0
+    oom = False
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+    autocast = {"dtype": autocast_dtype, "enabled": autocast_dtype is not None}
+    for i, batch in enumerate(micro):
+        last = i == len(micro) - 1
+        no_sync = model.no_sync() if info.distributed and not last else contextlib.nullcontext()
+        try:
+            with no_sync:
+                with torch.autocast(info.device.type, **autocast):
+                    poison = fault_point("loss", attempt) if i == 0 else None
+                    logits = model(batch.src, batch.tgt_in)
+                    sums = label_smoothed_nll(
+                        logits, batch.tgt_out, batch.pad_id, cfg.optim.label_smoothing
+                    )
+                    loss = sums.loss * (info.world_size / global_tokens)
+                    if poison == "nan":
+                        loss = loss * float("nan")
+                scaler.scale(loss).backward()
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            if not distributed.is_out_of_memory(err):
+                raise
+            oom = True
+            logits = sums = loss = None
+            logger.warning(
+                "out of memory on a batch of %s source, %s target tokens",
+                tuple(batch.src.shape), tuple(batch.tgt_out.shape),
+            )  # fmt: skip
+            if info.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if last and info.distributed:  # the other ranks wait in this backward's all-reduce
+                with torch.autocast(info.device.type, **autocast):
+                    out = model(batch.src[:1, :1], batch.tgt_in[:1, :1])
+                scaler.scale(out.float().sum() * 0.0).backward()  # joins it; the update is skipped
+            continue
+        loss_sum += sums.loss.item()
+        nll_sum += sums.nll.item()
+    return loss_sum, nll_sum, oom
+
+
+def _apply(
+    model: torch.nn.Module,
+    opt: Optimization,
+    cfg: Config,
+    info: DistInfo,
+    loss_sum: float,
+    oom: bool,
+) -> tuple[str | None, float]:
+    """The update's second collective, so that every rank reaches the same verdict; then the
+    update (unscale, clip, Adam, schedule) or, if any rank saw a problem, its skip everywhere.
+    Returns (why it was skipped or None, the gradient norm)."""
+    flags = torch.tensor([float(oom), float(not math.isfinite(loss_sum))], device=info.device)
+    any_oom, any_nonfinite_loss = (distributed.all_reduce_sum(flags, info) > 0).tolist()
+    opt.scaler.unscale_(opt.optimizer)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    skipped = None
+    if any_oom:
+        skipped = "oom"
+    elif any_nonfinite_loss or not torch.isfinite(norm):
+        # With fp16 a finite loss and infinite gradients is the GradScaler's overflow: normal.
+        skipped = "overflow" if opt.scaler.is_enabled() and not any_nonfinite_loss else "non_finite"
+    if skipped is None:
+        if cfg.optim.clip_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.optim.clip_norm, norm)
+        opt.scaler.step(opt.optimizer)
+        opt.scheduler.step()
+    opt.scaler.update()  # lowers the fp16 loss scale after an overflow
+    opt.optimizer.zero_grad(set_to_none=True)
+    return skipped, float(norm)
+
+
+# --- validation loss -------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def validate(
+    model: Transformer, batches: list[Batch], cfg: Config, info: DistInfo
+) -> dict[str, float]:
+    """Validation loss and perplexity over the validation split (batches sharded over ranks)."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=info.device)
+    for batch in batches:
+        out = label_smoothed_nll(
+            model(batch.src, batch.tgt_in), batch.tgt_out, batch.pad_id, cfg.optim.label_smoothing
+        )
+        sums += torch.stack([out.loss.double(), out.nll.double(), out.n_tokens.double()])
+    distributed.all_reduce_sum(sums, info)
+    model.train(was_training)
+    loss, nll, tokens = sums.tolist()
+    return {
+        "val_loss": loss / tokens,
+        "val_nll": nll / tokens,
+        "val_ppl": math.exp(min(nll / tokens, 100.0)),
+    }

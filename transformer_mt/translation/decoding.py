@@ -1,0 +1,498 @@
+"""A Translator's lines to hypotheses: token batches by length, one search per batch, the
+output in input order; or CTranslate2's decoding of the same batches (decode.engine).
+
+search.py knows nothing of the model: `_step_function` gives it one decoder step over each
+model's cache (an ensemble's mean of probabilities: ensemble.py). An empty line gives no
+hypotheses without running the model (with a target prefix: the prefix alone, score 0); a line
+or prefix longer than the model's positions is truncated with a warning. Out of memory is one
+line naming the settings that lower it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from transformer_mt.common import distributed
+from transformer_mt.common.exits import TmtError
+from transformer_mt.config import Config
+from transformer_mt.data import glossary as glossaries
+from transformer_mt.data import hints
+from transformer_mt.data.batches import TokenBucketSampler
+from transformer_mt.data.tokenizer import Tokenizer, language_token_id
+from transformer_mt.network import alignment, constraints, ensemble
+from transformer_mt.network.candidates import Candidates
+from transformer_mt.network.model import DecoderCache, Transformer, make_src_mask
+from transformer_mt.network.search import (
+    Hypothesis,
+    SearchState,
+    StepFn,
+    beam_search,
+    greedy,
+    line_uniforms,
+    sample,
+)
+from transformer_mt.network.shortlist import Shortlist
+from transformer_mt.translation import ct2
+
+logger = logging.getLogger(__name__)
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+class Decodable(Protocol):
+    """What decoding reads of a Translator (translate.py)."""
+
+    model: Transformer | None
+    ensemble: tuple[Transformer, ...]
+    weights: tuple[float, ...]
+    tokenizer: Tokenizer
+    config: Config
+    device: torch.device
+    engine: Any
+    glossary: glossaries.Glossary | None
+    shortlist: Shortlist | None
+
+
+def check_engine(cfg: Config, device: torch.device) -> None:
+    """Refuse, naming the option, what an engine cannot do as tmt promises it."""
+    decode, engine = cfg.decode, cfg.decode.engine
+    if decode.precision == "fp16" and device.type != "cuda":
+        raise TmtError("decode.precision=fp16 needs a GPU (decode.device); use bf16 or fp32")
+    if engine == "torch" and decode.precision == "int8" and device.type != "cpu":
+        raise TmtError(
+            f"decode.precision=int8: the torch engine quantizes on CPU only (decode.device is"
+            f" {device}); use fp16 or bf16 there, or decode.engine=ctranslate2"
+        )
+    if engine == "ctranslate2" and decode.alignment != "none":
+        raise TmtError(
+            f"decode.alignment={decode.alignment}: not with decode.engine=ctranslate2 (tmt aligns"
+            " with the PyTorch model's cross-attention); use decode.engine=torch"
+        )
+    if engine == "ctranslate2" and decode.sampling != "none":
+        raise TmtError(
+            f"decode.sampling={decode.sampling}: not with decode.engine=ctranslate2 (its random"
+            " streams depend on the batch, tmt's on the line alone); use decode.engine=torch"
+        )
+
+
+# Options that one way of decoding reads and another ignores: given for the other, refused.
+_SAMPLING_ONLY = ("decode.temperature", "decode.seed")
+_SEARCH_ONLY = ("decode.beam_size", "decode.length_penalty", "decode.length_penalty_form",
+                "decode.early_stopping")  # fmt: skip
+_TMT_SEARCH_ONLY = ("decode.length_penalty_form", "decode.early_stopping")
+
+
+def check_options(cfg: Config, overrides: Sequence[str | tuple[str, str]]) -> None:
+    """Refuse an option this command or request gave that its decoding would not read (each
+    override is "key=value" or (that, the user's words)): --temperature without --sampling,
+    --beam while sampling, tmt's stopping rule for CTranslate2's search."""
+    decode = cfg.decode
+    for item in overrides:
+        text, typed = item if isinstance(item, tuple) else (item, f"--set {item}")
+        key = text.partition("=")[0].strip()
+        if key in _SAMPLING_ONLY and decode.sampling == "none":
+            raise TmtError(f"{typed}: applies to sampling only; add decode.sampling (--sampling"
+                           " full, topk:K or topp:P)")  # fmt: skip
+        if key in _SEARCH_ONLY and decode.sampling != "none":
+            raise TmtError(f"{typed}: not used while sampling (decode.sampling="
+                           f"{decode.sampling}): nbest N draws N samples")  # fmt: skip
+        if key in _TMT_SEARCH_ONLY and decode.engine == "ctranslate2":
+            raise TmtError(f"{typed}: tmt's search only; CTranslate2's beam search has its own"
+                           " (decode.engine=torch)")  # fmt: skip
+
+
+class _DecodeState:
+    """What search.py needs from the model: the decoder cache and source mask, reorderable, and
+    with a shortlist each sentence's candidates (allowed (B, U): candidates.py)."""
+
+    def __init__(
+        self, cache: DecoderCache, src_mask: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> None:
+        self.cache, self.src_mask, self.allowed = cache, src_mask, allowed
+
+    def reorder(self, index: torch.Tensor, beam: int) -> None:
+        sentences = self.cache.reorder(index.to(self.src_mask.device), beam)
+        if sentences is not None:  # the source mask is per sentence, like the cross K/V
+            self.src_mask = self.src_mask.index_select(0, sentences)
+            if self.allowed is not None:
+                self.allowed = self.allowed.index_select(0, sentences)
+
+
+def source_ids(translator: Decodable, lines: Sequence[str], what: str = "line") -> list[list[int]]:
+    """The subword ids of each line as the model reads it: lone surrogates (possible in Python
+    strings, never in UTF-8, fatal to sentencepiece) replaced, a multi-target model's language
+    token first (decode.target_lang), and cut to the model's positions (source tokens + EOS, or a
+    target prefix + EOS, must fit them) with a warning. A prefix (`what`) is target text."""
+    limit = _max_positions(translator) - 1
+    side = "target" if what == "prefix" else "source"
+    texts = [_SURROGATES.sub("\ufffd", line) for line in lines]
+    ids = translator.tokenizer.encode(texts, side=side)
+    code = language_token(translator) if side == "source" else None
+    if code is not None:  # an empty line stays empty: it is not translated
+        ids = [[code, *seq] if seq else seq for seq in ids]
+    for i, seq in enumerate(ids):
+        if len(seq) > limit:
+            logger.warning(
+                "%s %d: %d tokens, truncated to %d (model.max_positions)", what, i + 1, len(seq),
+                limit,
+            )  # fmt: skip
+            ids[i] = seq[:limit]
+    return ids
+
+
+def language_token(translator: Decodable) -> int | None:
+    """The id of >>xxx<< for decode.target_lang xxx (None when unset), refused in one line when
+    the model has no such token: only multi-target Marian models read one."""
+    lang = translator.config.decode.target_lang
+    return language_token_id(translator.tokenizer, lang) if lang else None
+
+
+def _max_positions(translator: Decodable) -> int:
+    """The position table's size: an ensemble's smallest (its architectures may differ)."""
+    return min([translator.config.model.max_positions,
+                *(m.cfg.max_positions for m in translator.ensemble)])  # fmt: skip
+
+
+def output_limits(
+    translator: Decodable,
+    sources: Sequence[Sequence[int]],
+    prefixes: Sequence[Sequence[int]] = (),
+) -> list[int]:
+    """§6.1: the maximum output length (the EOS included) of each source, a · |x| + b, at least
+    its target prefix and the EOS, within the position table."""
+    decode, positions = translator.config.decode, _max_positions(translator)
+    given = [len(p) for p in prefixes] or [0] * len(sources)
+    return [
+        min(max(int(decode.max_len_a * len(x) + decode.max_len_b), size + 1), positions)
+        for x, size in zip(sources, given, strict=True)
+    ]
+
+
+@torch.inference_mode()
+def translate_lines(
+    translator: Decodable,
+    lines: Sequence[str],
+    first_line: int = 0,
+    prefixes: Sequence[str] | None = None,
+    matches: Sequence[Sequence[glossaries.Match]] | None = None,
+    scores: bool = True,
+) -> list[list[Hypothesis]]:
+    """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line.
+    `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling);
+    `prefixes`: a target prefix for each line ("" for none) that every output starts with;
+    `matches`: the glossary entries each line matched (default: the translator's glossary's),
+    obeyed as glossary.mode says (_obey), each hypothesis telling which it uses (.terms);
+    `scores` false: the caller reads no scores, which greedy search then need not compute
+    (nan; greedy_from_logits)."""
+    if translator.engine is not None:  # decoding options may have changed since the load
+        check_engine(translator.config, translator.device)
+    if prefixes is not None and len(prefixes) != len(lines):
+        raise TmtError(f"{len(prefixes)} target prefixes for {len(lines)} lines: give one a line")
+    if matches is not None and len(matches) != len(lines):
+        raise TmtError(f"{len(matches)} glossary matches for {len(lines)} lines")
+    if matches is None and translator.glossary is not None:
+        matches = translator.glossary.match_lines(lines)
+    mode = translator.config.glossary.mode
+    hinted = matches is not None and mode in ("hint", "auto") and any(matches)
+    ids = source_ids(translator, _hinted(translator, lines, matches) if hinted else lines)
+    forced = source_ids(translator, prefixes, "prefix") if prefixes else [[] for _ in lines]
+    # empty input: empty output (or its prefix alone), no model call
+    results = [[Hypothesis(p, 0.0, 0.0)] if p else [] for p in forced]
+    todo = [i for i, seq in enumerate(ids) if seq]
+    _decode_all(translator, ids, forced, todo, first_line, results, scores=scores)
+    if matches is not None and any(matches):
+        _obey(translator, ids, forced, todo, results, matches)
+    return results
+
+
+def _hinted(
+    translator: Decodable, lines: Sequence[str], matches: Sequence[Sequence[glossaries.Match]]
+) -> list[str]:
+    """The lines with their glossary entries written in as hints (glossary.mode hint, auto), as
+    the model was trained to read them (its data.terms: the style, lemmas or not)."""
+    terms, target = translator.config.data.terms, translator.config.data.tgt_lang
+    return [
+        hints.annotate(line, hints.glossary_spans(line, found, terms.lemma, target), terms.style)
+        if found else line
+        for line, found in zip(lines, matches, strict=True)
+    ]  # fmt: skip
+
+
+def _decode_all(
+    translator: Decodable,
+    ids: list[list[int]],
+    forced: list[list[int]],
+    todo: list[int],
+    first_line: int,
+    results: list[list[Hypothesis]],
+    terms: dict[int, constraints.Terms] | None = None,
+    scores: bool = True,
+) -> None:
+    """results[i] = the hypotheses of line i for each i in `todo`, decoded in batches of
+    decode.max_tokens source tokens (fewer with constraints, `terms` by line: their beam is
+    wider)."""
+    if not todo:
+        return
+    decode = translator.config.decode
+    lengths = np.array([len(ids[i]) + 1 for i in todo])
+    budget = decode.max_tokens
+    if terms is not None:  # the same rows a batch: glossary.beam rows a sentence, not beam_size
+        budget = budget * decode.beam_size // max(translator.config.glossary.beam, 1)
+    budget = max(budget, int(lengths.max()))
+    sampler = TokenBucketSampler(
+        src_lengths=lengths, tgt_lengths=lengths, max_tokens=budget, seed=0, shuffle=False
+    )
+    for batch in sampler.epoch_batches(0):
+        chosen = [todo[j] for j in batch]
+        sources = [ids[i] for i in chosen]
+        line_ids, prefix = [first_line + i for i in chosen], [forced[i] for i in chosen]
+        batch_terms = [terms[i] for i in chosen] if terms is not None else None
+        try:
+            hypotheses = _translate_batch(
+                translator, sources, line_ids, prefix, batch_terms, scores=scores
+            )
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as err:
+            if not distributed.is_out_of_memory(err):
+                raise
+            raise _out_of_memory(translator, sources) from None
+        if decode.alignment != "none":
+            hypotheses = _aligned(translator, sources, hypotheses)
+        for index, hyps in zip(chosen, hypotheses, strict=True):
+            results[index] = hyps
+
+
+def _obey(
+    translator: Decodable,
+    ids: list[list[int]],
+    forced: list[list[int]],
+    todo: list[int],
+    results: list[list[Hypothesis]],
+    matches: Sequence[Sequence[glossaries.Match]],
+) -> None:
+    """The glossary step (glossary.mode): each hypothesis of a line with matches learns which
+    entries its text uses; with strict, a line one of whose outputs misses an entry is decoded
+    again by constrained beam search (glossary.beam), which puts every entry in. An output that
+    already uses every entry is kept: the model's own best, which a constrained search could at
+    most equal (its outputs are a subset of the search space). A line without matches is left
+    exactly as it was decoded."""
+    tok = translator.tokenizer
+    strict = translator.config.glossary.mode in ("strict", "auto")  # auto: strict after hints
+    with_terms = [i for i in todo if matches[i]]
+    first = {
+        i: [constraints.used_alternatives(tok, matches[i], h) for h in results[i]]
+        for i in with_terms
+    }
+    redo = [i for i in with_terms if strict and not all(-1 not in u for u in first[i])]
+    if redo:
+        terms = {i: constraints.compile_terms(tok, matches[i]) for i in redo}
+        redo = [i for i in redo if any(terms[i])]  # entries the model cannot write stay out
+        _decode_all(_torch_side(translator), ids, forced, redo, 0, results,
+                    {i: [t for t in terms[i] if t] for i in redo})  # fmt: skip
+    again = set(redo)
+    for i in with_terms:
+        before = first[i][0] if first[i] else [-1] * len(matches[i])
+        annotated = []
+        for h in results[i]:
+            uses = (constraints.used_alternatives(tok, matches[i], h) if i in again
+                    else first[i][results[i].index(h)])  # fmt: skip
+            terms_used = tuple(
+                (alt, i in again and alt >= 0 and prior < 0)
+                for alt, prior in zip(uses, before, strict=True)
+            )
+            annotated.append(dataclasses.replace(h, terms=terms_used))
+        results[i] = annotated
+
+
+def _torch_side(translator: Decodable) -> Decodable:
+    """The translator decoded by tmt's own engine: itself, or, for CTranslate2, its PyTorch model
+    where it has one (constrained decoding is tmt's; translate.py keeps the model for it)."""
+    if translator.engine is None:
+        return translator
+    if translator.model is None:
+        raise TmtError(
+            "glossary.mode=strict with decode.engine=ctranslate2: the lines that need"
+            " constrained decoding are decoded by tmt's engine, from the tmt model, which was not"
+            " loaded; load the model with the glossary, or use glossary.mode=check"
+        )
+    device = next(translator.model.parameters()).device
+    return dataclasses.replace(translator, engine=None, device=device)  # type: ignore[type-var]
+
+
+def _aligned(
+    translator: Decodable, sources: list[list[int]], hypotheses: list[list[Hypothesis]]
+) -> list[list[Hypothesis]]:
+    """The hypotheses with their alignments to their sources (alignment.py), in subwords or
+    words (decode.alignment), by the first model of an ensemble."""
+    decode, tok = translator.config.decode, translator.tokenizer
+    assert translator.model is not None  # check_engine: alignments need the PyTorch model
+    each_source = [x for x, hyps in zip(sources, hypotheses, strict=True) for _ in hyps]
+    pairs = iter(alignment.align(
+        translator.model, tok, each_source, [h.tokens for hyps in hypotheses for h in hyps],
+        decode.alignment_layer, translator.device,
+    ))  # fmt: skip
+    aligned = []
+    for source, hyps in zip(sources, hypotheses, strict=True):
+        found = []
+        for h in hyps:
+            pairs_of_h = next(pairs)
+            if decode.alignment == "word":
+                pairs_of_h = alignment.to_words(tok, source, h.tokens, pairs_of_h)
+            found.append(dataclasses.replace(h, alignment=pairs_of_h))
+        aligned.append(found)
+    return aligned
+
+
+def _out_of_memory(translator: Decodable, sources: list[list[int]]) -> TmtError:
+    decode = translator.config.decode
+    k = decode.nbest if decode.sampling != "none" else decode.beam_size
+    return TmtError(
+        f"decoding {len(sources)} sentences of up to {max(map(len, sources))} tokens, {k} rows"
+        f" each, ran out of memory on {translator.device}: lower decode.max_tokens"
+        f" ({decode.max_tokens}) or decode.beam_size ({decode.beam_size})"
+    )
+
+
+def _translate_batch(
+    translator: Decodable,
+    sources: list[list[int]],
+    line_ids: Sequence[int],
+    prefixes: list[list[int]],
+    terms: list[constraints.Terms] | None = None,
+    scores: bool = True,
+) -> list[list[Hypothesis]]:
+    """Encode a batch of sources once and search over the decoder: sampling, greedy, beam, or
+    constrained beam search when `terms` are given (one Terms per source); greedy's scores
+    only if `scores`."""
+    model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
+    prefixes = prefixes if any(prefixes) else []  # none: the search's plain path
+    if translator.engine is not None:
+        limits = output_limits(translator, sources, prefixes)
+        return ct2.decode(translator.engine, tok, sources, limits, decode, prefixes,
+                          use_vmap=decode.shortlist != "none")  # fmt: skip
+    assert model is not None
+    samples = decode.nbest if decode.sampling != "none" else 1
+    if samples > 1:  # N independent samples of a line are N rows of the same source
+        sources = [seq for seq in sources for _ in range(samples)]
+        prefixes = [seq for seq in prefixes for _ in range(samples)]
+    src = torch.full((len(sources), max(map(len, sources)) + 1), tok.source_pad_id,
+                     dtype=torch.long)  # fmt: skip
+    for row, seq in enumerate(sources):
+        src[row, : len(seq)] = torch.tensor(seq)
+        src[row, len(seq)] = tok.source_eos_id
+    logits = not scores and greedy_from_logits(translator)
+    start = tok.start_id(translator.config.model.decoder_start)
+    shortlist = translator.shortlist and Candidates.of_batch(
+        translator.shortlist, tok, sources, prefixes, terms, start, translator.device)  # fmt: skip
+    step, state = _step_function(translator, src.to(translator.device), not logits, shortlist)
+    if shortlist is not None:  # the search's ids: indices into the batch's candidates
+        hypotheses = _search(translator, step, state, sources, line_ids,
+                             shortlist.search_ids(tok, start, prefixes), terms, logits)  # fmt: skip
+        return shortlist.restore(hypotheses)
+    return _search(translator, step, state, sources, line_ids,
+                   (start, tok.eos_id, tok.never_output, prefixes), terms, logits)  # fmt: skip
+
+
+def _search(
+    translator: Decodable,
+    step: StepFn,
+    state: SearchState,
+    sources: list[list[int]],
+    line_ids: Sequence[int],
+    ids: tuple[int, int, Sequence[int], list[list[int]]],
+    terms: list[constraints.Terms] | None,
+    logits: bool,
+) -> list[list[Hypothesis]]:
+    """The search decode.* asks for over `step`: ids = (start, eos, banned, prefixes) in the
+    step's token ids."""
+    model, tok, decode = translator.model, translator.tokenizer, translator.config.decode
+    assert model is not None
+    start, eos, banned, prefixes = ids
+    samples = decode.nbest if decode.sampling != "none" else 1
+    common = {"bos_id": start, "eos_id": eos, "banned": banned,
+              "alpha": decode.length_penalty, "form": decode.length_penalty_form,
+              "device": translator.device, "prefixes": prefixes,
+              "forced_eos": decode.forced_eos}  # fmt: skip
+    limits = output_limits(translator, sources, prefixes)
+    if terms is not None:  # room for every term's longest alternative
+        positions = _max_positions(translator)
+        limits = [min(limit + sum(max(map(len, alternatives)) for alternatives in line), positions)
+                  for limit, line in zip(limits, terms, strict=True)]  # fmt: skip
+        return constraints.constrained_beam_search(
+            step, state, limits, terms, beam_size=translator.config.glossary.beam,
+            continues=constraints.word_continuations(tok).to(translator.device), nbest=decode.nbest,
+            early_stopping=decode.early_stopping, **common,
+        )  # fmt: skip
+    if decode.sampling != "none":
+        uniforms = torch.stack([
+            line_uniforms(decode.seed, line, j, model.cfg.max_positions)
+            for line in line_ids for j in range(samples)
+        ])  # fmt: skip
+        hypotheses = sample(
+            step, state, limits, uniforms=uniforms, method=decode.sampling,
+            temperature=decode.temperature, **common,
+        )  # fmt: skip
+        return [hypotheses[i : i + samples] for i in range(0, len(hypotheses), samples)]
+    if decode.beam_size == 1:
+        return [[h] for h in greedy(step, state, limits, logits=logits, **common)]
+    return beam_search(
+        step, state, limits, beam_size=decode.beam_size, nbest=decode.nbest,
+        early_stopping=decode.early_stopping, **common,
+    )  # fmt: skip
+
+
+def greedy_from_logits(translator: Decodable) -> bool:
+    """Whether greedy search may pick its tokens from the raw logits (search.logits_argmax: the
+    same tokens, no log-softmax over the vocabulary per step) when its caller reads no scores:
+    greedy search of one model, one hypothesis a line."""
+    decode = translator.config.decode
+    return (
+        decode.beam_size == 1 and decode.sampling == "none" and decode.nbest == 1
+        and not translator.ensemble
+    )  # fmt: skip
+
+
+def _step_function(
+    translator: Decodable,
+    src: torch.Tensor,
+    normalise: bool = True,
+    shortlist: Candidates | None = None,
+) -> tuple[StepFn, SearchState]:
+    """The search's step function and state over a batch of sources (B, S), encoded once by each
+    model: its log-probabilities (unless not `normalise`: its logits, one model only), or an
+    ensemble's mean of probabilities (ensemble.py); with a shortlist, over its candidates."""
+    src_mask = make_src_mask(src, translator.tokenizer.source_pad_id)
+    models = [m for m in (translator.model, *translator.ensemble) if m is not None]
+    allowed = shortlist.allowed if shortlist is not None else None
+    # One decoder row per sentence; beam search makes k (B·k), the source stays (B, S, D).
+    states = [_DecodeState(m.start_cache(m.encode(src, src_mask)), src_mask, allowed)
+              for m in models]  # fmt: skip
+    projections = {id(m): shortlist.project(m) for m in models} if shortlist else {}
+
+    def log_probs(model: Transformer, tokens: torch.Tensor, s: _DecodeState) -> torch.Tensor:
+        if shortlist is None:
+            logits = model.decode(tokens[:, None], None, s.src_mask, s.cache)[:, 0]  # (N, V)
+        else:
+            assert s.allowed is not None
+            logits = shortlist.logits(model, tokens, s.src_mask, s.cache, s.allowed,
+                                      projections[id(model)])  # fmt: skip
+        return F.log_softmax(logits.float(), dim=-1) if normalise else logits.float()
+
+    if len(models) == 1:
+        return (lambda tokens, s: (log_probs(models[0], tokens, s), s)), states[0]
+    log_weights = torch.tensor(translator.weights, device=src.device).log()
+
+    def step(
+        tokens: torch.Tensor, s: ensemble.EnsembleState
+    ) -> tuple[torch.Tensor, ensemble.EnsembleState]:
+        each = [log_probs(m, tokens, one) for m, one in zip(models, s.states, strict=True)]
+        return ensemble.mean_log_probs(each, log_weights), s
+
+    return step, ensemble.EnsembleState(states)
