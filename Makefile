@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow test-reliability test-browser lint format demo finetune distill bench clean
+.PHONY: install test test-slow test-reliability test-browser lint format docs demo finetune distill bench clean
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ lint: install
 format: install
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
+# The manual: docs/ as a site in site/ (its configuration reference made from the config first).
+docs: install
+	$(BIN)/python scripts/config_reference.py
+	$(BIN)/python -m mkdocs build --strict
+
 demo: install
 	bash scripts/demo.sh
 
@@ -65,4 +70,4 @@ bench: install
 	$(BIN)/python scripts/bench_decode.py --checkpoint runs/bench_decode/average
 
 clean:
-	rm -rf runs/ .pytest_cache .ruff_cache .hypothesis
+	rm -rf runs/ site/ .pytest_cache .ruff_cache .hypothesis

@@ -197,7 +197,8 @@ Corpora = tuple[Corpus, ...]
 class TermsConfig:
     """data.terms: term hints in training sources (Dinu et al. 2019: inline annotation), so that
     a glossary costs nothing at translation time (glossary.mode hint, auto); and how `tmt terms`
-    builds the dictionary they come from (hints.py, terms.py; README, "Models that take hints")."""
+    builds the dictionary they come from (hints.py, terms.py; the manual's "Glossaries and
+    terminology")."""
 
     dictionary: str = ""  # source -> target entries (tmt terms' TSV, or any glossary); "" = none
     # The share of training sentences with a dictionary term (its target in the reference) that
@@ -263,8 +264,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CleanConfig:
-    """`tmt clean` and data.clean: each filter on or off, and its threshold (clean.py; the
-    defaults, their sources and what they remove: README, "Clean what you train on")."""
+    """`tmt clean` and data.clean: each filter on or off, and its threshold (filters.py; the
+    defaults, their sources and what they remove: the manual, "Data and cleaning")."""
 
     empty: bool = True  # a side empty or blank
     encoding: bool = True  # control characters, U+FFFD, mojibake (Ã© for é)
@@ -424,7 +425,7 @@ class DecodeConfig:
 @dataclass(frozen=True)
 class GlossaryConfig:
     """Glossaries (tmt translate --glossary FILE; the server's glossaries): source terms and the
-    target terms every translation uses (glossary.py; README, "Glossaries")."""
+    target terms every translation uses (glossary.py; the manual, "Glossaries and terminology")."""
 
     path: str = ""  # a TSV or CSV glossary; "" = none
     # strict: every line decoded as usual; a line whose output misses an entry it matched is

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from transformer_mt.runs import checkpoint, run
 from transformer_mt.common import exits, files, textio
-from transformer_mt.runs.checkpoint import HIGHER_IS_BETTER, Checkpoint
 from transformer_mt.common.exits import TmtError, first_line
+from transformer_mt.runs import checkpoint, run
+from transformer_mt.runs.checkpoint import HIGHER_IS_BETTER, Checkpoint
 
 logger = logging.getLogger(__name__)
 

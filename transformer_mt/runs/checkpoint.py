@@ -39,6 +39,7 @@ from typing import Any, BinaryIO
 import torch
 
 from transformer_mt.common import distributed, faults, files
+from transformer_mt.common.exits import TmtError, first_line
 from transformer_mt.config import (
     MODEL_SECTIONS,
     Config,
@@ -47,10 +48,9 @@ from transformer_mt.config import (
     config_hash,
     to_dict,
 )
-from transformer_mt.common.exits import TmtError, first_line
-from transformer_mt.network.model import Transformer, parameter_count
 from transformer_mt.data.tokenizer import Tokenizer
 from transformer_mt.data.tokenizer import load as load_tokenizer
+from transformer_mt.network.model import Transformer, parameter_count
 from transformer_mt.runs.train_state import check as check_train_state
 
 FORMAT_VERSION = 1

@@ -31,10 +31,9 @@ from typing import Any
 
 import torch
 
-from transformer_mt.runs import checkpoint, metrics
 from transformer_mt.common import distributed, exits, files
-from transformer_mt.data import hints
-from transformer_mt.runs.checkpoint import Checkpoint
+from transformer_mt.common.distributed import DistInfo
+from transformer_mt.common.exits import TmtError
 from transformer_mt.config import (
     MODEL_SECTIONS,
     SECTIONS,
@@ -43,9 +42,10 @@ from transformer_mt.config import (
     to_dict,
     to_yaml,
 )
-from transformer_mt.common.distributed import DistInfo
-from transformer_mt.common.exits import TmtError
+from transformer_mt.data import hints
 from transformer_mt.data.tokenizer import Tokenizer
+from transformer_mt.runs import checkpoint, metrics
+from transformer_mt.runs.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
