@@ -99,6 +99,10 @@ def test_kill_then_resume_translates_only_the_missing_chunks(
     assert out.read_bytes() == straight.read_bytes()
 
 
+# slow: make test keeps its promise with
+# test_bulk.py::test_kill_then_resume_translates_only_the_missing_chunks and
+# ::test_two_gloo_processes_write_the_bytes_of_one
+@pytest.mark.slow
 def test_a_killed_rank_then_the_same_command_gives_the_same_bytes(
     trained_run: Path, big_input: Path, tmp_path: Path
 ) -> None:

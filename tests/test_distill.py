@@ -134,6 +134,10 @@ def test_a_changed_file_is_made_again_and_the_student_kept(
     assert "distilled" not in report["reused"] and "student" in report["reused"]
 
 
+# slow: make test keeps its promise with
+# test_distill.py::test_a_killed_file_job_resumes_its_committed_chunks and
+# test_reliability.py::test_kill_and_resume_is_bit_exact
+@pytest.mark.slow
 def test_a_killed_run_resumes_its_file_job_and_its_training(
     distilled: dict, student_cfg: Config, trained_run: Path, tmp_path: Path
 ) -> None:
@@ -269,6 +273,10 @@ def test_an_ensemble_teaches_as_it_translates(
     assert lines(tmp_path / "d" / "distilled0.en") == expected
 
 
+# slow: make test keeps its promise with
+# test_distill.py::test_the_distilled_corpus_is_the_teachers_hypothesis_nearest_each_reference and
+# test_pretrained.py::test_the_file_job_evaluate_and_an_ensemble_take_the_import
+@pytest.mark.slow
 def test_an_imported_opus_mt_model_teaches_a_tagged_corpus(
     student_cfg: Config, imported: dict, tmp_path: Path
 ) -> None:

@@ -173,6 +173,10 @@ def test_the_job_keeps_the_engine_in_its_identity(
     assert code == 2 and "decode.engine: 'torch' -> 'ctranslate2'" in err, err
 
 
+# slow: make test keeps its promise with
+# test_engine.py::test_a_second_process_waits_for_the_cache_the_first_is_making and
+# test_bulk.py::test_two_gloo_processes_write_the_bytes_of_one
+@pytest.mark.slow
 def test_two_ranks_share_the_cache_and_write_the_bytes_of_one(
     run_copy: Path,
     big_input: Path,  # noqa: F811

@@ -185,6 +185,10 @@ def test_two_servers_share_a_directory(multi30k_run: Path, tmp_path: Path) -> No
         assert one.stop() == 0 and two.stop() == 0
 
 
+# slow: make test keeps its promise with
+# test_serve.py::test_an_api_key_guards_every_endpoint_but_health_and_is_never_logged (the same
+# gate)
+@pytest.mark.slow
 def test_the_api_key_guards_the_glossaries(multi30k_run: Path, tmp_path: Path) -> None:
     server = Server(multi30k_run, "--api-key", "s3cret", "--set",
                     f"serve.glossary_dir={tmp_path / 'g'}")  # fmt: skip

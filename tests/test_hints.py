@@ -166,6 +166,10 @@ def test_the_tags_are_single_pieces_and_validation_has_none(hint_cfg: Config) ->
     assert plain.tag_ids("<t>") is None and plain.never_output == (plain.pad_id, plain.bos_id)
 
 
+# slow: make test keeps its promise with
+# test_hints.py::test_hints_are_a_pure_function_of_seed_epoch_and_pair and
+# test_reliability.py::test_kill_and_resume_is_bit_exact
+@pytest.mark.slow
 def test_kill_and_resume_with_hints_is_bit_exact(hint_cfg: Config, tmp_path: Path) -> None:
     cfg = with_train(hint_cfg, max_steps=8, log_every=1, valid_every=4, save_every=4, keep_last=5)
     straight = tmp_path / "straight"

@@ -404,6 +404,10 @@ def test_the_file_job_evaluate_and_an_ensemble_take_the_import(
     )
 
 
+# slow: make test keeps its promise with
+# test_pretrained.py::test_outputs_equal_generate_batched_and_one_by_one (multi-target) and
+# test_serve.py::test_the_endpoints_answer_and_translate_as_tmt_translate_does
+@pytest.mark.slow
 def test_serve_translates_into_each_target_language(imported: dict[str, Path]) -> None:
     from test_serve import Server
 
@@ -432,6 +436,9 @@ def test_serve_translates_into_each_target_language(imported: dict[str, Path]) -
 # --- fine-tuning -------------------------------------------------------------------------------
 
 
+# slow: make test keeps its promise with test_hints.py::test_fine_tuning_an_import_with_hints and
+# test_reliability.py::test_kill_and_resume_is_bit_exact
+@pytest.mark.slow
 def test_fine_tuning_an_import_uses_its_tokenizer_and_resumes_bit_exactly(
     imported: dict[str, Path], marian_dirs: dict[str, Path], tmp_path: Path
 ) -> None:

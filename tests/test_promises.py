@@ -338,6 +338,9 @@ def test_hostile_checkpoint_files_are_refused_without_hanging(
     assert resumed is not None and resumed.path == run.checkpoint_dir(run_dir, 4)
 
 
+# slow: make test keeps its promise with
+# test_promises2.py::test_what_tmt_reads_back_must_be_a_plain_file_and_no_read_hangs
+@pytest.mark.slow
 def test_a_fifo_in_a_checkpoint_hangs_no_command(
     train_cfg: Config, finished: Path, tmp_path: Path
 ) -> None:

@@ -41,6 +41,9 @@ def job_args(model: Path, source: Path, output: Path) -> list[str]:
             "--set", f"decode.chunk_lines={CHUNK}"]  # fmt: skip
 
 
+# slow: make test keeps its promise with
+# test_promises2.py::test_assembly_verifies_each_chunk_as_it_copies_it
+@pytest.mark.slow
 def test_an_altered_committed_chunk_is_translated_again(
     trained_run: Path, lines_in: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -414,6 +414,9 @@ def _limit_file_size(limit: int):
     return apply
 
 
+# slow: make test keeps its promise with test_reliability.py::test_disk_full_during_a_save (the
+# same failed write, another errno)
+@pytest.mark.slow
 def test_file_size_limit_makes_torch_save_fail_cleanly(
     train_cfg: Config, straight: Path, tmp_path: Path
 ) -> None:

@@ -520,6 +520,9 @@ def test_an_error_is_logged_as_its_first_line() -> None:
     assert first_line(RuntimeError("  ")) == "RuntimeError"
 
 
+# slow: make test keeps its promise with test_engine.py (the engine equals tmt) and
+# ::test_the_endpoints_answer_and_translate_as_tmt_translate_does
+@pytest.mark.slow
 def test_the_ctranslate2_engine_serves_tmts_greedy_output(
     multi30k_run: Path, tmp_path: Path
 ) -> None:
@@ -545,6 +548,9 @@ def test_the_ctranslate2_engine_serves_tmts_greedy_output(
     assert not any("Traceback" in line for line in served.log), "".join(served.log)
 
 
+# slow: make test keeps its promise with test_ensemble.py (in this process) and
+# ::test_the_endpoints_answer_and_translate_as_tmt_translate_does
+@pytest.mark.slow
 def test_an_ensemble_is_served_as_tmt_translate_decodes_it(multi30k_run: Path) -> None:
     paths = sorted((multi30k_run / "checkpoints").glob("step_*"))[-2:]
     lines = [*SOURCES[:4], ""]

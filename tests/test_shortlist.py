@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import multi30k_sentences, reverse_pairs
-from test_train import run_tmt
+from typer.testing import CliRunner, Result
 
+from transformer_mt.cli import app
 from transformer_mt.common.exits import TmtError
 from transformer_mt.network import shortlist
 from transformer_mt.translation import shortlisting, translate
@@ -38,9 +39,9 @@ def _multi30k_pairs(n: int, tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def made(multi30k_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A shortlist of multi30k_run from 3,000 training pairs (eflomal), in a file of its own."""
+    """A shortlist of multi30k_run from 1,000 training pairs (eflomal), in a file of its own."""
     tmp = tmp_path_factory.mktemp("shortlist")
-    src, ref = _multi30k_pairs(3000, tmp)
+    src, ref = _multi30k_pairs(1000, tmp)
     out = tmp / "model.shortlist"
     shortlisting.make(str(multi30k_run), out, src, ref, first=50, best=20)
     return out
@@ -176,41 +177,47 @@ def test_marian_lex_s2t_is_read_and_bad_lines_named(multi30k_run: Path, tmp_path
 def test_commands_make_it_beside_the_model_and_decode_with_it(
     trained_run: Path, tmp_path: Path
 ) -> None:
+    # In this process (the command line's own code, without ten interpreters' start-up): that a
+    # real process answers bad input without a traceback is test_cli's promise, for every command.
     model = tmp_path / "model"
     shutil.copytree(trained_run / "checkpoints" / "step_00000030", model)
     src = tmp_path / "src.txt"
     src.write_text("".join(s + "\n" for s, _ in reverse_pairs(30, seed=3)), encoding="utf-8")
-    made = run_tmt(["shortlist", "-m", str(model), "-i", str(src), "--aligner", "ibm1", "--json"])
-    assert made.returncode == 0, made.stderr
+    made = tmt(["shortlist", "-m", str(model), "-i", str(src), "--aligner", "ibm1", "--json"])
+    assert made.exit_code == 0, made.output
     report = json.loads(made.stdout)
     assert Path(report["output"]) == model / "shortlist.npz" and "greedy" in report["corpus"]
-    again = run_tmt(["shortlist", "-m", str(model), "-i", str(src)])
-    assert again.returncode != 0 and "exists; --overwrite" in again.stderr
-    out = run_tmt(["translate", "-m", str(model), "-i", str(src), "--shortlist", "auto"])
-    assert out.returncode == 0, out.stderr
+    again = tmt(["shortlist", "-m", str(model), "-i", str(src)])
+    assert again.exit_code != 0 and "exists; --overwrite" in again.stderr
+    out = tmt(["translate", "-m", str(model), "-i", str(src), "--shortlist", "auto"])
+    assert out.exit_code == 0, out.output
     assert len(out.stdout.splitlines()) == 30
     # The file job (chunks, resumable) writes what the stream wrote; evaluate takes it too.
     job = tmp_path / "out.txt"
-    run = run_tmt(["translate", "-m", str(model), "-i", str(src), "-o", str(job),
-                   "--shortlist", str(model / "shortlist.npz")])  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    run = tmt(["translate", "-m", str(model), "-i", str(src), "-o", str(job),
+               "--shortlist", str(model / "shortlist.npz")])  # fmt: skip
+    assert run.exit_code == 0, run.output
     assert job.read_text(encoding="utf-8") == out.stdout
     ref = tmp_path / "ref.txt"
     ref.write_text("".join(t + "\n" for _, t in reverse_pairs(30, seed=3)), encoding="utf-8")
-    scored = run_tmt(["evaluate", "-m", str(model), "-i", str(src), "--ref", str(ref),
-                      "--shortlist", "auto", "--json"])  # fmt: skip
-    assert scored.returncode == 0, scored.stderr
+    scored = tmt(["evaluate", "-m", str(model), "-i", str(src), "--ref", str(ref),
+                  "--shortlist", "auto", "--json"])  # fmt: skip
+    assert scored.exit_code == 0, scored.output
     assert "bleu" in json.loads(scored.stdout)
     for args, named in ((["--first", "-1"], "--first -1"), (["--min-prob", "2"], "--min-prob 2"),
                         (["--aligner", "fast"], "--aligner fast"),
                         (["-o", str(src), "--overwrite"], str(src))):  # fmt: skip
-        refused = run_tmt(["shortlist", "-m", str(model), "-i", str(src), *args])
-        assert refused.returncode == 2 and named in refused.stderr, refused.stderr
+        refused = tmt(["shortlist", "-m", str(model), "-i", str(src), *args])
+        assert refused.exit_code == 2 and named in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
     assert len(src.read_text(encoding="utf-8").splitlines()) == 30  # the input survives
-    bad = run_tmt(["translate", "-m", str(trained_run), "-i", str(src), "--shortlist", "auto"])
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    bad = tmt(["translate", "-m", str(trained_run), "-i", str(src), "--shortlist", "auto"])
+    assert bad.exit_code != 0 and "Traceback" not in bad.stderr
     assert "no shortlist.npz" in bad.stderr
+
+
+def tmt(args: list[str]) -> Result:
+    return CliRunner().invoke(app, args)
 
 
 def test_the_ctranslate2_export_carries_it_as_its_vmap(

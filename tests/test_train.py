@@ -169,6 +169,10 @@ def test_exact_resume_after_kill_one_process(train_cfg: Config, tmp_path: Path) 
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+# slow: make test keeps its promise with test_reliability.py::test_kill_and_resume_is_bit_exact
+# (one process) and ::test_two_gloo_ranks_equal_one_process_on_the_same_global_batches (DDP == one
+# process)
+@pytest.mark.slow
 def test_exact_resume_after_kill_two_gloo_ranks(train_cfg: Config, tmp_path: Path) -> None:
     straight = run_tmt(cli_args(train_cfg, tmp_path / "straight"), ranks=2)
     assert straight.returncode == 0, straight.stderr
@@ -380,6 +384,10 @@ def both_options(cfg: Config) -> Config:
     )
 
 
+# slow: make test keeps its promise with
+# test_train.py::test_a_time_budget_is_planned_once_and_a_resume_keeps_the_plan and
+# test_data.py::test_sampled_batches_keep_the_text_vary_by_epoch_and_repeat_by_seed
+@pytest.mark.slow
 def test_exact_resume_after_kill_with_the_budget_schedule_and_subword_sampling(
     train_cfg: Config, tmp_path: Path
 ) -> None:
