@@ -202,6 +202,9 @@ def test_a_failed_translation_keeps_the_old_output(
 # --- 4. a run directory has one owner ----------------------------------------------------------
 
 
+# slow: make test keeps its promise with ::test_a_held_run_directory_is_refused_in_process and
+# ::test_a_lock_a_crashed_holder_left_is_taken_over_in_process (the same lock, in this process)
+@pytest.mark.slow
 def test_a_second_trainer_is_refused_and_a_dead_ones_lock_is_taken_over(
     train_cfg: Config, tmp_path: Path
 ) -> None:
@@ -226,6 +229,17 @@ def test_a_second_trainer_is_refused_and_a_dead_ones_lock_is_taken_over(
     third = run_tmt(cli_args(with_train(train_cfg, max_steps=3), run_dir))
     assert third.returncode == 0, third.stderr
     assert f"pid {first.pid}" in third.stderr and "gone" in third.stderr  # took the stale lock
+
+
+def test_a_lock_a_crashed_holder_left_is_taken_over_in_process(
+    train_cfg: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What a SIGKILLed trainer leaves: the lock file naming it, and no flock (the kernel dropped
+    # it with the process). The next trainer takes it, says whose it was, and trains.
+    (tmp_path / run.LOCK_FILE).write_text("pid 999999 on a-crashed-host", encoding="utf-8")
+    with caplog.at_level("INFO"):
+        assert train(with_train(train_cfg, out_dir=str(tmp_path), max_steps=2))["step"] == 2
+    assert "pid 999999 on a-crashed-host" in caplog.text and "gone" in caplog.text
 
 
 def test_a_held_run_directory_is_refused_in_process(train_cfg: Config, tmp_path: Path) -> None:

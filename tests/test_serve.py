@@ -487,6 +487,26 @@ def test_the_batcher_gathers_a_burst_and_lets_a_lone_request_go(
         batcher.stop(timeout=5)
 
 
+def test_serve_settings_are_this_tmts_and_sets_not_the_checkpoints(trained_run: Path) -> None:
+    import dataclasses
+
+    from transformer_mt.serving import serve
+
+    loaded = translate.load_translator(trained_run)
+    saved = dataclasses.replace(  # a model whose run was trained with serve.max_sentences=1
+        loaded, config=dataclasses.replace(
+            loaded.config, serve=dataclasses.replace(loaded.config.serve, max_sentences=1)
+        ),
+    )  # fmt: skip
+    default = type(loaded.config.serve)().max_sentences
+    assert serve.settings(saved, []).max_sentences == default != 1
+    assert serve.settings(saved, ["decode.beam_size=2"]).max_sentences == default
+    assert serve.settings(saved, ["serve.max_sentences=1"]).max_sentences == 1
+
+
+# slow: make test keeps its promise with ::test_serve_settings_are_this_tmts_and_sets_not_the_checkpoints
+# (the settings a server takes) and the limit's 413 with ::test_bad_requests_are_a_4xx_with_one_message
+@pytest.mark.slow
 def test_serve_settings_come_from_this_tmt_and_set_not_from_the_checkpoint(
     tiny_cfg, tmp_path: Path
 ) -> None:

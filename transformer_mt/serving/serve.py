@@ -366,17 +366,22 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def settings(translator: Translator, overrides: Sequence[str | tuple[str, str]]) -> ServeConfig:
+    """This tmt's serve.* defaults with the serve.* items of `overrides`, not those saved in the
+    checkpoint: where and how a model is served is not part of the model."""
+    serving = [o for o in overrides if (o if isinstance(o, str) else o[0]).startswith("serve.")]
+    fresh = dataclasses.replace(translator.config, serve=ServeConfig())
+    return apply_overrides(fresh, serving).serve
+
+
 def serve(
     translator: Translator, overrides: Sequence[str | tuple[str, str]] = (), api_key: str = ""
 ) -> None:
     """Serve `translator` at serve.host:serve.port until SIGTERM or SIGINT, then drain. The model
     is decoded on this thread (the one that loaded it: batching.py says why), HTTP on another.
 
-    The serve.* settings are this tmt's defaults with the serve.* items of `overrides`, not
-    those saved in the checkpoint: where and how a model is served is not part of the model."""
-    serving = [o for o in overrides if (o if isinstance(o, str) else o[0]).startswith("serve.")]
-    fresh = dataclasses.replace(translator.config, serve=ServeConfig())
-    cfg = apply_overrides(fresh, serving).serve
+    The serve.* settings are this tmt's (settings)."""
+    cfg = settings(translator, overrides)
     decode = translator.config.decode
     rows = decode.nbest if decode.sampling != "none" else decode.beam_size
     if rows > cfg.max_beam:
