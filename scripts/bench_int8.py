@@ -73,20 +73,20 @@ def pt2e_int8(linear: nn.Linear, x: torch.Tensor):
     return torch.compile(converted)
 
 
-def torchao_int8(linear: nn.Linear) -> nn.Module:
+def copy_of(linear: nn.Linear) -> nn.Sequential:
+    """The layer as a model of its own (kernels' functions change a model's layers in place)."""
     model = nn.Sequential(nn.Linear(linear.in_features, linear.out_features))
     model[0].load_state_dict(linear.state_dict())
-    return kernels.int8(model)
+    return model
 
 
 def measure(k: int, n: int, m: int, rounds: int) -> dict:
     torch.manual_seed(0)
     linear = nn.Linear(k, n).eval()
     x = torch.randn(m, k)
-    packed = nn.Sequential(nn.Linear(k, n))
-    packed[0].load_state_dict(linear.state_dict())
+    packed = copy_of(linear)
     kernels.pack_linears(packed)
-    systems = {"fp32 packed": packed, "int8 torchao": torchao_int8(linear)}
+    systems = {"fp32 packed": packed, "int8 torchao": kernels.int8(copy_of(linear))}
     with torch.inference_mode():
         reference = linear(x)
     try:
