@@ -570,3 +570,30 @@ def test_a_hugging_face_export_is_checked_on_a_sample_and_says_so(multi30k_run, 
     assert report["check_lines"] == export.HF_CHECK_LINES == 200
     assert "the first 200 of the 1014 lines" in report["checked_on"]
     assert "--check-lines 0 checks all" in export.format_report(report)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["translate", "-i", "{src}", "-o", "{out}", "--overwrite"],  # the file job
+        ["translate", "-o", "{out}", "--overwrite"],  # a stream into a file
+        ["shortlist", "-i", "{src}", "--aligner", "ibm1", "-o", "{out}", "--overwrite"],
+    ],
+    ids=["file-job", "stream", "shortlist"],
+)
+def test_a_file_output_that_is_a_directory_is_refused_before_any_work(
+    trained_run: Path, tmp_path: Path, command: list[str]
+) -> None:
+    # A directory holding a file of the user's, named as a file output with --overwrite: one line
+    # naming it, exit 2, the file kept, and nothing translated first (the file job used to
+    # translate every chunk and then fail to write, leaving OUT.tmt-job behind).
+    src, out = tmp_path / "in.de", tmp_path / "mine"
+    src.write_text("ka lo mi\nnu pe\n", encoding="utf-8")
+    out.mkdir()
+    (out / "notes.txt").write_text("precious", encoding="utf-8")
+    args = [a.format(src=src, out=out) for a in command]
+    result = runner.invoke(app, [args[0], "-m", str(trained_run), *args[1:]], input="ka lo\n")
+    assert result.exit_code == 2, result.output
+    assert one_line(result) == f"tmt: error: --output {out}: is a directory; name a file to write"
+    assert (out / "notes.txt").read_text(encoding="utf-8") == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.de", "mine"]  # no job, no lock

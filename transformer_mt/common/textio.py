@@ -181,14 +181,19 @@ def check_output(
     inputs: Sequence[str | Path] = (),
     overwrite: bool = False,
     param: str = "output",
+    directory: bool = False,
 ) -> None:
     """Refuse an output that is one of `inputs` (the same file by any name), a path tmt manages
-    (a checkpoint's files, a run's own files), or an existing file or non-empty directory without
-    `overwrite`. stdout ("-"), a device and a FIFO are written as they are, never replaced."""
+    (a checkpoint's files, a run's own files), an existing file or non-empty directory without
+    `overwrite`, or, for a file output (not `directory`), a directory: refused before any work,
+    whatever `overwrite` says. stdout ("-"), a device and a FIFO are written as they are, never
+    replaced."""
     if str(output) == STDIO:
         return
     path = Path(output)
     check_path(output, param)
+    if not directory and path.is_dir():
+        raise TmtError(f"{output}: is a directory; name a file to write", param=param)
     for source in inputs:
         if str(source) != STDIO and _same_path(path, Path(source)):
             raise TmtError(f"{output}: is the input file; choose another output", param=param)

@@ -190,7 +190,7 @@ def _check_destination(output: Path, model: str | Path, overwrite: bool) -> None
             raise TmtError(f"{output}: holds {foreign[0]}, which tmt did not write there: an"
                            " export replaces only its own files; move it, or choose another"
                            " output")  # fmt: skip
-    textio.check_output(output, [model], overwrite)
+    textio.check_output(output, [model], overwrite, directory=True)
 
 
 def _written(output: Path) -> set[str]:

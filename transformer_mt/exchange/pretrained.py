@@ -258,7 +258,7 @@ def _check_destination(source: Path, output: Path, overwrite: bool) -> None:
     if output.resolve() == source.resolve() or source.resolve() in output.resolve().parents:
         raise TmtError(f"{output}: inside the directory imported; choose another output",
                        param="output")  # fmt: skip
-    textio.check_output(output, [source], overwrite)
+    textio.check_output(output, [source], overwrite, directory=True)
 
 
 def _write(

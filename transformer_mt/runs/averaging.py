@@ -175,7 +175,7 @@ def check_destination(
                            " output")  # fmt: skip
     elif output.is_dir() and any(output.iterdir()):
         raise TmtError(f"{output}: exists and is not a checkpoint; choose another output")
-    textio.check_output(output, inputs, overwrite)
+    textio.check_output(output, inputs, overwrite, directory=True)
 
 
 def write(mean: Checkpoint, output: Path) -> Checkpoint:

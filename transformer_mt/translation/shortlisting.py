@@ -52,13 +52,13 @@ def make(
     beside = output is None
     output = translator.path / FILE_NAME if output is None else output
     textio.check_path(output)
+    inputs = [p for p in (source_file, reference_file, marian) if p is not None]
+    if not beside:  # never a directory, nor an input overwritten by its own shortlist
+        textio.check_output(output, inputs, overwrite=True)
     if output.exists() and not overwrite:
         raise TmtError(f"{output}: exists; --overwrite replaces it", param="output")
     if reference_file is not None and source_file is None:
         raise TmtError("--ref needs -i SRC: the sources of those references", param="ref")
-    inputs = [p for p in (source_file, reference_file, marian) if p is not None]
-    if inputs and not beside:  # never an input overwritten by its own shortlist
-        textio.check_output(output, inputs, overwrite=True)
     with textio.OutputLock(output, own=beside):
         if marian is not None:
             table = from_marian(marian, tok, first, best)

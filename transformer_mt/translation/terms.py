@@ -47,9 +47,7 @@ Links = aligner.Links
 
 def build(cfg: Config, output: Path, model: str | None = None, overwrite: bool = False) -> dict:
     """Align data.train and write the dictionary to `output`; the report."""
-    textio.check_path(output)
-    if output.is_dir():  # a file of its own, never a directory (or what is in it) replaced
-        raise TmtError(f"{output}: is a directory; name the dictionary's file", param="output")
+    textio.check_output(output, overwrite=True)  # a file of its own: never a directory
     with textio.OutputLock(output):
         corpora = corpus.open_training(cfg.data)
         inputs = [path for split in corpora for path in corpus.input_files(split)]
