@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import cli_processes
 import pytest
 from typer.testing import CliRunner
 
@@ -227,6 +230,44 @@ def test_translate_streams_stdin_before_eof(trained: Path) -> None:
         assert process.wait(timeout=60) == 0
     finally:
         process.kill()
+
+
+def test_a_command_forked_for_the_tests_shows_what_a_started_one_shows(
+    trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Most tests run `tmt` through tests/cli_processes.py, in children of one process that has
+    imported torch: a child must show what `python -m transformer_mt` started afresh shows."""
+    monkeypatch.delenv("TMT_TESTS_FORK", raising=False)
+    forked_help = cli_processes.popen(["--help"], stdout=subprocess.DEVNULL)
+    assert isinstance(forked_help, cli_processes.Process) and forked_help.wait(timeout=60) == 0
+    source = tmp_path / "in.txt"
+    source.write_text("kalo mi nu\n\nfari giri\n" * 4)
+    cases = [
+        (["translate", "-m", str(trained)], "kalo mi nu\n\nfari giri\n"),  # stdin -> stdout
+        (["translate", "-m", str(tmp_path / "none")], None),  # a one-line error, exit 2
+        (["train", "-c", "tiny", "--set", "model.d_model=7"], None),  # a config error
+    ]
+    for args, given in cases:
+        forked = cli_processes.run(args, input=given, timeout=120)
+        started = subprocess.run([sys.executable, "-m", "transformer_mt", *args], input=given,
+                                 capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+        assert (forked.returncode, forked.stdout) == (started.returncode, started.stdout), args
+        if started.returncode:
+            assert forked.stderr == started.stderr
+    job = ["translate", "-m", str(trained), "-i", str(source), "--set", "decode.chunk_lines=3"]
+    killed = cli_processes.run([*job, "-o", str(tmp_path / "a.txt")],
+                               env={**os.environ, "TMT_FAULT": "chunk@2:kill"})  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL
+    hung = cli_processes.popen([*job, "-o", str(tmp_path / "b.txt")], stdout=subprocess.DEVNULL,
+                               env={**os.environ, "TMT_FAULT": "chunk@1:hang"})  # fmt: skip
+    with pytest.raises(subprocess.TimeoutExpired):
+        hung.wait(timeout=0.5)
+    hung.kill()
+    assert hung.wait(timeout=60) == -signal.SIGKILL
+    # What an interpreter reads only as it starts must be the server's, else a real one runs.
+    other = cli_processes.popen(["--help"], env={**os.environ, "HF_HOME": str(tmp_path)},
+                                stdout=subprocess.DEVNULL)  # fmt: skip
+    assert isinstance(other, subprocess.Popen) and other.wait(timeout=60) == 0
 
 
 def test_translate_into_head_exits_quietly(trained: Path) -> None:

@@ -9,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_processes
 import pytest
 from conftest import reverse_pairs
 from test_bulk import big_input, translate_args  # noqa: F401 (a fixture)
-from test_train import REPO, run_tmt
+from test_train import run_tmt
 from typer.testing import CliRunner
 
 from transformer_mt.cli import app
@@ -283,10 +284,9 @@ def test_int8_torch_translates_every_line_close_to_fp32(run_copy: Path) -> None:
 
 
 def test_a_second_process_waits_for_the_cache_the_first_is_making(run_copy: Path) -> None:
-    command = [sys.executable, "-m", "transformer_mt", "translate", "-m", str(run_copy),
-               "--engine", "ctranslate2", "--beam", "1"]  # fmt: skip
+    command = ["translate", "-m", str(run_copy), "--engine", "ctranslate2", "--beam", "1"]
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
-    procs = [subprocess.Popen(command, cwd=REPO, text=True, **pipes) for _ in range(2)]
+    procs = [cli_processes.popen(command, text=True, **pipes) for _ in range(2)]
     outputs = [p.communicate("\n".join(SOURCES[:5]) + "\n", timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert outputs[0][0] == outputs[1][0] and outputs[0][0].count("\n") == 5

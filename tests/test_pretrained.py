@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_processes
 import pytest
 import torch
 from marian_models import multi30k
@@ -206,13 +207,12 @@ def test_the_import_is_deterministic(marian_dirs: dict[str, Path], tmp_path: Pat
 
 def test_a_killed_import_leaves_nothing(marian_dirs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "imported"
-    command = [sys.executable, "-m", "transformer_mt", "import", "-m", str(marian_dirs["multi"]),
-               "-o", str(out)]  # fmt: skip
+    command = ["import", "-m", str(marian_dirs["multi"]), "-o", str(out)]
     env = {**__import__("os").environ, "TMT_FAULT": "save0_bytes@20000:kill"}
-    killed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    killed = cli_processes.run(command, env=env, timeout=120)
     assert killed.returncode == -9
     assert not out.exists()
-    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    again = cli_processes.run(command, timeout=120)
     assert again.returncode == 0, again.stderr
     assert not list(tmp_path.glob(".tmp-*")), "the killed import's staging is swept"
     assert checkpoint.read(out).step == 0

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import cli_processes
 import pytest
 import torch
 from conftest import reverse_pairs, write_parallel
@@ -361,9 +362,7 @@ def test_a_fifo_in_a_checkpoint_hangs_no_command(
     run_dir = copy_run(finished, tmp_path)
     newest = run.checkpoint_dir(run_dir, 8)
     hostile("fifo_model", newest, tmp_path)
-    translate = [sys.executable, "-m", "transformer_mt", "translate", "-m", str(newest)]
-    direct = subprocess.run(translate, input="kalo mi\n", capture_output=True, text=True,
-                            cwd=REPO, timeout=60)  # fmt: skip
+    direct = cli_processes.run(["translate", "-m", str(newest)], input="kalo mi\n", timeout=60)
     assert direct.returncode == 2 and str(newest) in one_line_error(direct.stderr)
     resumed = run_tmt(cli_args(with_train(train_cfg, max_steps=9), run_dir), timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -6,13 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import cli_processes
 import pytest
 from conftest import reverse_pairs
-from test_promises import REPO, copy_run, one_line_error
+from test_promises import copy_run, one_line_error
 from test_train import run_tmt
 from typer.testing import CliRunner
 
@@ -202,10 +201,7 @@ def test_a_model_too_large_for_memory_is_one_line_and_writes_nothing(tmp_path: P
     huge = ["--set", "model.d_model=100000", "--set", "model.n_heads=2",
             "--set", f"train.out_dir={out}", "--set", f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
     for extra in ([], ["--dry-run"]):
-        result = subprocess.run(
-            [sys.executable, "-m", "transformer_mt", "train", "-c", "tiny", *huge, *extra],
-            capture_output=True, text=True, cwd=REPO, timeout=120,
-        )  # fmt: skip
+        result = cli_processes.run(["train", "-c", "tiny", *huge, *extra], timeout=120)
         assert result.returncode == 2, result.stderr[-2000:]
         line = one_line_error(result.stderr)
         assert "parameters" in line and "GiB" in line and "free" in line, line

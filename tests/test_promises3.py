@@ -9,11 +9,10 @@ import dataclasses
 import math
 import os
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
+import cli_processes
 import numpy as np
 import pytest
 from conftest import REPO, reverse_pairs
@@ -246,14 +245,14 @@ def test_the_dry_run_refuses_what_the_run_refuses(tiny_cfg: Config, tmp_path: Pa
 def test_a_prefix_file_longer_than_stdin_is_refused_before_any_output(
     trained_run: Path, texts: dict[str, Path]
 ) -> None:
-    command = [sys.executable, "-m", "transformer_mt", "translate", "-m", str(trained_run)]
+    command = ["translate", "-m", str(trained_run)]
     source = texts["src"].read_text()
-    long = subprocess.run([*command, "--prefix", str(texts["prefix5"])], input=source,
-                          capture_output=True, text=True, cwd=REPO, timeout=300)  # fmt: skip
+    long = cli_processes.run([*command, "--prefix", str(texts["prefix5"])], input=source,
+                             timeout=300)  # fmt: skip
     assert long.returncode == 2 and long.stdout == ""
     assert "5 lines, but the input has 3" in one_line_error(long.stderr)
-    fits = subprocess.run([*command, "--prefix", str(texts["prefix3"])], input=source,
-                          capture_output=True, text=True, cwd=REPO, timeout=300)  # fmt: skip
+    fits = cli_processes.run([*command, "--prefix", str(texts["prefix3"])], input=source,
+                             timeout=300)  # fmt: skip
     assert fits.returncode == 0 and len(fits.stdout.splitlines()) == 3
 
 

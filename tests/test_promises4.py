@@ -10,13 +10,12 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
+import cli_processes
 import pytest
 import torch
-from conftest import REPO, write_parallel
+from conftest import write_parallel
 from typer.testing import CliRunner
 
 from transformer_mt.cli import app
@@ -357,17 +356,12 @@ def test_clean_replaces_its_outputs_all_or_nothing(tmp_path) -> None:
     assert {p.name: p.read_bytes() for p in tmp_path.glob("out.*")} == before
     assert not list(tmp_path.glob(".old-*")) and not list(tmp_path.glob(".swap-*"))
     # A kill between two renames: the next run puts the old set back first, then replaces it.
-    command = [
-        sys.executable,
-        "-m",
-        "transformer_mt",
-        *clean_args("tiny", second, out, "--overwrite"),
-    ]
-    killed = subprocess.run(command, env={**os.environ, "TMT_FAULT": "swap@1:kill"}, cwd=REPO,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    command = clean_args("tiny", second, out, "--overwrite")
+    killed = cli_processes.run(command, env={**os.environ, "TMT_FAULT": "swap@1:kill"},
+                               timeout=300)  # fmt: skip
     assert killed.returncode == -9
     assert (tmp_path / "out.de").read_bytes() != before["out.de"]  # half replaced, for now
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = cli_processes.run(command, timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "out.report.json").read_text())
     assert report["pairs_out"] == 20 and len((tmp_path / "out.de").read_text().splitlines()) == 20

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import cli_processes
 import httpx
 import pytest
 from conftest import multi30k_sentences
@@ -32,10 +33,10 @@ class Server:
     """`tmt serve` in a child process on port 0; its log collected, stopped at the end."""
 
     def __init__(self, model: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        command = [sys.executable, "-m", "transformer_mt", "serve", "-m", str(model), "--port", "0"]
-        self.process = subprocess.Popen(
-            [*command, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            cwd=REPO, env={**os.environ, **(env or {})},
+        command = ["serve", "-m", str(model), "--port", "0", *args]
+        self.process = cli_processes.popen(
+            command, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.log: list[str] = []
         ready = threading.Event()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_processes
 import pytest
 import torch
 
@@ -79,19 +80,18 @@ def run_tmt(
     env = {**__import__("os").environ, "PYTHONUNBUFFERED": "1"}
     if fault:  # on rank 0 unless the fault names its rank ("exit@rank1")
         env.update(TMT_FAULT=fault, **({} if "@rank" in fault else {"TMT_FAULT_RANK": "0"}))
-    if ranks == 1:
-        command = [sys.executable, "-m", "transformer_mt", *args]
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={ranks}",
-            f"--master_port={free_port()}",
-            "-m",
-            "transformer_mt",
-            *args,
-        ]
+    if ranks == 1:  # in a process forked from one that imported torch (tests/cli_processes.py)
+        return cli_processes.run(args, env=env, cwd=REPO, timeout=timeout)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ranks}",
+        f"--master_port={free_port()}",
+        "-m",
+        "transformer_mt",
+        *args,
+    ]
     return subprocess.run(
         command, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout
     )
