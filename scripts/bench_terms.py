@@ -5,8 +5,9 @@ built from the training corpus only; and a 100,000-entry glossary's load and mat
     python scripts/bench_terms.py --model runs/terms/plain_2100/average
     python scripts/bench_terms.py --model M --split valid --repeats 3 --out runs/bench_terms
 
-The term lists (written to OUT/{consistent,override,random}.tsv, reproducibly: eflomal's
-alignments of data.train are deterministic for a seed, the random list is drawn with --seed):
+The term lists (written to OUT/{consistent,override,random}.tsv; the random list is drawn with
+--seed, but eflomal's sampler takes no seed, so two runs' lists can differ by a few entries: 99
+and 101 override entries on test2016 in two runs; compare models within one run's lists):
 
 - a dictionary: data.train's words aligned by eflomal (forward and reverse, intersected; the
   bench extra installs it), p(target word | source word) from the counts; kept, as Dinu et al.
