@@ -19,15 +19,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-# make test runs the suite in workers of one thread each (pytest-xdist; a test file stays on one
-# worker, so its fixtures are made once): the tests' small models keep a core busy with Python
-# more than with arithmetic, so two one-thread workers beat one two-thread process (390-470 s
-# against 290 s on the 2-core CI machine). TEST_WORKERS=0 runs it in this process.
+# make test runs the suite in workers of one thread each (pytest-xdist; an idle worker takes
+# tests queued for the other): the tests' small models keep a core busy with Python more than
+# with arithmetic, so two one-thread workers beat one two-thread process (258 s against 390-470 s
+# on the 2-core CI machine; 290 s with a file per worker). TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= auto
 TEST_THREADS ?= 1
 test: install
 	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 \
-		--dist loadfile -m "not slow and not gpu and not browser"
+		--dist worksteal -m "not slow and not gpu and not browser"
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
