@@ -13,7 +13,7 @@ thread and Hugging Face variables, PYTHON*) must equal the server's, else the co
 real interpreter; so do tests of start-up itself (`--help`'s speed, a missing extra, torchrun),
 which start one directly. TMT_TESTS_FORK=0 gives every command a real interpreter.
 
-    python tests/cli_processes.py SOCKET PARENT_PID     # the server (started by `run`)
+    python tests/cli_processes.py SOCKET PARENT_PID     # the server (started on first use)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import json
 import locale
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -59,7 +60,9 @@ class _Server:
             return self.socket
 
     def _start(self) -> None:
-        self.socket = str(Path(tempfile.mkdtemp(prefix="tmt-cli-")) / "server.sock")
+        directory = tempfile.mkdtemp(prefix="tmt-cli-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        self.socket = str(Path(directory) / "server.sock")
         self.env = dict(os.environ)
         self.process = subprocess.Popen(
             [sys.executable, __file__, self.socket, str(os.getpid())],
