@@ -40,6 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Read when an interpreter starts, so a command whose value differs needs its own interpreter.
 _AT_START = ("HF_", "MALLOC_", "PYTHON", "OMP_", "MKL_", "OPENBLAS_", "LD_", "CUDA_", "TORCH")
 _THREADS = "OMP_NUM_THREADS"  # set in the child instead (torch.set_num_threads)
+# Also read at start, but the child applies them itself (its streams, sys.dont_write_bytecode).
+_APPLIED = (_THREADS, "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
 _READY_TIMEOUT = 300.0  # s for the server to import torch and tmt on a busy machine
 
 
@@ -78,7 +80,7 @@ class _Server:
 
     def suits(self, env: dict[str, str]) -> bool:
         """Whether a command with `env` may run in a child of the server (started from self.env)."""
-        names = {n for n in (*env, *self.env) if n.startswith(_AT_START) and n != _THREADS}
+        names = {n for n in (*env, *self.env) if n.startswith(_AT_START) and n not in _APPLIED}
         return all(env.get(n) == self.env.get(n) for n in names)
 
 
@@ -306,6 +308,7 @@ def _command(request: dict, fds: list[int]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r")))
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(
         io.BufferedWriter(io.FileIO(1, "w")), write_through=unbuffered

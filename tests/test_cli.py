@@ -263,6 +263,11 @@ def test_a_command_forked_for_the_tests_shows_what_a_started_one_shows(
         hung.wait(timeout=0.5)
     hung.kill()
     assert hung.wait(timeout=60) == -signal.SIGKILL
+    # run_tmt sets PYTHONUNBUFFERED, which the child applies itself: forked with or without it.
+    for unbuffered in ({"PYTHONUNBUFFERED": "1"}, {"PYTHONUNBUFFERED": ""}):
+        env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, **unbuffered}
+        either = cli_processes.popen(["--help"], env=env, stdout=subprocess.DEVNULL)
+        assert isinstance(either, cli_processes.Process) and either.wait(timeout=60) == 0
     # What an interpreter reads only as it starts must be the server's, else a real one runs.
     other = cli_processes.popen(["--help"], env={**os.environ, "HF_HOME": str(tmp_path)},
                                 stdout=subprocess.DEVNULL)  # fmt: skip
