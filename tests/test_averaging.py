@@ -86,6 +86,33 @@ def test_write_average_is_a_loadable_model(trained_run: Path, tmp_path: Path) ->
         averaging.check_destination(run.list_checkpoints(trained_run)[0], overwrite=True)
 
 
+def test_an_average_keeps_its_models_shortlist_only_while_it_is_the_same_model(
+    trained_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """tmt shortlist writes beside a model; averaging into that directory again (a finished run
+    run again, tmt average --overwrite) is not refused for it: the same model keeps it, another
+    drops it with a warning (it names the model it was made for)."""
+    from transformer_mt.translation import shortlisting
+
+    every = [str(p) for p in run.list_checkpoints(trained_run)]
+    out = tmp_path / "avg"
+    averaging.average_into(every[-2:], out)
+    shortlisting.make(str(out), aligner="ibm1")
+    table = (out / "shortlist.npz").read_bytes()
+    averaging.average_into(every[-2:], out, overwrite=True)  # the same model
+    assert (out / "shortlist.npz").read_bytes() == table
+    assert translate.load_translator(out, ["decode.shortlist=auto"]).shortlist is not None
+    with caplog.at_level("WARNING"):
+        averaging.average_into(every[:2], out, overwrite=True)  # another model
+    assert not (out / "shortlist.npz").exists()
+    assert "shortlist.npz: made for the model this average replaced" in caplog.text
+    with pytest.raises(TmtError, match="no shortlist.npz in"):
+        translate.load_translator(out, ["decode.shortlist=auto"])
+    (out / "notes.txt").write_text("mine")  # a file tmt did not write is still never replaced
+    with pytest.raises(TmtError, match="holds notes.txt, which tmt did not write there"):
+        averaging.average_into(every[-2:], out, overwrite=True)
+
+
 def test_newest_takes_the_newest_that_read_and_counts(trained_run: Path, tmp_path: Path) -> None:
     every = [str(p) for p in run.list_checkpoints(trained_run)]  # steps 10, 20, 30
     assert averaging.newest(trained_run, 2).sources == tuple(every[-2:])

@@ -74,8 +74,10 @@ def test_the_distilled_corpus_is_the_teachers_hypothesis_nearest_each_reference(
 def test_nbest_1_keeps_the_teachers_best(
     student_cfg: Config, trained_run: Path, tmp_path: Path
 ) -> None:
-    cfg = apply_overrides(student_cfg, ["distill.nbest=1", "distill.export=none"])
-    distill.distill(cfg, [trained_run], tmp_path / "d")
+    cfg = apply_overrides(student_cfg, ["distill.nbest=1", "distill.export=none",
+                                         "distill.shortlist=false"])  # fmt: skip
+    report = distill.distill(cfg, [trained_run], tmp_path / "d")
+    assert report["shortlist"] is None and not list((tmp_path / "d").rglob("shortlist.npz"))
     sources = lines(Path(cfg.data.train + ".de"))
     teacher = translate.load_translator(trained_run, ["decode.beam_size=2"])
     best = [t for t in translate.translate_text(teacher, sources) if t.strip()]
@@ -100,6 +102,29 @@ def test_the_student_trains_on_the_distilled_pairs_is_compared_and_exported(
     assert "teacher" in distill.format_report(report) and "student" in distill.format_report(report)
 
 
+def test_the_student_gets_a_shortlist_from_the_distilled_corpus(
+    distilled: dict, tmp_path: Path
+) -> None:
+    from transformer_mt.translation import shortlisting
+
+    out, report = distilled["out"], distilled["report"]
+    path = out / "student" / "average" / "shortlist.npz"
+    assert report["shortlist"]["output"] == str(path)
+    assert report["shortlist"]["corpus"] == "data.train"  # the student's: the distilled pairs
+    assert report["shortlist"]["pairs"] == report["corpora"][0]["pairs"]
+    # The same table as tmt shortlist makes for the student (eflomal takes no seed: compare the
+    # frequent pieces, which come from counts alone).
+    again = shortlisting.make(str(out / "student"), output=tmp_path / "again.npz")
+    assert again["pairs"] == report["shortlist"]["pairs"]
+    listed = translate.load_translator(out / "student", ["decode.shortlist=auto"])
+    other = translate.load_translator(
+        out / "student", [f"decode.shortlist={tmp_path / 'again.npz'}"]
+    )
+    assert listed.shortlist is not None and other.shortlist is not None
+    assert listed.shortlist.frequent.tolist() == other.shortlist.frequent.tolist()
+    assert f"shortlist: {path}" in distill.format_report(report)
+
+
 def test_a_second_run_reuses_every_step(
     distilled: dict, student_cfg: Config, trained_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -112,7 +137,8 @@ def test_a_second_run_reuses_every_step(
 
     monkeypatch.setattr(bulk, "translate_job", refused)
     report = distill.distill(student_cfg, [trained_run], out)
-    assert report["reused"] == ["originals", "distilled", "student", "evaluation", "export"]
+    assert report["reused"] == ["originals", "distilled", "student", "evaluation", "export",
+                                "shortlist"]  # fmt: skip
     assert report["evaluation"] == distilled["report"]["evaluation"]
     after = {p: p.stat().st_mtime_ns for p in out.glob("[!.]*.*") if p.is_file()}
     assert {p: t for p, t in after.items() if p.name != distill.MANIFEST} == {

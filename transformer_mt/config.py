@@ -302,6 +302,9 @@ class DistillConfig:
     eval_split: Literal["valid", "test"] = "valid"  # where student and teacher are compared
     export: Literal["none", "ctranslate2", "huggingface"] = "ctranslate2"  # the student's export
     quantization: Literal["none", "int8"] = "none"  # ... its weights (ctranslate2 only)
+    # The student's lexical shortlist (tmt shortlist) from the distilled corpora, beside its model:
+    # used only where decode.shortlist asks for it.
+    shortlist: bool = True
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,10 @@ reused when the command runs again:
    resumed as any run is, averaged at the end as train.average_last says;
 5. DIR/eval: teacher and student translate distill.eval_split; sacreBLEU's paired tests
    (evaluate.compare) and each one's sentences/s on this machine;
-6. DIR/student-{format}: the student exported (`tmt export`, parity-checked), if distill.export.
+6. DIR/student-{format}: the student exported (`tmt export`, parity-checked), if distill.export;
+7. the student's lexical shortlist (`tmt shortlist` from its training corpora, the distilled ones:
+   what the student learned to output), beside its model where `--shortlist auto` finds it, if
+   distill.shortlist. Decoding uses it only when asked (decode.shortlist).
 
 DIR/distill.json records what each step was made from (the corpora's and the teacher's
 fingerprints, the settings) and the SHA-256 of every file it wrote, the export's included, by
@@ -48,7 +51,7 @@ from transformer_mt.exchange import export
 from transformer_mt.network import ensemble
 from transformer_mt.runs import run
 from transformer_mt.training import train
-from transformer_mt.translation import bulk, evaluate, translate
+from transformer_mt.translation import bulk, evaluate, shortlisting, translate
 
 logger = logging.getLogger("tmt")
 
@@ -106,9 +109,10 @@ class _Distillation:
         student_run = self._student(corpora, distilled)
         evaluation = self._evaluate(student_run)
         exported = self._export(student_run)
+        listed = self._shortlist(student_run)
         return {"out": str(self.out), "teacher": self.manifest["teacher"], "corpora": distilled,
                 "student": str(student_run), "evaluation": evaluation, "export": exported,
-                "reused": self.reused}  # fmt: skip
+                "shortlist": listed, "reused": self.reused}  # fmt: skip
 
     # --- 1. the original corpora ------------------------------------------------------------------
 
@@ -388,6 +392,22 @@ class _Distillation:
                                 "files": self._hashes(written)})  # fmt: skip
         return report
 
+    # --- 7. the student's shortlist ---------------------------------------------------------------
+
+    def _shortlist(self, student_dir: Path) -> dict[str, Any] | None:
+        if not self.cfg.distill.shortlist:
+            return None
+        identity = {"student": self.manifest["evaluation"]["identity"]["student"]}
+        done = self.manifest.get("shortlist")
+        if done and done["identity"] == identity and self._verified(done["files"]):
+            self.reused.append("shortlist")
+            return done["report"]
+        report = shortlisting.make(str(student_dir), overwrite=True)
+        written = Path(report["output"])
+        self._record("shortlist", {"identity": identity, "report": report,
+                                   "files": self._hashes([written])})  # fmt: skip
+        return report
+
     # --- the record -------------------------------------------------------------------------------
 
     def _at(self, name: str) -> Path:
@@ -468,6 +488,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"({evaluation['split']} split; student: {report['student']})")
     if report["export"]:
         lines.append(f"export: {report['export']['output']}")
+    if report.get("shortlist"):
+        lines.append(f"shortlist: {report['shortlist']['output']} (--shortlist auto decodes with"
+                     " it)")  # fmt: skip
     if report["reused"]:
         lines.append(f"reused: {', '.join(report['reused'])}")
     return "\n".join(lines)

@@ -7,6 +7,11 @@ parsed, its model built), each other one is verified to hold the same model and 
 without a second parse or build. Memory holds the sums and one checkpoint. Sums are float64, so N
 copies of a checkpoint average back to it bitwise. `tmt average` is one call (average_into); the
 same choice of checkpoints (choose) serves every command that takes a model.
+
+A model directory may also hold the shortlist `tmt shortlist` made for it (shortlist.npz): a
+file tmt wrote there, so an average may replace the directory. It is kept when the new average
+is the same model (a finished run run again), and dropped with a warning when it is not (the
+shortlist names the model it was made for and would be refused).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 from transformer_mt.common import exits, files, textio
 from transformer_mt.common.exits import TmtError, first_line
+from transformer_mt.network.shortlist import FILE_NAME as SHORTLIST_FILE
 from transformer_mt.runs import checkpoint, run
 from transformer_mt.runs.checkpoint import HIGHER_IS_BETTER, Checkpoint
 
@@ -168,7 +174,8 @@ def check_destination(
                 f"{output}: a training checkpoint; averaging into it would destroy its training"
                 " state; choose another output"
             )
-        foreign = files.foreign_entries(output, {*listed, checkpoint.MANIFEST_FILE})
+        foreign = files.foreign_entries(output, {*listed, checkpoint.MANIFEST_FILE,
+                                                 SHORTLIST_FILE})  # fmt: skip
         if foreign:
             raise TmtError(f"{output}: holds {foreign[0]}, which tmt did not write there: an"
                            " average replaces only its own files; move it, or choose another"
@@ -178,10 +185,25 @@ def check_destination(
     textio.check_output(output, inputs, overwrite, directory=True)
 
 
+def _kept_shortlist(output: Path) -> tuple[bytes, str] | None:
+    """(the bytes of the shortlist in the model directory `output`, the SHA-256 of the model.pt
+    it sits beside), or None when there is none or no readable manifest to tie it to."""
+    path = output / SHORTLIST_FILE
+    if not path.is_file() or path.is_symlink():
+        return None
+    try:
+        model_sha256 = checkpoint.read_manifest(output)["files"][checkpoint.MODEL_FILE]
+        return path.read_bytes(), model_sha256
+    except (TmtError, KeyError, OSError):
+        return None
+
+
 def write(mean: Checkpoint, output: Path) -> Checkpoint:
     """Write an average as a self-contained model directory at `output` (atomically, replacing
-    what is there: check_destination first); returns it as written."""
+    what is there: check_destination first); returns it as written. The model's shortlist there
+    is kept if the model is the same (_kept_shortlist)."""
     info = {"averaged": list(mean.sources)}
+    shortlist = _kept_shortlist(output)
     try:
         checkpoint.write(
             output, mean.step, mean.config, state_dict=mean.state_dict,
@@ -193,6 +215,14 @@ def write(mean: Checkpoint, output: Path) -> Checkpoint:
             f"{output}: writing the averaged model failed ({reason}); nothing was left there",
             exit_code=exits.NO_ROOM,
         ) from None
+    if shortlist is not None:
+        table, model_sha256 = shortlist
+        if checkpoint.read_manifest(output)["files"].get(checkpoint.MODEL_FILE) == model_sha256:
+            files.atomic_write(output / SHORTLIST_FILE, table)
+        else:
+            logger.warning("%s: made for the model this average replaced, so not kept: make it"
+                           " again with tmt shortlist -m %s", output / SHORTLIST_FILE,
+                           output)  # fmt: skip
     return Checkpoint(
         path=output, step=mean.step, config=mean.config, tokenizer=mean.tokenizer,
         state_dict=mean.state_dict, model=mean.model, sources=mean.sources,
