@@ -20,6 +20,14 @@ random weights and output bias), written by transformers' save_pretrained, then:
    finished, against CTranslate2).
 
     python scripts/bench_pretrained.py [--workdir runs/bench_pretrained] [--lines 1000]
+    python scripts/bench_pretrained.py --only decode --shortlist   # issue 49's rows alone
+
+With --shortlist, also a lexical shortlist (issue 49): `tmt shortlist -m IMPORTED -i train.de --ref
+train.en` (Multi30k's pairs: the model's pieces are Multi30k's, padded) and, in the same run, tmt
+at beam 4 with it (decode.shortlist) and CTranslate2 fp32 exactly and with the same table as its
+vmap (`tmt export --format ctranslate2 --shortlist`, decoded through tmt's ctranslate2 engine
+with the same batches and limits). Random weights give the speed of a shortlist at this shape,
+not its BLEU: what they choose inside a set says nothing of a trained model's choices.
 
 The last line printed is one JSON object with every figure; "ratios" holds the goals': tmt ÷
 generate and tmt ÷ CTranslate2 at beam 4, tmt ÷ Seq2SeqTrainer in tokens/s; peak RSS figures in
@@ -83,11 +91,11 @@ def memory(hf_dir: Path, imported: Path) -> dict:
     if imported.exists():
         shutil.rmtree(imported)
     weights = (hf_dir / "model.safetensors").stat().st_size / 2**20
-    baseline = peak_rss("import torch, safetensors.torch; from transformer_mt import pretrained")
+    baseline = peak_rss("import torch, safetensors.torch; from transformer_mt.exchange import pretrained")
     start = time.perf_counter()
     importing = peak_rss(
         "from transformer_mt.common.allocator import keep_freed_memory; keep_freed_memory()\n"
-        f"from transformer_mt import pretrained; pretrained.import_model({str(hf_dir)!r},"
+        f"from transformer_mt.exchange import pretrained; pretrained.import_model({str(hf_dir)!r},"
         f" {str(imported)!r})"
     )
     seconds = time.perf_counter() - start
@@ -180,7 +188,23 @@ def hf_finetune(hf_dir: Path, sentences: int, steps: int, workdir: Path) -> dict
 # --- decoding speed ----------------------------------------------------------------------------
 
 
-def decode_all(hf_dir: Path, imported: Path, workdir: Path, count: int) -> dict:
+def shortlist_of(imported: Path, table: Path) -> dict:
+    """tmt shortlist for the imported model from Multi30k's training pairs (its pieces are
+    Multi30k's): the report, with the seconds it took."""
+    from transformer_mt.translation import shortlisting
+
+    with tempfile.TemporaryDirectory() as scratch:
+        pairs = {}
+        for lang in ("de", "en"):
+            pairs[lang] = Path(scratch) / f"train.{lang}"
+            pairs[lang].write_text("\n".join(lines_of(lang, "train")) + "\n", encoding="utf-8")
+        start = time.perf_counter()
+        report = shortlisting.make(str(imported), table, pairs["de"], pairs["en"])
+    return {**report, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def decode_all(hf_dir: Path, imported: Path, workdir: Path, count: int,
+               shortlist: Path | None = None) -> dict:  # fmt: skip
     """Each system decodes tmt's length buckets of the test sentences, one call a bucket, with
     one length limit a bucket: its longest source + 1 pieces, </s> included (a forced </s>)."""
     import ctranslate2
@@ -207,10 +231,12 @@ def decode_all(hf_dir: Path, imported: Path, workdir: Path, count: int) -> dict:
         results[name] = {"seconds": round(seconds, 2), "sentences_per_s": round(count / seconds, 1)}
         return outputs
 
-    def run_tmt(stopping: str):
-        models = {limit: translate.load_translator(imported, [
+    def run_tmt(stopping: str | None, model: Path = imported, more: tuple[str, ...] = ()):
+        """tmt's search with this stopping rule, or (None) CTranslate2's engine through tmt."""
+        rule = [f"decode.early_stopping={stopping}"] if stopping else []
+        models = {limit: translate.load_translator(model, [
             "decode.device=cpu", "decode.max_len_a=0", f"decode.max_len_b={limit}",
-            "decode.beam_size=4", f"decode.early_stopping={stopping}",
+            "decode.beam_size=4", *rule, *more,
         ]) for limit in set(limits)}  # fmt: skip
 
         def run() -> list[list[int]]:
@@ -270,6 +296,22 @@ def decode_all(hf_dir: Path, imported: Path, workdir: Path, count: int) -> dict:
     same = lambda a, b: sum(map(list.__eq__, a, b))  # noqa: E731
     results["identical_lines"] = {"tmt_vs_generate": same(tmt_current, hf),
                                   "tmt_k_finished_vs_ctranslate2": same(tmt_k, ct2)}  # fmt: skip
+    if shortlist is not None:
+        from transformer_mt.exchange import export
+
+        listed = ("decode.shortlist=" + str(shortlist),)
+        timed("tmt_beam4_shortlist", run_tmt("current", more=listed))
+        timed("tmt_beam4_k_finished_shortlist", run_tmt("k_finished", more=listed))
+        exported = workdir / "ctranslate2_vmap"
+        if not (exported / "vmap.txt").exists():
+            export.export(imported, "ctranslate2", exported, check_lines=20, overwrite=True,
+                          shortlist=str(shortlist))  # fmt: skip
+        engine_ct2 = ("decode.engine=ctranslate2",)
+        ct2_exact = timed("ctranslate2_beam4_tmt_export",
+                          run_tmt(None, exported, engine_ct2))  # fmt: skip
+        timed("ctranslate2_beam4_vmap",
+              run_tmt(None, exported, (*engine_ct2, "decode.shortlist=auto")))  # fmt: skip
+        results["identical_lines"]["ctranslate2_tmt_export_vs_own_converter"] = same(ct2_exact, ct2)
     results["output_tokens"] = int(sum(map(len, tmt_current)))
     return results
 
@@ -280,6 +322,8 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=1000)
     parser.add_argument("--updates", type=int, default=8, help="tmt fine-tuning updates timed")
     parser.add_argument("--hf-steps", type=int, default=8, help="Seq2SeqTrainer steps timed")
+    parser.add_argument("--shortlist", action="store_true", help="also decode with a shortlist")
+    parser.add_argument("--only", choices=("decode",), help="measure the decoding alone")
     args = parser.parse_args()
     from transformer_mt.common.allocator import keep_freed_memory
 
@@ -289,10 +333,44 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     hf_dir = build_base(args.workdir / "opus-mt-shaped")
     imported = args.workdir / "imported"
-    report: dict = {"isa": isa(), "memory": memory(hf_dir, imported)}
-    print("memory:", report["memory"], flush=True)
-    report["decode"] = decode_all(hf_dir, imported, args.workdir, args.lines)
+    report: dict = {"isa": isa()}
+    if args.only is None or not (imported / "model.pt").exists():
+        report["memory"] = memory(hf_dir, imported)  # also makes the import
+        print("memory:", report["memory"], flush=True)
+    table = None
+    if args.shortlist:
+        table = args.workdir / "shortlist.npz"
+        if not table.exists():
+            report["shortlist"] = shortlist_of(imported, table)
+            print("shortlist:", report["shortlist"], flush=True)
+    report["decode"] = d = decode_all(hf_dir, imported, args.workdir, args.lines, table)
     print("decode:", report["decode"], flush=True)
+    report["ratios"] = {
+        "tmt_vs_generate_beam4": round(d["tmt_beam4"]["sentences_per_s"]
+                                       / d["hf_generate_beam4"]["sentences_per_s"], 2),
+        "tmt_vs_ctranslate2_beam4": round(d["tmt_beam4_k_finished"]["sentences_per_s"]
+                                          / d["ctranslate2_beam4"]["sentences_per_s"], 2),
+    }  # fmt: skip
+    if table is not None:
+        report["ratios"] |= {
+            "tmt_shortlist_vs_generate_beam4": round(
+                d["tmt_beam4_shortlist"]["sentences_per_s"]
+                / d["hf_generate_beam4"]["sentences_per_s"], 2),
+            "tmt_shortlist_vs_ctranslate2_beam4": round(
+                d["tmt_beam4_k_finished_shortlist"]["sentences_per_s"]
+                / d["ctranslate2_beam4"]["sentences_per_s"], 2),
+            "tmt_shortlist_vs_ctranslate2_vmap_beam4": round(
+                d["tmt_beam4_k_finished_shortlist"]["sentences_per_s"]
+                / d["ctranslate2_beam4_vmap"]["sentences_per_s"], 2),
+            "tmt_shortlist_vs_exact": round(d["tmt_beam4_shortlist"]["sentences_per_s"]
+                                            / d["tmt_beam4"]["sentences_per_s"], 2),
+            "ctranslate2_vmap_vs_exact": round(
+                d["ctranslate2_beam4_vmap"]["sentences_per_s"]
+                / d["ctranslate2_beam4_tmt_export"]["sentences_per_s"], 2),
+        }  # fmt: skip
+    if args.only == "decode":
+        print(json.dumps(report))
+        return
     sentences = round(tmt_sentences_per_batch(imported))
     with tempfile.TemporaryDirectory() as scratch:
         report["finetune"] = {
@@ -300,15 +378,9 @@ def main() -> None:
             "seq2seq_trainer": hf_finetune(hf_dir, sentences, args.hf_steps + 3, Path(scratch)),
         }
     print("finetune:", report["finetune"], flush=True)
-    d, f = report["decode"], report["finetune"]
-    report["ratios"] = {
-        "tmt_vs_generate_beam4": round(d["tmt_beam4"]["sentences_per_s"]
-                                       / d["hf_generate_beam4"]["sentences_per_s"], 2),
-        "tmt_vs_ctranslate2_beam4": round(d["tmt_beam4_k_finished"]["sentences_per_s"]
-                                          / d["ctranslate2_beam4"]["sentences_per_s"], 2),
-        "tmt_vs_seq2seq_trainer_tokens_per_s": round(f["tmt"]["tokens_per_s"]
-                                                     / f["seq2seq_trainer"]["tokens_per_s"], 2),
-    }  # fmt: skip
+    f = report["finetune"]
+    report["ratios"]["tmt_vs_seq2seq_trainer_tokens_per_s"] = round(
+        f["tmt"]["tokens_per_s"] / f["seq2seq_trainer"]["tokens_per_s"], 2)  # fmt: skip
     print(json.dumps(report))
 
 

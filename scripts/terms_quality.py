@@ -12,6 +12,13 @@ hint at >= 95 % (consistent) and >= 90 % (override) term use, BLEU >= the plain 
 speed >= 0.9x its own none; auto at 100 % and >= 0.8x; the random control gaining clearly less.
 Speed: every mode decodes the whole split at beam 4, interleaved --repeats times, the median. The
 last line printed is one JSON object.
+
+    python scripts/terms_quality.py --misses --hinted runs/terms/hints_replace_min2_a05/average
+
+--misses instead sorts the hinted model's misses in hint mode (no timing): for each list, the
+terms it missed, how many of those it also missed without a glossary and how many it used
+without one, and how many outputs hold a broken or inflected copy (the hint's first four letters).
+The lists are those the last full run wrote (--out), so the figures are that run's.
 """
 
 from __future__ import annotations
@@ -51,6 +58,41 @@ def translators(plain_path: Path, hinted_path: Path, lists: list[str], out: Path
     return modes
 
 
+def misses(hinted_path: Path, out: Path, sources: list[str], beam: int) -> dict:
+    """{list: counts} of the hinted model's misses in hint mode, against its no-glossary output."""
+    from transformer_mt.data import glossary as glossaries
+    from transformer_mt.translation import translate
+
+    hinted = translate.load_translator(hinted_path, [f"decode.beam_size={beam}"])
+    none = translate.translate_text(hinted, sources)
+    found = {}
+    for name in ("consistent", "override"):
+        path = out / f"{name}.tsv"
+        if not path.is_file():
+            raise SystemExit(f"{path}: no list; run the full measurement first")
+        cfg = translate.apply_overrides(hinted.config, [f"glossary.path={path}",
+                                                        "glossary.mode=hint"])  # fmt: skip
+        one = dataclasses.replace(hinted, config=cfg, glossary=translate.load_glossary(cfg))
+        hint = translate.translate_text(one, sources)
+        listed = glossaries.load(path)
+        row = collections.Counter()
+        for source, plain, hinted_line in zip(sources, none, hint, strict=True):
+            for match in listed.match(source):
+                row["terms_matched"] += 1
+                if glossaries.used(match.entry, hinted_line) is not None:
+                    continue
+                row["missed"] += 1
+                used_without = glossaries.used(match.entry, plain) is not None
+                row["missed_used_without_glossary" if used_without
+                    else "missed_also_without_glossary"] += 1  # fmt: skip
+                lowered = hinted_line.lower()
+                if any(t.lower()[:4] in lowered for t in match.entry.targets):
+                    row["missed_with_a_broken_or_inflected_copy"] += 1
+        found[name] = dict(row)
+        print(f"{name}: {json.dumps(found[name])}", file=sys.stderr)
+    return found
+
+
 def paired(evaluate, a: tuple[str, list[str]], b: tuple[str, list[str]], refs) -> dict:
     theirs = evaluate.compare([a, b], refs)["systems"][1]
     return {m: {k: theirs[m][k] for k in PAIRED} for m in ("bleu", "chrf")}
@@ -58,7 +100,8 @@ def paired(evaluate, a: tuple[str, list[str]], b: tuple[str, list[str]], refs) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--plain", required=True, type=Path)
+    parser.add_argument("--plain", type=Path)
+    parser.add_argument("--misses", action="store_true", help="sort the hinted model's misses")
     parser.add_argument("--hinted", required=True, type=Path)
     parser.add_argument("--split", default="test", choices=sorted(bench_terms.SPLITS))
     parser.add_argument("--beam", type=int, default=4)
@@ -70,6 +113,13 @@ def main() -> None:
     from transformer_mt.data import glossary as glossaries
     from transformer_mt.translation import evaluate
 
+    if args.misses:
+        sources = bench_terms.read(bench_terms.DATA / f"{bench_terms.SPLITS[args.split]}.de.gz")
+        found = misses(args.hinted, args.out / args.split, sources, args.beam)
+        print(json.dumps({"hinted": str(args.hinted), "split": args.split, "misses": found}))
+        return
+    if args.plain is None:
+        parser.error("--plain is required (but for --misses)")
     cpu = Path("/proc/cpuinfo").read_text()
     isa = "AVX-512" if "avx512f" in cpu else "AVX2" if "avx2" in cpu else "no AVX2"
     print(f"machine: {isa}, {torch.get_num_threads()} threads", file=sys.stderr)
