@@ -26,6 +26,8 @@ oneDNN linear layers ÷ PyTorch's (decode.cpu_linear), tmt
 Several models (a teacher and its students, `tmt distill`), each through tmt's engines only:
 
     python scripts/bench_decode.py --model teacher=runs/teacher --model student=runs/student
+    python scripts/bench_decode.py --model teacher=runs/teacher --model student=runs/student \
+        --model student_sl=runs/student --model-set student_sl:decode.shortlist=auto
 
 greedy and beam 4 through tmt's own engine (fp32, and torchao int8) and through
 `--engine ctranslate2` (fp32 and int8), BLEU and chrF of each, sentences/s and each model's
@@ -140,8 +142,13 @@ def _timed(run, warm):
     return min((run() for _ in range(2)), key=lambda r: r[0])
 
 
-def compare_models(models: dict[str, str], split: str, lines: int) -> dict:
-    """Each model greedy and beam 4, tmt's engine (fp32, int8) and CTranslate2's (fp32, int8)."""
+def compare_models(models: dict[str, str], split: str, lines: int,
+                   settings: dict[str, list[str]] | None = None,
+                   beams: tuple[int, ...] = (1, 4)) -> dict:  # fmt: skip
+    """Each model greedy and beam 4, tmt's engine (fp32, int8) and CTranslate2's (fp32, int8);
+    `settings`: a model's own decode overrides (--model-set); one with a shortlist decodes in
+    tmt's engine only (CTranslate2's vmap is --shortlist's measurement)."""
+    settings = settings or {}
     from transformer_mt.data import corpus
     from transformer_mt.translation import evaluate, translate
 
@@ -156,11 +163,14 @@ def compare_models(models: dict[str, str], split: str, lines: int) -> dict:
     results: dict[str, dict] = {name: {} for name in models}
     for engine, precision in rows:
         for name, path in models.items():
+            mine = settings.get(name, [])
+            if engine == "ctranslate2" and any(m.startswith("decode.shortlist=") for m in mine):
+                continue
             # CTranslate2 normalises by |Y|^α itself (tmt refuses a form for it)
             own = base if engine == "torch" else ["decode.device=cpu"]
-            changes = [*own, f"decode.engine={engine}", f"decode.precision={precision}"]
+            changes = [*own, f"decode.engine={engine}", f"decode.precision={precision}", *mine]
             translator = translate.load_translator(path, changes)
-            for beam in (1, 4):
+            for beam in beams:
                 seconds, out = _timed(
                     lambda t=translator, b=beam: run_tmt(t, sources, b),
                     lambda t=translator, b=beam: run_tmt(t, sources[:100], b),
@@ -425,7 +435,15 @@ def main() -> None:
         metavar="NAME=PATH",
         help="compare these models (tmt's engines only), the first the baseline",
     )
+    parser.add_argument(
+        "--model-set",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE",
+        help="a decode setting for one --model, e.g. student_sl:decode.shortlist=auto",
+    )
     parser.add_argument("--split", choices=("valid", "test"), default="test")
+    parser.add_argument("--beams", default="1,4", help="--model: the beam sizes, e.g. 1,2,4")
     parser.add_argument("--breakdown", action="store_true", help="profile --checkpoint instead")
     parser.add_argument(
         "--shortlist", metavar="auto|PATH", help="--checkpoint exactly and with this shortlist"
@@ -440,8 +458,15 @@ def main() -> None:
         return
     if args.breakdown or args.model:
         models = dict(m.split("=", 1) for m in args.model)
+        settings: dict[str, list[str]] = {}
+        for item in args.model_set:
+            name, _, change = item.partition(":")
+            if name not in models or "=" not in change:
+                parser.error(f"--model-set {item}: expected NAME:KEY=VALUE for a --model NAME")
+            settings.setdefault(name, []).append(change)
         summary = (breakdown(args.checkpoint, args.lines) if args.breakdown
-                   else compare_models(models, args.split, args.lines))  # fmt: skip
+                   else compare_models(models, args.split, args.lines, settings,
+                                       tuple(int(b) for b in args.beams.split(","))))  # fmt: skip
         print(json.dumps({"isa": isa, "threads": args.threads, **summary}))
         return
 

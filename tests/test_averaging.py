@@ -108,6 +108,10 @@ def test_an_average_keeps_its_models_shortlist_only_while_it_is_the_same_model(
     assert "shortlist.npz: made for the model this average replaced" in caplog.text
     with pytest.raises(TmtError, match="no shortlist.npz in"):
         translate.load_translator(out, ["decode.shortlist=auto"])
+    (out / "shortlist.npz").symlink_to(tmp_path / "elsewhere.npz")  # not as tmt writes it
+    with pytest.raises(TmtError, match="holds shortlist.npz, which tmt did not write there"):
+        averaging.average_into(every[-2:], out, overwrite=True)
+    (out / "shortlist.npz").unlink()
     (out / "notes.txt").write_text("mine")  # a file tmt did not write is still never replaced
     with pytest.raises(TmtError, match="holds notes.txt, which tmt did not write there"):
         averaging.average_into(every[-2:], out, overwrite=True)

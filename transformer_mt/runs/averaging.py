@@ -174,8 +174,11 @@ def check_destination(
                 f"{output}: a training checkpoint; averaging into it would destroy its training"
                 " state; choose another output"
             )
-        foreign = files.foreign_entries(output, {*listed, checkpoint.MANIFEST_FILE,
-                                                 SHORTLIST_FILE})  # fmt: skip
+        ours = {*listed, checkpoint.MANIFEST_FILE}
+        table = output / SHORTLIST_FILE  # tmt shortlist's file (a regular file, as it writes it)
+        if table.is_file() and not table.is_symlink():
+            ours.add(SHORTLIST_FILE)
+        foreign = files.foreign_entries(output, ours)
         if foreign:
             raise TmtError(f"{output}: holds {foreign[0]}, which tmt did not write there: an"
                            " average replaces only its own files; move it, or choose another"
