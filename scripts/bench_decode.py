@@ -144,7 +144,8 @@ def _timed(run, warm):
 
 def compare_models(models: dict[str, str], split: str, lines: int,
                    settings: dict[str, list[str]] | None = None,
-                   beams: tuple[int, ...] = (1, 4)) -> dict:  # fmt: skip
+                   beams: tuple[int, ...] = (1, 4),
+                   only: tuple[str, ...] = ()) -> dict:  # fmt: skip
     """Each model greedy and beam 4, tmt's engine (fp32, int8) and CTranslate2's (fp32, int8);
     `settings`: a model's own decode overrides (--model-set); one with a shortlist decodes in
     tmt's engine only (CTranslate2's vmap is --shortlist's measurement)."""
@@ -159,7 +160,7 @@ def compare_models(models: dict[str, str], split: str, lines: int,
     sources, references = sources[:lines], references[:lines]
     # Every PyTorch row before the first CTranslate2 one (two OpenMP runtimes: see main()).
     rows = [(engine, precision) for engine in ("torch", "ctranslate2") for precision in
-            ("fp32", "int8")]  # fmt: skip
+            ("fp32", "int8") if not only or f"{engine}_{precision}" in only]  # fmt: skip
     results: dict[str, dict] = {name: {} for name in models}
     for engine, precision in rows:
         for name, path in models.items():
@@ -444,6 +445,12 @@ def main() -> None:
     )
     parser.add_argument("--split", choices=("valid", "test"), default="test")
     parser.add_argument("--beams", default="1,4", help="--model: the beam sizes, e.g. 1,2,4")
+    parser.add_argument(
+        "--rows",
+        default="",
+        help="--model: only these, e.g."
+        " torch_fp32,ctranslate2_fp32 (default: fp32 and int8 of both engines)",
+    )
     parser.add_argument("--breakdown", action="store_true", help="profile --checkpoint instead")
     parser.add_argument(
         "--shortlist", metavar="auto|PATH", help="--checkpoint exactly and with this shortlist"
@@ -464,9 +471,11 @@ def main() -> None:
             if name not in models or "=" not in change:
                 parser.error(f"--model-set {item}: expected NAME:KEY=VALUE for a --model NAME")
             settings.setdefault(name, []).append(change)
+        beams = tuple(int(b) for b in args.beams.split(","))
+        rows = tuple(args.rows.split(",")) if args.rows else ()
         summary = (breakdown(args.checkpoint, args.lines) if args.breakdown
-                   else compare_models(models, args.split, args.lines, settings,
-                                       tuple(int(b) for b in args.beams.split(","))))  # fmt: skip
+                   else compare_models(models, args.split, args.lines, settings, beams,
+                                       rows))  # fmt: skip
         print(json.dumps({"isa": isa, "threads": args.threads, **summary}))
         return
 
