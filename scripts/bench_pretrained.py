@@ -91,7 +91,9 @@ def memory(hf_dir: Path, imported: Path) -> dict:
     if imported.exists():
         shutil.rmtree(imported)
     weights = (hf_dir / "model.safetensors").stat().st_size / 2**20
-    baseline = peak_rss("import torch, safetensors.torch; from transformer_mt.exchange import pretrained")
+    baseline = peak_rss(
+        "import torch, safetensors.torch; from transformer_mt.exchange import pretrained"
+    )
     start = time.perf_counter()
     importing = peak_rss(
         "from transformer_mt.common.allocator import keep_freed_memory; keep_freed_memory()\n"

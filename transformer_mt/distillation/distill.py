@@ -19,9 +19,8 @@ reused when the command runs again:
 5. DIR/eval: teacher and student translate distill.eval_split; sacreBLEU's paired tests
    (evaluate.compare) and each one's sentences/s on this machine;
 6. DIR/student-{format}: the student exported (`tmt export`, parity-checked), if distill.export;
-7. the student's lexical shortlist (`tmt shortlist` from its training corpora, the distilled ones:
-   what the student learned to output), beside its model where `--shortlist auto` finds it, if
-   distill.shortlist. Decoding uses it only when asked (decode.shortlist).
+7. the student's shortlist (`tmt shortlist` from the distilled corpora, what it learned to output)
+   beside it, if distill.shortlist; decoding uses it only when asked (decode.shortlist).
 
 DIR/distill.json records what each step was made from (the corpora's and the teacher's
 fingerprints, the settings) and the SHA-256 of every file it wrote, the export's included, by
@@ -380,13 +379,9 @@ class _Distillation:
         ):  # fmt: skip
             self.reused.append("export")
             return done["report"]
-        report = export.export(
-            student_dir,
-            d.export,
-            destination,
-            overwrite=True,
-            quantization=None if d.quantization == "none" else d.quantization,
-        )
+        quantization = None if d.quantization == "none" else d.quantization
+        report = export.export(student_dir, d.export, destination, overwrite=True,
+                               quantization=quantization)  # fmt: skip
         written = sorted(p for p in destination.rglob("*") if p.is_file())
         self._record("export", {"identity": identity, "report": report,
                                 "files": self._hashes(written)})  # fmt: skip
@@ -395,7 +390,7 @@ class _Distillation:
     # --- 7. the student's shortlist ---------------------------------------------------------------
 
     def _shortlist(self, student_dir: Path) -> dict[str, Any] | None:
-        if not self.cfg.distill.shortlist:
+        if not self.cfg.distill.shortlist:  # made again when the student changes
             return None
         identity = {"student": self.manifest["evaluation"]["identity"]["student"]}
         done = self.manifest.get("shortlist")
@@ -403,9 +398,8 @@ class _Distillation:
             self.reused.append("shortlist")
             return done["report"]
         report = shortlisting.make(str(student_dir), overwrite=True)
-        written = Path(report["output"])
         self._record("shortlist", {"identity": identity, "report": report,
-                                   "files": self._hashes([written])})  # fmt: skip
+                                   "files": self._hashes([Path(report["output"])])})  # fmt: skip
         return report
 
     # --- the record -------------------------------------------------------------------------------
@@ -489,8 +483,7 @@ def format_report(report: dict[str, Any]) -> str:
     if report["export"]:
         lines.append(f"export: {report['export']['output']}")
     if report.get("shortlist"):
-        lines.append(f"shortlist: {report['shortlist']['output']} (--shortlist auto decodes with"
-                     " it)")  # fmt: skip
+        lines.append(f"shortlist: {report['shortlist']['output']} (used with --shortlist auto)")
     if report["reused"]:
         lines.append(f"reused: {', '.join(report['reused'])}")
     return "\n".join(lines)
