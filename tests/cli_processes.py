@@ -40,8 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 # Read when an interpreter starts, so a command whose value differs needs its own interpreter.
 _AT_START = ("HF_", "MALLOC_", "PYTHON", "OMP_", "MKL_", "OPENBLAS_", "LD_", "CUDA_", "TORCH")
 _THREADS = "OMP_NUM_THREADS"  # set in the child instead (torch.set_num_threads)
-# Also read at start, but the child applies them itself (its streams, sys.dont_write_bytecode).
-_APPLIED = (_THREADS, "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+# Also read at start, but the child applies them itself (its streams, sys.dont_write_bytecode);
+# and TORCHINDUCTOR_CACHE_DIR, which torch writes into the test process's environment the first
+# time anything there asks for inductor's cache (torchao, torch.compile) and reads only when it
+# compiles: matched, it sent every later command of that worker to a started interpreter.
+_APPLIED = (_THREADS, "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "TORCHINDUCTOR_CACHE_DIR")
 _READY_TIMEOUT = 300.0  # s for the server to import torch and tmt on a busy machine
 
 

@@ -268,6 +268,13 @@ def test_a_command_forked_for_the_tests_shows_what_a_started_one_shows(
         env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, **unbuffered}
         either = cli_processes.popen(["--help"], env=env, stdout=subprocess.DEVNULL)
         assert isinstance(either, cli_processes.Process) and either.wait(timeout=60) == 0
+    # torch sets TORCHINDUCTOR_CACHE_DIR in the test process once inductor's cache is asked for
+    # (torchao's int8, torch.compile: torch/_inductor/runtime/cache_dir_utils.py): later
+    # commands are still forked.
+    later = cli_processes.popen(["--help"], env={**os.environ, "TORCHINDUCTOR_CACHE_DIR":
+                                                 str(tmp_path / "inductor")},
+                                stdout=subprocess.DEVNULL)  # fmt: skip
+    assert isinstance(later, cli_processes.Process) and later.wait(timeout=60) == 0
     # What an interpreter reads only as it starts must be the server's, else a real one runs.
     other = cli_processes.popen(["--help"], env={**os.environ, "HF_HOME": str(tmp_path)},
                                 stdout=subprocess.DEVNULL)  # fmt: skip
