@@ -122,6 +122,19 @@ def test_the_student_gets_a_shortlist_from_the_distilled_corpus(
     )
     assert listed.shortlist is not None and other.shortlist is not None
     assert listed.shortlist.frequent.tolist() == other.shortlist.frequent.tolist()
+    # Oracle: its frequent pieces are the distilled targets' most frequent (not the references').
+    import collections
+
+    tok = listed.tokenizer
+
+    def most_frequent(lines_of: list[str]) -> list[int]:
+        counts = collections.Counter(t for ids in tok.encode(lines_of, side="target") for t in ids
+                                     if t not in set(tok.never_output))  # fmt: skip
+        return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:100]]
+
+    distilled_targets = most_frequent(lines(out / "distilled0.en"))
+    assert listed.shortlist.frequent.tolist() == distilled_targets
+    assert most_frequent(lines(out / "original0.en")) != distilled_targets
     assert f"shortlist: {path}" in distill.format_report(report)
 
 

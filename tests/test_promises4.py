@@ -502,7 +502,11 @@ def test_a_moved_directory_is_the_same_distillation(
     moved.parent.mkdir()
     shutil.copytree(distilled, moved)
     report = distill.distill(student_cfg, [trained_run], moved)
-    assert {"originals", "distilled", "student", "evaluation", "export"} <= set(report["reused"])
+    assert {"originals", "distilled", "student", "evaluation", "export",
+            "shortlist"} <= set(report["reused"])  # fmt: skip
+    # The student's shortlist is reported where it is now, and found there.
+    assert report["shortlist"]["output"] == str(moved / "student" / "average" / "shortlist.npz")
+    assert (moved / "student" / "average" / "shortlist.npz").is_file()
     # The same relative -o from another directory: its own files.
     cwd = os.getcwd()
     os.chdir(moved.parent)

@@ -395,8 +395,8 @@ class _Distillation:
         identity = {"student": self.manifest["evaluation"]["identity"]["student"]}
         done = self.manifest.get("shortlist")
         if done and done["identity"] == identity and self._verified(done["files"]):
-            self.reused.append("shortlist")
-            return done["report"]
+            self.reused.append("shortlist")  # where it is now (DIR may have moved)
+            return {**done["report"], "output": str(self._at(next(iter(done["files"]))))}
         report = shortlisting.make(str(student_dir), overwrite=True)
         self._record("shortlist", {"identity": identity, "report": report,
                                    "files": self._hashes([Path(report["output"])])})  # fmt: skip
