@@ -18,6 +18,7 @@ os.environ["HF_DATASETS_CACHE"] = str(_SCRATCH / "hf" / "datasets")
 os.environ["TMT_CACHE"] = str(_SCRATCH / "tmt-cache")
 
 import pytest  # noqa: E402
+import shared_fixtures  # noqa: E402
 
 from transformer_mt.config import Config, load_config  # noqa: E402
 
@@ -137,17 +138,19 @@ def model_parts(cfg: Config, spm: bytes, seed: int = 0) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="session")
-def multi30k_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def multi30k_run(request: pytest.FixtureRequest) -> Path:
     """configs/tiny.yaml widened to d_model 64 on the bundled Multi30k (de→en) for 300 updates
-    (about 15 s): a small model whose translations are varied English sentences that depend on
-    the input, for tests that compare them (the 32-wide tiny model says nearly the same thing
-    for every input, which would make such comparisons vacuous)."""
-    import dataclasses
+    (15-40 s on one core): a small model whose translations are varied English sentences that
+    depend on the input, for tests that compare them (the 32-wide tiny model says nearly the same
+    thing for every input, which would make such comparisons vacuous). Built once for all
+    workers (tests/shared_fixtures.py): a test that writes beside it copies it first."""
+    return shared_fixtures.shared(request, "multi30k_run", _train_multi30k_run)
 
+
+def _train_multi30k_run(out: Path) -> None:
     from transformer_mt.training.train import train
 
     cfg = load_config(REPO / "configs" / "tiny.yaml")
-    out = tmp_path_factory.mktemp("multi30k_run")
     train(
         dataclasses.replace(
             cfg,
@@ -159,7 +162,6 @@ def multi30k_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             ),
         )
     )
-    return out
 
 
 def multi30k_sentences(n: int, split: str = "test_2016_flickr") -> list[str]:
@@ -172,25 +174,36 @@ def multi30k_sentences(n: int, split: str = "test_2016_flickr") -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def marian_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def marian_dirs(request: pytest.FixtureRequest) -> dict[str, Path]:
     """Two MarianMTModel directories written by transformers (tests/marian_models.py): "multi"
     (en -> de/fr, language tokens, </s> at 37, swish, safetensors; trained about 15 s) and
-    "separate" (the same network, separate vocabularies, relu, pytorch_model.bin)."""
+    "separate" (the same network, separate vocabularies, relu, pytorch_model.bin). Built once
+    for all workers."""
+    root = shared_fixtures.shared(request, "marian_dirs", _train_marian_dirs)
+    return {"multi": root / "multi", "separate": root / "separate"}
+
+
+def _train_marian_dirs(root: Path) -> None:
     import marian_models
 
-    root = tmp_path_factory.mktemp("marian")
     multi = marian_models.train_multi(root / "multi")
-    return {"multi": multi, "separate": marian_models.derive_separate(multi, root / "separate")}
+    marian_models.derive_separate(multi, root / "separate")
 
 
 @pytest.fixture(scope="session")
-def imported(marian_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+def imported(marian_dirs: dict[str, Path], request: pytest.FixtureRequest) -> dict[str, Path]:
     """The two MarianMTModel directories imported into tmt model directories."""
     from transformer_mt.exchange import pretrained
 
-    root = tmp_path_factory.mktemp("imported")
-    return {kind: Path(pretrained.import_model(path, root / kind)["output"])
-            for kind, path in marian_dirs.items()}  # fmt: skip
+    def import_both(root: Path) -> None:
+        for kind, path in marian_dirs.items():
+            pretrained.import_model(path, root / kind)
+
+    root = shared_fixtures.shared(request, "imported", import_both)
+    return {kind: root / kind for kind in marian_dirs}
+
+
+shared_fixtures.HELPERS.update(multi30k_run=_train_multi30k_run, marian_dirs=_train_marian_dirs)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import shared_fixtures
 from conftest import multi30k_sentences, reverse_pairs
 from typer.testing import CliRunner, Result
 
@@ -38,13 +39,15 @@ def _multi30k_pairs(n: int, tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def made(multi30k_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A shortlist of multi30k_run from 1,000 training pairs (eflomal), in a file of its own."""
-    tmp = tmp_path_factory.mktemp("shortlist")
-    src, ref = _multi30k_pairs(1000, tmp)
-    out = tmp / "model.shortlist"
-    shortlisting.make(str(multi30k_run), out, src, ref, first=50, best=20)
-    return out
+def made(multi30k_run: Path, request: pytest.FixtureRequest) -> Path:
+    """A shortlist of multi30k_run from 500 training pairs (eflomal), in a file of its own;
+    made once for all workers (eflomal on 500 pairs takes 10-20 s on one core)."""
+
+    def build(root: Path) -> None:
+        src, ref = _multi30k_pairs(500, root)
+        shortlisting.make(str(multi30k_run), root / "model.shortlist", src, ref, first=50, best=20)
+
+    return shared_fixtures.shared(request, "shortlist_made", build) / "model.shortlist"
 
 
 def _translator(run: Path, table: Path | str, *more: str) -> translate.Translator:
