@@ -95,18 +95,18 @@ def with_data(cfg: Config, **changes: object) -> Config:
 
 
 @pytest.fixture(scope="session")
-def trained_run(tiny_cfg: Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model trained for 30 steps, a checkpoint every 10 (all kept), validated every 10."""
+def trained_run(tiny_cfg: Config, request: pytest.FixtureRequest) -> Path:
+    """A tiny model trained for 30 steps, a checkpoint every 10 (all kept), validated every 10;
+    trained once for all workers."""
     from transformer_mt.training.train import train
 
-    out = tmp_path_factory.mktemp("trained_run")
-    changes = {"out_dir": str(out), "max_steps": 30, "save_every": 10, "valid_every": 10}
-    train(
-        dataclasses.replace(
+    def build(out: Path) -> None:
+        changes = {"out_dir": str(out), "max_steps": 30, "save_every": 10, "valid_every": 10}
+        train(dataclasses.replace(
             tiny_cfg, train=dataclasses.replace(tiny_cfg.train, keep_last=5, **changes)
-        )
-    )
-    return out
+        ))  # fmt: skip
+
+    return shared_fixtures.shared(request, "trained_run", build)
 
 
 @pytest.fixture(scope="session")
@@ -193,17 +193,22 @@ def _train_marian_dirs(root: Path) -> None:
 @pytest.fixture(scope="session")
 def imported(marian_dirs: dict[str, Path], request: pytest.FixtureRequest) -> dict[str, Path]:
     """The two MarianMTModel directories imported into tmt model directories."""
-    from transformer_mt.exchange import pretrained
-
-    def import_both(root: Path) -> None:
-        for kind, path in marian_dirs.items():
-            pretrained.import_model(path, root / kind)
-
-    root = shared_fixtures.shared(request, "imported", import_both)
+    root = shared_fixtures.shared(request, "imported", _import_marian_dirs)
     return {kind: root / kind for kind in marian_dirs}
 
 
-shared_fixtures.HELPERS.update(multi30k_run=_train_multi30k_run, marian_dirs=_train_marian_dirs)
+def _import_marian_dirs(root: Path) -> None:
+    from transformer_mt.exchange import pretrained
+
+    # marian_dirs' builder first (a no-op once built): this one may run as a waiting worker's help
+    marian = shared_fixtures.once(root.parent, "marian_dirs", _train_marian_dirs)
+    for kind in ("multi", "separate"):
+        pretrained.import_model(marian / kind, root / kind)
+
+
+shared_fixtures.HELPERS.update(
+    multi30k_run=_train_multi30k_run, marian_dirs=_train_marian_dirs, imported=_import_marian_dirs
+)
 
 
 @pytest.fixture

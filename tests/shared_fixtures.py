@@ -57,12 +57,16 @@ def once(
     return target
 
 
-# Fixtures a waiting worker may build meanwhile, by name (conftest.py registers them): each
-# needs nothing another worker might be building.
+# Fixtures a waiting worker may build meanwhile, by name (conftest.py registers them), in this
+# order; one that needs another builds it first through `once`.
 HELPERS: dict[str, Callable[[Path], None]] = {}
 
 
 def _help(request: pytest.FixtureRequest, root: Path, waiting_for: str) -> None:
+    """Builds, while `waiting_for` (a helper itself: a long build) is being built elsewhere, the
+    helpers this session needs that no one has built or is building."""
+    if waiting_for not in HELPERS:
+        return  # a small fixture: waiting is shorter than any helper
     needed = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     for name, build in HELPERS.items():
         if name == waiting_for or name not in needed or (root / name / BUILT).exists():
@@ -70,7 +74,9 @@ def _help(request: pytest.FixtureRequest, root: Path, waiting_for: str) -> None:
         with _lock(root, name, wait=False) as held:
             if held:
                 _build(root / name, build)
-                return
+        with _lock(root, waiting_for, wait=False) as free:
+            if free:
+                return  # built meanwhile: no need to help further
 
 
 def _root(request: pytest.FixtureRequest) -> Path:
