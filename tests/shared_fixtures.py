@@ -122,10 +122,11 @@ def _listing(target: Path) -> dict[str, str]:
 
 
 def unchanged(target: Path, listing: dict[str, str]) -> None:
+    """Fails the test whose teardown this is when a file of `target` differs from `listing`."""
     # tmt's CTranslate2 engine converts a checkpoint on first use into a directory beside it,
     # under its own lock (tests/test_engine.py): a cache any process may add, not a change.
-    """Fails the test whose teardown this is when a file of `target` differs from `listing`."""
     now = {k: v for k, v in _listing(target).items() if k in listing or not _engine_cache(k)}
-    changed = sorted(set(now) ^ set(listing) | {k for k in now if listing.get(k, now[k]) != now[k]})
+    changed = sorted(set(now) ^ set(listing) | {k for k in now.keys() & listing.keys()
+                                                if now[k] != listing[k]})  # fmt: skip
     if changed:
         pytest.fail(f"a test changed the shared fixture {target}: {', '.join(changed[:10])}")

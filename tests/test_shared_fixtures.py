@@ -56,7 +56,9 @@ def test_a_failed_build_is_removed_and_built_again(tmp_path: Path) -> None:
     assert sorted(p.name for p in target.iterdir()) == [shared_fixtures.BUILT, "model.bin"]
 
 
-def test_a_changed_or_added_file_fails_but_the_engine_cache_does_not(tmp_path: Path) -> None:
+def test_a_changed_added_or_removed_file_fails_but_the_engine_cache_does_not(
+    tmp_path: Path,
+) -> None:
     target = shared_fixtures.once(
         tmp_path, "run", lambda into: (into / "model.pt").write_bytes(b"weights")
     )
@@ -70,5 +72,8 @@ def test_a_changed_or_added_file_fails_but_the_engine_cache_does_not(tmp_path: P
         shared_fixtures.unchanged(target, listing)
     (target / "shortlist.npz").unlink()
     (target / "model.pt").write_bytes(b"retrained")
+    with pytest.raises(pytest.fail.Exception, match="model.pt"):
+        shared_fixtures.unchanged(target, listing)
+    (target / "model.pt").unlink()
     with pytest.raises(pytest.fail.Exception, match="model.pt"):
         shared_fixtures.unchanged(target, listing)

@@ -213,7 +213,15 @@ def test_commands_make_it_beside_the_model_and_decode_with_it(
         refused = tmt(["shortlist", "-m", str(model), "-i", str(src), *args])
         assert refused.exit_code == 2 and named in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
+        assert refused.stderr.count("--") == 1, refused.stderr  # the option named once
     assert len(src.read_text(encoding="utf-8").splitlines()) == 30  # the input survives
+    for args, named in ((["shortlist", "-m", str(model), "--ref", str(src), "-o",
+                          str(tmp_path / "x.npz")], "--ref needs -i"),
+                        (["export", "-m", str(model), "--format", "huggingface", "-o",
+                          str(tmp_path / "hf"), "--shortlist", "auto"], "--shortlist is for")):  # fmt: skip
+        refused = tmt(args)
+        assert refused.exit_code == 2 and named in refused.stderr, refused.stderr
+        assert refused.stderr.count("--") == 1, refused.stderr
     bad = tmt(["translate", "-m", str(trained_run), "-i", str(src), "--shortlist", "auto"])
     assert bad.exit_code != 0 and "Traceback" not in bad.stderr
     assert "no shortlist.npz" in bad.stderr

@@ -78,7 +78,7 @@ def export(
             param="quantization", mentions=["fmt"],
         )  # fmt: skip
     if shortlist not in (None, "none") and fmt != "ctranslate2":
-        raise TmtError(f"--shortlist: a CTranslate2 export's vocabulary map, not for {fmt}",
+        raise TmtError(f"is for a CTranslate2 export (its vocabulary map), not for {fmt}",
                        param="shortlist")  # fmt: skip
     if check_lines is None:
         check_lines = HF_CHECK_LINES if fmt == "huggingface" else 0

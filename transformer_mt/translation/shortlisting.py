@@ -38,11 +38,11 @@ def make(
     no corpus), or from Marian's lex.s2t; written to `output` or beside the model."""
     for name, value in (("first", first), ("best", best)):
         if value < 0:
-            raise TmtError(f"--{name} {value}: expected 0 or more", param=name)
+            raise TmtError(f"{value}: expected 0 or more", param=name)
     if not 0.0 <= min_prob <= 1.0:
-        raise TmtError(f"--min-prob {min_prob}: expected a probability in [0, 1]", param="min_prob")
+        raise TmtError(f"{min_prob}: expected a probability in [0, 1]", param="min_prob")
     if aligner not in ("auto", "eflomal", "ibm1"):
-        raise TmtError(f"--aligner {aligner}: expected auto, eflomal or ibm1", param="aligner")
+        raise TmtError(f"{aligner}: expected auto, eflomal or ibm1", param="aligner")
     translator = translate.load_translator(model, ["decode.device=cpu", "decode.engine=torch"])
     tok = translator.tokenizer
     if translator.path is None:
@@ -58,7 +58,7 @@ def make(
     if output.exists() and not overwrite:
         raise TmtError(f"{output}: exists; --overwrite replaces it", param="output")
     if reference_file is not None and source_file is None:
-        raise TmtError("--ref needs -i SRC: the sources of those references", param="ref")
+        raise TmtError("needs -i SRC: the sources of those references", param="ref")
     with textio.OutputLock(output, own=beside):
         if marian is not None:
             table = from_marian(marian, tok, first, best)
