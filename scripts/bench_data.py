@@ -34,7 +34,8 @@ def peak_rss_bytes() -> int:
 def child_tmt(corpus: str, cache: str) -> dict:
     """One tmt run of the pipeline in this process (imports excluded from the timing)."""
     from transformer_mt.config import load_config
-    from transformer_mt.data.batches import padding_efficiency, prepare_data
+    from transformer_mt.data.batches import prepare_data
+    from transformer_mt.data.sampler import padding_efficiency
 
     overrides = [f"data.cache_dir={cache}", f"data.max_tokens={MAX_TOKENS}"]
     if corpus != "multi30k":
@@ -63,7 +64,7 @@ def child_in_memory(corpus: str, tokenizer_path: str) -> dict:
     import numpy as np
     import sentencepiece as spm
 
-    from transformer_mt.data.batches import TokenBucketSampler, padding_efficiency
+    from transformer_mt.data.sampler import TokenBucketSampler, padding_efficiency
 
     start = time.perf_counter()
     if corpus == "multi30k":

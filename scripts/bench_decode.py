@@ -56,13 +56,12 @@ keep_freed_memory()  # as the tmt command does, before the models allocate
 
 def batches_of(translator, lines):
     """tmt's own batching of these lines (sorted by length, decode.max_tokens): used by everyone."""
-    from transformer_mt.data.batches import TokenBucketSampler
+    from transformer_mt.data.sampler import TokenBucketSampler
+    from transformer_mt.translation.batch_budget import batch_tokens
 
     ids = translator.tokenizer.encode(lines)
     lengths = np.array([len(x) + 1 for x in ids])
-    sampler = TokenBucketSampler(
-        lengths, lengths, translator.config.decode.max_tokens, seed=0, shuffle=False
-    )
+    sampler = TokenBucketSampler(lengths, lengths, batch_tokens(translator), seed=0, shuffle=False)
     return ids, sampler.epoch_batches(0)
 
 

@@ -139,10 +139,12 @@ def tmt_finetune(imported: Path, out: Path, updates: int) -> dict:
 def tmt_sentences_per_batch(imported: Path) -> float:
     from transformer_mt.data.batches import prepare_data
     from transformer_mt.runs import checkpoint
+    from transformer_mt.training import device_defaults
 
     saved = checkpoint.read(imported)  # its config reads the bundled Multi30k, de -> en
     data = prepare_data(saved.config, saved.tokenizer)
-    batches = data.train.sampler(saved.config.data.max_tokens, 1).epoch_batches(0)
+    cfg = device_defaults.resolve(saved.config, torch.device("cpu"), world_size=1)
+    batches = data.train.sampler(cfg.data.max_tokens, 1).epoch_batches(0)
     return float(np.mean([len(b) for b in batches]))
 
 
@@ -212,15 +214,16 @@ def decode_all(hf_dir: Path, imported: Path, workdir: Path, count: int,
     import ctranslate2
     import transformers
 
-    from transformer_mt.data.batches import TokenBucketSampler
+    from transformer_mt.data.sampler import TokenBucketSampler
     from transformer_mt.translation import translate
+    from transformer_mt.translation.batch_budget import batch_tokens
 
     sources = lines_of("de", "test_2016_flickr")[:count]
     ours = translate.load_translator(imported, ["decode.device=cpu"])
     tok = ours.tokenizer
     ids = tok.encode(sources)
     lengths = np.array([len(x) + 1 for x in ids])
-    batches = TokenBucketSampler(lengths, lengths, ours.config.decode.max_tokens, seed=0,
+    batches = TokenBucketSampler(lengths, lengths, batch_tokens(ours), seed=0,
                                  shuffle=False).epoch_batches(0)  # fmt: skip
     limits = [max(len(ids[i]) for i in batch) + 1 for batch in batches]
     results: dict = {"sentences": count, "batches": len(batches)}

@@ -1,20 +1,32 @@
 """Training throughput: tmt vs HF transformers MarianMTModel vs a torch.nn.Transformer loop.
 
-All three train the same architecture (the multi30k preset: 4+4 layers, d_model 256, 4 heads,
-d_ff 1024, dropout 0.3, tied 8k joint vocabulary) on the same batches of the bundled Multi30k
-de→en corpus (max_tokens 4096), in fp32, with the same label-smoothed loss and Adam. Each run is a
-fresh process (its own peak RSS); systems are interleaved over --rounds and the median is kept,
-because this VM's timings drift by ±20 %.
+All three train the same architecture (by default the multi30k preset: 4+4 layers, d_model 128,
+tied 8k joint vocabulary) on the same batches of the bundled Multi30k corpus, with the same
+label-smoothed loss and Adam. The batches are those tmt trains on, on that device: data.max_tokens
+and data.bucketing as the config leaves them to the device (4,096 tokens and exact lengths on a
+CPU; 25,000 tokens and bounded shapes on CUDA). tmt runs its own update (training/step.py: its
+loss, fused on CUDA, its attention kernels, one wait for the device an update); the peers run the
+textbook step. Each run is a fresh process (its own peak RSS); systems are interleaved over
+--rounds and the median is kept, because this VM's timings drift by ±20 %.
+
+Timing: --cold-steps updates from the very first (every batch shape met for the first time is in
+it: a GPU builds kernels and plans then), and --warm-steps updates again over those batches, every
+shape seen. tokens/s counts real (non-padding) target tokens. On CUDA, MFU: the model's matrix
+FLOPs on the real tokens (6 × multiply-adds: forward and backward) over the bf16 matrix-product
+rate this script measures on the card (an 8192³ product), not a datasheet's.
 
 tmt runs as `tmt` runs: its CLI makes glibc keep freed memory before torch is imported
 (allocator.keep_freed_memory). The peers run as shipped, and again with that same allocator setting
 ("+alloc"), so the report separates what the allocator gives from what the model code gives.
 Needs the bench extra: pip install -e ".[bench]".
 
-    python scripts/bench_train.py [--steps 20] [--warmup 4] [--rounds 2] [--config multi30k]
+    python scripts/bench_train.py [--cold-steps 20] [--warmup 4] [--rounds 2] [--config multi30k]
+    python scripts/bench_train.py --device cuda --precision bf16 --config base \
+        --set data.source=multi30k --set data.train=train --set data.valid=val \
+        --systems tmt,hf_marian \
+        --cold-steps 1000 --warm-steps 200 --rounds 1     # scripts/bench_gpu.sh's row
 
-The last line printed is one JSON object with every figure. On a CUDA machine:
-`--device cuda --precision bf16 --config base --systems tmt` gives tokens/s and MFU there.
+The last line printed is one JSON object with every figure.
 """
 
 from __future__ import annotations
@@ -37,13 +49,26 @@ SYSTEMS = (
 
 
 def load_batches(config: str, overrides: list[str], n: int, device: str):
+    """The first `n` updates' batches tmt trains on (epochs after the first as needed), on the
+    host, with each batch's real lengths per row (for the FLOPs of attention)."""
+    import torch
+
     from transformer_mt.config import load_config
     from transformer_mt.data.batches import prepare_data
+    from transformer_mt.training import device_defaults
 
     cfg = load_config(config, overrides)
     data = prepare_data(cfg)
-    batches = data.train.sampler(cfg.data.max_tokens, cfg.train.seed).epoch_batches(0)[:n]
-    return cfg, data.tokenizer, [data.train.batch(b, data.tokenizer).to(device) for b in batches]
+    cfg = device_defaults.resolve(cfg, torch.device(device), world_size=1)
+    shapes = device_defaults.shape_buckets(cfg)
+    sampler = data.train.sampler(cfg.data.max_tokens, cfg.train.seed, shapes=shapes)
+    batches, epoch = [], 0
+    while len(batches) < n:
+        for positions in sampler.epoch_batches(epoch)[: n - len(batches)]:
+            pad_to = sampler.batch_shape(epoch, positions) if shapes else (0, 0)
+            batches.append(data.train.batch(positions, data.tokenizer, epoch=epoch, pad_to=pad_to))
+        epoch += 1
+    return cfg, data.tokenizer, batches
 
 
 def build_tmt(cfg, tok):
@@ -145,89 +170,162 @@ def child(system: str, args: argparse.Namespace) -> dict:
     import torch
 
     from transformer_mt.network.model import count_parameters
-    from transformer_mt.training.loss import label_smoothed_nll
 
     torch.manual_seed(0)
-    cfg, tok, batches = load_batches(
-        args.config, args.set or [], args.warmup + args.steps, args.device
-    )
+    steps = args.warmup + args.cold_steps
+    overrides = [*(args.set or []), f"model.attention_backend={args.attention}"]
+    cfg, tok, host = load_batches(args.config, overrides, steps, args.device)
     builders = {
         "tmt": build_tmt,
         "hf_marian": build_hf_marian,
         "torch_nn_transformer": build_torch_nn_transformer,
     }
-    model = builders[system.removesuffix("+alloc")](cfg, tok)
-    model = model.to(args.device).train()
+    model = builders[system.removesuffix("+alloc")](cfg, tok).to(args.device).train()
+    if args.device == "cuda":  # as tmt train sets it
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    step = (tmt_step if system == "tmt" else peer_step)(model, cfg, tok, args)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    shapes = {(b.src.shape[0], b.src.shape[1], b.tgt_out.shape[1]) for b in host}
+
+    def timed(batches) -> float:
+        sync()
+        start = time.perf_counter()
+        for batch in batches:
+            step(batch.to(args.device))
+        sync()
+        return time.perf_counter() - start
+
+    # Cold: from the first update (CPU: after --warmup updates), every new shape included.
+    if args.warmup:
+        timed(host[: args.warmup])
+    cold = host[args.warmup :]
+    cold_s = timed(cold)
+    warm = cold[: args.warm_steps]
+    warm_s = timed(warm) if warm else float("nan")
+    tokens = sum(b.n_tokens for b in cold)
+    result = {
+        "system": system,
+        "parameters": count_parameters(model),
+        "max_tokens": cfg.data.max_tokens,
+        "bucketing": cfg.data.bucketing,
+        "batch_shapes": len(shapes),
+        "steps": len(cold),
+        "target_tokens": tokens,
+        "seconds": round(cold_s, 3),
+        "tokens_per_s": round(tokens / cold_s, 1),
+        "warm_steps": len(warm),
+        "warm_tokens_per_s": round(sum(b.n_tokens for b in warm) / warm_s, 1) if warm else None,
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "threads": torch.get_num_threads(),
+    }
+    if args.device == "cuda":
+        peak = matmul_peak()
+        result |= {"gpu": torch.cuda.get_device_name(), "bf16_peak_tflops": round(peak / 1e12, 1)}
+        result["mfu"] = round(model_flops(cfg, tok, cold, pad_id=tok.pad_id) / cold_s / peak, 4)
+        if warm:
+            result["warm_mfu"] = round(model_flops(cfg, tok, warm, tok.pad_id) / warm_s / peak, 4)
+    return result
+
+
+def tmt_step(model, cfg, tok, args):
+    """tmt's own update (training/step.py) with what tmt train uses on this device: its loss
+    (fused on CUDA), fused Adam on CUDA, its attention kernels (model.attention_backend)."""
+    import dataclasses
+
+    import torch
+
+    from transformer_mt.common.distributed import DistInfo
+    from transformer_mt.network import kernels
+    from transformer_mt.training import device_defaults, step
+    from transformer_mt.training.loss import Objective
+    from transformer_mt.training.optim import build_optimizer
+
+    device = torch.device(args.device)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=args.precision))
+    optimizer, scheduler = build_optimizer(model, cfg.model, cfg.optim, fused=device.type == "cuda")
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+    opt = step.Optimization(optimizer, scheduler, scaler)
+    fused = device_defaults.fused_loss(cfg, device)
+    objective = Objective(cfg.optim.label_smoothing, model.output_projection if fused else None)
+    trained = torch.compile(model) if args.compile else model
+    attention = kernels.attention(cfg.model.attention_backend, device)
+    attention.__enter__()  # for the process: the benchmark child does nothing else
+
+    def run(batch) -> None:
+        step.train_step(trained, [batch], opt, cfg, info, objective=objective)
+
+    return run
+
+
+def peer_step(model, cfg, tok, args):
+    """The textbook update: logits, the label-smoothed loss from them, backward, Adam."""
+    import torch
+
+    from transformer_mt.training.loss import label_smoothed_nll
+
     fused = args.device == "cuda"
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=fused or None
     )
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
-    def step(batch) -> None:
+    def run(batch) -> None:
         with torch.autocast(args.device, dtype=dtype, enabled=dtype is not None):
             logits = model(batch.src, batch.tgt_in)
             sums = label_smoothed_nll(logits, batch.tgt_out, tok.pad_id, cfg.optim.label_smoothing)
-        (sums.loss / sums.n_tokens).backward()
+        (sums.loss / batch.n_tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for batch in batches[: args.warmup]:
-        step(batch)
-    sync()
-    start = time.perf_counter()
-    for batch in batches[args.warmup :]:
-        step(batch)
-    sync()
-    seconds = time.perf_counter() - start
-    timed = batches[args.warmup :]
-    tokens = sum(b.n_tokens for b in timed)
-    result = {
-        "system": system,
-        "parameters": count_parameters(model),
-        "steps": len(timed),
-        "target_tokens": tokens,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 1),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "threads": torch.get_num_threads(),
-    }
-    if args.device == "cuda":
-        result |= _mfu(cfg, tok, timed, seconds)
-    return result
+    return run
 
 
-def _mfu(cfg, tok, batches, seconds: float) -> dict:
-    """Model FLOPs utilisation: 6 · matmul FLOPs per token · tokens over peak bf16 FLOP/s."""
+def matmul_peak() -> float:
+    """This card's bf16 matrix-product rate (FLOP/s): an 8192³ product, the best of 3 timings of
+    20 after 5 to warm up."""
     import torch
 
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            a @ b
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * 8192**3 * 20 / best
+
+
+def model_flops(cfg, tok, batches, pad_id: int) -> float:
+    """Matrix FLOPs of training on the batches' real tokens: 6 × the multiply-adds per token of
+    every projection, feed-forward and the output layer, and of attention over each sentence's
+    real length (forward 2×, backward 4×)."""
     m = cfg.model
-    d, f = m.d_model, m.d_ff
-    flops = 0.0
+    d, f, vocab = m.d_model, m.d_ff, tok.vocab_size
+    macs = 0.0
     for b in batches:
-        s, t, n = b.src.numel(), b.tgt_in.numel(), b.src.size(0)
-        src_len, tgt_len = b.src.size(1), b.tgt_in.size(1)
-        enc = m.n_encoder_layers * (s * (4 * d * d + 2 * d * f) + n * 2 * src_len * src_len * d)
-        dec = m.n_decoder_layers * (
-            t * (4 * d * d + 2 * d * d + 2 * d * f)
-            + s * 2 * d * d
-            + n * 2 * (tgt_len * tgt_len + tgt_len * src_len) * d
-        )
-        flops += 6 * (enc + dec + t * d * tok.vocab_size)  # forward 2·, backward 4·
-    name = torch.cuda.get_device_name()
-    peak = 989e12 if "H100" in name or "H200" in name else float("nan")  # dense bf16 tensor cores
-    return {
-        "gpu": name,
-        "model_tflops": round(flops / seconds / 1e12, 1),
-        "mfu": round(flops / seconds / peak, 4),
-    }
+        src_len = (b.src != pad_id).sum(dim=1).double()  # (B,) real tokens a row
+        tgt_len = (b.tgt_out != pad_id).sum(dim=1).double()
+        s, t = float(src_len.sum()), float(tgt_len.sum())
+        enc = s * (4 * d * d + 2 * d * f) + 2 * d * float((src_len**2).sum())
+        dec = t * (4 * d * d + 2 * d * d + 2 * d * f) + s * 2 * d * d
+        dec += 2 * d * float((tgt_len**2).sum() + (tgt_len * src_len).sum())
+        macs += m.n_encoder_layers * enc + m.n_decoder_layers * dec + t * d * vocab
+    return 6 * macs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--cold-steps", "--steps", type=int, default=20, dest="cold_steps")
+    parser.add_argument("--warm-steps", type=int, default=0, help="again over seen shapes")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed updates first (CPU)")
+    parser.add_argument("--attention", default="auto", help="tmt's model.attention_backend")
+    parser.add_argument("--compile", action="store_true", help="tmt's step torch.compiled")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--config", default="multi30k")
     parser.add_argument("--set", action="append", help="config override, e.g. data.max_tokens=8192")
@@ -249,9 +347,10 @@ def main() -> None:
             if out.returncode != 0:
                 sys.exit(f"{system} failed:\n{out.stderr[-3000:]}")
             runs[system].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            last = runs[system][-1]
+            mfu = f"  MFU {last['mfu']:.1%}" if "mfu" in last else ""
             print(
-                f"round {round_index + 1} {system:<28}"
-                f" {runs[system][-1]['tokens_per_s']:>9,.0f} tok/s",
+                f"round {round_index + 1} {system:<28} {last['tokens_per_s']:>9,.0f} tok/s{mfu}",
                 flush=True,
             )
     results = {}
@@ -260,9 +359,12 @@ def main() -> None:
         results[system] = {**median, "tokens_per_s_runs": [r["tokens_per_s"] for r in measured]}
     print()
     for system, r in results.items():
+        warm = f", warm {r['warm_tokens_per_s']:,.0f}" if r.get("warm_tokens_per_s") else ""
+        mfu = f", MFU {r['mfu']:.1%}" if "mfu" in r else ""
         print(
-            f"{system:<28} {r['tokens_per_s']:>9,.0f} target tok/s"
+            f"{system:<28} {r['tokens_per_s']:>9,.0f} target tok/s{warm}{mfu}"
             f"  {r['peak_rss_mib']:>7,.0f} MiB peak RSS  {r['parameters']:>11,} params"
+            f"  {r['batch_shapes']} shapes"
         )
     ratios = {}
     if "tmt" in results:
@@ -275,6 +377,8 @@ def main() -> None:
         json.dumps(
             {
                 "config": args.config,
+                "overrides": args.set or [],
+                "attention": args.attention,
                 "device": args.device,
                 "precision": args.precision,
                 "results": results,

@@ -20,7 +20,8 @@ from transformer_mt.cli import app
 from transformer_mt.common.distributed import DistInfo
 from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, Corpus
-from transformer_mt.data.batches import TokenBucketSampler, prepare_data
+from transformer_mt.data.batches import prepare_data
+from transformer_mt.data.sampler import TokenBucketSampler
 from transformer_mt.network.model import Transformer
 from transformer_mt.runs import averaging, checkpoint, run
 from transformer_mt.training.optim import noam_lr

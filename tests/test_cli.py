@@ -328,7 +328,7 @@ def test_decoding_flags_become_decode_overrides(
     [
         (["--beam", "0"], "--beam 0: decode.beam_size = 0: expected >= 1"),
         (["--lenpen", "nan"], "--lenpen nan: decode.length_penalty = nan: expected a finite"),
-        (["--max-tokens", "0"], "--max-tokens 0: decode.max_tokens = 0: expected >= 1"),
+        (["--max-tokens", "-1"], "--max-tokens -1: decode.max_tokens = -1: expected >= 0"),
         (["--device", "gpu"], "--device gpu: decode.device = 'gpu': expected auto, cpu, cuda"),
         (["--device", "cuda"], "decode.device=cuda: no CUDA device"),
         (["--device", "cpu", "--precision", "fp16"], "decode.precision=fp16 needs a GPU"),

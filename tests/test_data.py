@@ -1,4 +1,4 @@
-"""Batches: sampler properties, collate shift and padding, filter counts, the encoded cache, and
+"""Batches: collate shift and padding, filter counts, the encoded cache, and
 subword regularization (BPE-dropout) of training batches."""
 
 from __future__ import annotations
@@ -10,149 +10,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import reverse_pairs, with_data, write_parallel
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config
 from transformer_mt.data import corpus
-from transformer_mt.data.batches import (
-    SubwordSampling,
-    TokenBucketSampler,
-    collate,
-    padding_efficiency,
-    prepare_data,
-)
-
-# --- TokenBucketSampler ------------------------------------------------------------------------
-
-lengths_strategy = st.lists(
-    st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=300
-)
-
-
-def make(
-    lengths: list[tuple[int, int]], max_tokens: int, seed: int, rank: int = 0, world: int = 1
-) -> TokenBucketSampler:
-    src, tgt = np.array(lengths).T
-    return TokenBucketSampler(src, tgt, max_tokens, seed, rank, world)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    lengths=lengths_strategy,
-    max_tokens=st.integers(40, 400),
-    seed=st.integers(0, 9),
-    world=st.integers(1, 4),
-    epoch=st.integers(0, 5),
-)
-def test_every_example_exactly_once_per_epoch_across_ranks(
-    lengths, max_tokens, seed, world, epoch
-) -> None:
-    if len(lengths) < world:
-        return
-    per_rank = [
-        make(lengths, max_tokens, seed, r, world).epoch_batches(epoch) for r in range(world)
-    ]
-    seen = np.concatenate([b for batches in per_rank for b in batches])
-    assert sorted(seen.tolist()) == list(range(len(lengths)))
-    assert len({len(batches) for batches in per_rank}) == 1  # equal batch counts per rank
-    assert all(len(b) > 0 for batches in per_rank for b in batches)  # every rank has work
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    data=st.data(),
-    max_tokens=st.integers(20, 200),
-    world=st.integers(2, 4),
-    seed=st.integers(0, 9),
-)
-def test_single_pair_batches_are_merged_not_emptied(data, max_tokens, world, seed) -> None:
-    # Every pair is longer than half the budget, so every batch holds one pair: halving cannot
-    # even out the count over the ranks, merging the shortest pairs does.
-    long = st.integers(max_tokens // 2 + 1, max_tokens)
-    n = data.draw(st.integers(world, 3 * world + 2))
-    lengths = data.draw(st.lists(st.tuples(long, long), min_size=n, max_size=n))
-    per_rank = [make(lengths, max_tokens, seed, r, world).epoch_batches(0) for r in range(world)]
-    seen = np.concatenate([b for batches in per_rank for b in batches])
-    assert sorted(seen.tolist()) == list(range(n))
-    assert len({len(batches) for batches in per_rank}) == 1
-    assert all(1 <= len(b) <= 2 for batches in per_rank for b in batches)
-    merged = sum(len(b) == 2 for batches in per_rank for b in batches)
-    assert merged == n % world  # only as many merges as the count needs
-
-
-def test_three_single_pairs_on_two_ranks() -> None:
-    # The reported case: each pair fills max_tokens alone; rank 1 used to get an empty batch.
-    rank0, rank1 = (make([(10, 10), (9, 9), (8, 8)], 10, 0, r, 2).epoch_batches(0) for r in (0, 1))
-    assert len(rank0) == len(rank1) == 1 and all(len(b) for b in rank0 + rank1)
-    assert sorted(np.concatenate(rank0 + rank1).tolist()) == [0, 1, 2]
-    merged = [b.tolist() for b in rank0 + rank1 if len(b) == 2]
-    assert [sorted(b) for b in merged] == [[1, 2]]  # the two shortest pairs, together
-
-
-@settings(max_examples=60, deadline=None)
-@given(lengths=lengths_strategy, max_tokens=st.integers(40, 400), seed=st.integers(0, 9))
-def test_every_batch_fits_the_token_budget(lengths, max_tokens, seed) -> None:
-    sampler = make(lengths, max_tokens, seed)
-    for batch in sampler.epoch_batches(0):
-        longest = max(sampler.src_lengths[batch].max(), sampler.tgt_lengths[batch].max())
-        assert 0 < len(batch) * longest <= max_tokens
-
-
-@settings(max_examples=30, deadline=None)
-@given(lengths=lengths_strategy, seed=st.integers(0, 9))
-def test_deterministic_per_seed_and_epoch(lengths, seed) -> None:
-    # (epoch, batch index) is then a complete resume position: a resumed run recomputes the same
-    # epoch and continues at the index.
-    a, b = make(lengths, 120, seed), make(lengths, 120, seed)
-    for epoch in (0, 1):
-        first, again = a.epoch_batches(epoch), b.epoch_batches(epoch)
-        assert [x.tolist() for x in first] == [x.tolist() for x in again]
-
-
-def test_epochs_and_seeds_shuffle_differently() -> None:
-    lengths = [(i % 17 + 1, i % 13 + 1) for i in range(500)]
-    sampler = make(lengths, 100, seed=1)
-    order = lambda batches: np.concatenate(batches).tolist()  # noqa: E731
-    assert order(sampler.epoch_batches(0)) != order(sampler.epoch_batches(1))
-    assert order(sampler.epoch_batches(0)) != order(make(lengths, 100, seed=2).epoch_batches(0))
-
-
-def test_batches_group_similar_lengths() -> None:
-    rng = np.random.default_rng(0)
-    src = rng.integers(1, 60, 5000)
-    tgt = np.clip(src + rng.integers(-3, 4, 5000), 1, None)
-    sampler = TokenBucketSampler(src, tgt, 1000, seed=0)
-    assert padding_efficiency(sampler.epoch_batches(0), src, tgt) > 0.9
-
-
-def test_batch_count_is_split_to_a_multiple_of_world_size() -> None:
-    # 3 pairs of 10 tokens under a 30-token budget pack into one batch; 2 ranks need it split.
-    rank0, rank1 = (make([(10, 10)] * 3, 30, 0, r, 2).epoch_batches(0) for r in (0, 1))
-    assert len(rank0) == len(rank1) == 1
-    assert sorted(np.concatenate(rank0 + rank1).tolist()) == [0, 1, 2]
-
-
-def test_fewer_pairs_than_ranks_is_an_error() -> None:
-    with pytest.raises(TmtError, match="1 pairs cannot be shared by 2 ranks"):
-        make([(3, 3)], 30, 0, 0, 2)
-
-
-def test_unsorted_validation_order_is_stable() -> None:
-    src = np.array([5, 1, 3, 1]), np.array([2, 2, 2, 2])
-    sampler = TokenBucketSampler(*src, max_tokens=100, seed=0, shuffle=False)
-    assert [b.tolist() for b in sampler.epoch_batches(0)] == [[1, 3, 2, 0]]
-    assert [b.tolist() for b in sampler.epoch_batches(0)] == [
-        b.tolist() for b in sampler.epoch_batches(7)
-    ]
-
-
-def test_padding_efficiency_golden() -> None:
-    src, tgt = np.array([2, 4, 3]), np.array([3, 3, 1])
-    # batch [0, 1]: real 2+4+3+3 = 12 of 2*4 + 2*3 = 14; batch [2]: 3+1 of 3+1.
-    assert padding_efficiency([np.array([0, 1]), np.array([2])], src, tgt) == pytest.approx(16 / 18)
-
+from transformer_mt.data.batches import SubwordSampling, collate, prepare_data
 
 # --- collate -----------------------------------------------------------------------------------
 

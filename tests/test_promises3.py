@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from transformer_mt.cli import app
 from transformer_mt.config import Config, ModelConfig, OptimConfig, apply_overrides
-from transformer_mt.data.batches import TokenBucketSampler
+from transformer_mt.data.sampler import TokenBucketSampler
 from transformer_mt.network import ensemble
 from transformer_mt.training import optim
 from transformer_mt.translation import translate

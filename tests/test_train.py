@@ -14,7 +14,9 @@ from pathlib import Path
 import cli_processes
 import pytest
 import torch
+from conftest import with_data
 
+from transformer_mt.common.distributed import DistInfo
 from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, load_config, to_dict
 from transformer_mt.runs import checkpoint, run
@@ -124,9 +126,11 @@ GOLDEN_LOSSES = [
 def test_run_directory_contents(train_cfg: Config, tmp_path: Path) -> None:
     summary = train(with_train(train_cfg, out_dir=str(tmp_path)))
     assert summary["stop"] == "max_steps" and summary["step"] == 8
-    assert (tmp_path / "config.yaml").is_file() and load_config(
-        tmp_path / "config.yaml"
-    ) == with_train(train_cfg, out_dir=str(tmp_path))
+    # The config as resolved: what it left to the device chosen (a CPU: exact lengths).
+    assert train_cfg.data.bucketing == "auto"
+    resolved = with_data(with_train(train_cfg, out_dir=str(tmp_path)), bucketing="off")
+    assert (tmp_path / "config.yaml").is_file()
+    assert load_config(tmp_path / "config.yaml") == resolved
     assert (tmp_path / "tokenizer.model").is_file()
     rows = records(tmp_path)
     steps = [r for r in rows if "loss" in r]
@@ -189,9 +193,12 @@ def test_exact_resume_after_kill_two_gloo_ranks(train_cfg: Config, tmp_path: Pat
 # clip_norm 1.6 clips the first three of six updates (gradient norms 2.00, 1.89, 1.78, then 1.51,
 # 1.41, 1.23): with clipping on every update or on none, Adam's scale invariance would hide a
 # wrongly scaled gradient; a gradient off by the factor world_size (0.5 here) would clip none.
-@pytest.mark.parametrize("clip_norm", [pytest.param(0.0, marks=pytest.mark.slow), 1.6])
+@pytest.mark.parametrize(
+    ("clip_norm", "bucketing"),
+    [pytest.param(0.0, "off", marks=pytest.mark.slow), (1.6, "off"), (1.6, "on")],
+)
 def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
-    train_cfg: Config, tmp_path: Path, clip_norm: float
+    train_cfg: Config, tmp_path: Path, clip_norm: float, bucketing: str
 ) -> None:
     # Without dropout, rank r's micro-batch i is global batch 2i + r, and one process with
     # update_freq 2 takes global batches 2i and 2i + 1 together: the same updates.
@@ -200,11 +207,15 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
         model=dataclasses.replace(train_cfg.model, dropout=0.0),
         optim=dataclasses.replace(train_cfg.optim, clip_norm=clip_norm),
     )
+    cfg = with_data(cfg, bucketing=bucketing)  # on: the batches of bounded shapes (a GPU's)
     cfg = with_train(cfg, max_steps=6, valid_every=3, save_every=0, save_every_minutes=0.0)
     from transformer_mt.data.batches import prepare_data
+    from transformer_mt.training import device_defaults
 
     data = prepare_data(cfg)
-    assert len(data.train.sampler(cfg.data.max_tokens, cfg.train.seed).epoch_batches(0)) % 2 == 0
+    shapes = device_defaults.shape_buckets(cfg)
+    sampler = data.train.sampler(cfg.data.max_tokens, cfg.train.seed, shapes=shapes)
+    assert len(sampler.epoch_batches(0)) % 2 == 0
     one = train(with_train(cfg, out_dir=str(tmp_path / "one"), update_freq=2))
     two = run_tmt(cli_args(cfg, tmp_path / "two"), ranks=2)
     assert two.returncode == 0, two.stderr
@@ -212,15 +223,67 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
     loss_two = [r.get("loss", r.get("val_loss")) for r in numbers(tmp_path / "two")]
     assert loss_one == pytest.approx(loss_two, rel=1e-5)
     a, b = final_weights(tmp_path / "one", one["step"]), final_weights(tmp_path / "two", 6)
-    d = cfg.model.d_model
+    assert_same_model(a, b, cfg.model.d_model)
+
+
+def assert_same_model(a: dict, b: dict, d: int) -> None:
+    """Two trainings' weights equal to float32's rounding, every parameter but the attention's
+    key biases: those get an exactly-zero gradient (a key bias shifts every score of a query by
+    the same amount, which softmax ignores), so they only see rounding noise, which Adam scales
+    up to full steps. The query and value biases are compared."""
     for key in a:
         x, y = a[key], b[key]
         if key.endswith("in_proj.bias"):
-            # The key bias gets an exactly-zero gradient (it shifts every score of a query by
-            # the same amount, which softmax ignores); it only sees rounding noise, which Adam
-            # scales up to full steps. Compare the query and value biases only.
             x, y = torch.cat([x[:d], x[2 * d :]]), torch.cat([y[:d], y[2 * d :]])
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_bucketed_batches_have_their_buckets_shapes_and_resume_bit_exact(
+    train_cfg: Config, tmp_path: Path
+) -> None:
+    """data.bucketing=on (a GPU's default) on the CPU: every batch the loop trains on has one of
+    the epoch's bounded shapes, metrics.jsonl reports how many, and a run stopped at step 4 and
+    resumed is the straight run, bit for bit."""
+    from transformer_mt.data.batches import prepare_data
+    from transformer_mt.training import device_defaults
+    from transformer_mt.training.feeder import Feeder
+
+    cfg = with_data(train_cfg, bucketing="on")
+    data = prepare_data(cfg)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    feeder = Feeder(cfg, data, None, info)
+    shapes = feeder.sampler.epoch_shapes(0)
+    exact = data.train.sampler(cfg.data.max_tokens, cfg.train.seed)
+    assert len(shapes) <= len(exact.epoch_shapes(0))
+    for index, _ in enumerate(feeder.epoch_batches(0)):
+        (batch,) = feeder.micro_batches(0, index, feeder.group(0, index))
+        assert (batch.src.shape[0], batch.src.shape[1], batch.tgt_out.shape[1]) in shapes
+        assert batch.n_tokens == int((batch.tgt_out != batch.pad_id).sum())
+    assert device_defaults.shape_buckets(cfg) == feeder.sampler.shapes
+    train(with_train(cfg, out_dir=str(tmp_path / "straight")))
+    train(with_train(cfg, out_dir=str(tmp_path / "resumed"), max_steps=4))
+    train(with_train(cfg, out_dir=str(tmp_path / "resumed")))
+    assert numbers(tmp_path / "resumed") == numbers(tmp_path / "straight")
+    logged = [r for r in records(tmp_path / "straight") if "loss" in r]
+    assert logged and all(r["batch_shapes"] == len(shapes) for r in logged)
+    a, b = final_weights(tmp_path / "straight", 8), final_weights(tmp_path / "resumed", 8)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_fused_loss_trains_the_model_the_reference_loss_trains(
+    train_cfg: Config, tmp_path: Path
+) -> None:
+    """train.fused_loss=on (a GPU's default) on the CPU, in float32: the same losses and model
+    as the reference loss, to float32's rounding."""
+    cfg = dataclasses.replace(train_cfg, model=dataclasses.replace(train_cfg.model, dropout=0.0))
+    cfg = with_train(cfg, max_steps=4, valid_every=2, save_every=4)
+    train(with_train(cfg, out_dir=str(tmp_path / "reference")))
+    train(with_train(cfg, out_dir=str(tmp_path / "fused"), fused_loss="on"))
+    reference = [r.get("loss", r.get("val_loss")) for r in numbers(tmp_path / "reference")]
+    fused = [r.get("loss", r.get("val_loss")) for r in numbers(tmp_path / "fused")]
+    assert len(reference) == 6 and fused == pytest.approx(reference, rel=1e-5)
+    a, b = final_weights(tmp_path / "reference", 4), final_weights(tmp_path / "fused", 4)
+    assert_same_model(a, b, cfg.model.d_model)
 
 
 def test_epoch_and_time_budgets(train_cfg: Config, tmp_path: Path) -> None:
@@ -283,7 +346,7 @@ def test_torch_compile_trains_the_same_model(train_cfg: Config, tmp_path: Path) 
         save_every=0,
     )
     train(with_train(cfg, out_dir=str(tmp_path / "eager")))
-    train(with_train(cfg, out_dir=str(tmp_path / "compiled"), compile=True))
+    train(with_train(cfg, out_dir=str(tmp_path / "compiled"), compile="on"))
     # Losses, not weights: Adam turns a rounding-level gradient difference on a near-zero
     # gradient into a full-size update, so weights may differ by ~lr while the model agrees.
     eager = [r["loss"] for r in records(tmp_path / "eager") if "loss" in r]
@@ -484,3 +547,26 @@ def test_a_time_budget_is_planned_once_and_a_resume_keeps_the_plan(
     assert [r["step"] for r in resumed] == [step + 1, step + 2, step + 3]
     assert [r["lr"] for r in resumed] == [schedule.lr(r["step"]) for r in resumed]
     assert (rows[-1]["step"], rows[-1]["stop"]) == (step + 3, "sigterm")
+
+
+def test_batches_made_ahead_are_the_batches_made_when_needed(train_cfg: Config) -> None:
+    """The feeder's second thread (on by default on CUDA) changes nothing of what an update
+    gets, in order, out of order (a resume starts anywhere) and across epochs."""
+    from transformer_mt.data.batches import prepare_data
+    from transformer_mt.training.feeder import Feeder
+
+    cfg = with_train(with_data(train_cfg, bucketing="on"), update_freq=2)
+    data = prepare_data(cfg)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    now, ahead = Feeder(cfg, data, None, info), Feeder(cfg, data, None, info, ahead=True)
+    visits = [(0, 0), (0, 2), (1, 0), (1, 2), (0, 2), (0, 0), (1, 2)]
+    for epoch, index in visits:
+        group = now.group(epoch, index)
+        assert [b.tolist() for b in group] == [b.tolist() for b in ahead.group(epoch, index)]
+        for a, b in zip(now.micro_batches(epoch, index, group),
+                        ahead.micro_batches(epoch, index, group), strict=True):  # fmt: skip
+            assert torch.equal(a.src, b.src) and torch.equal(a.tgt_in, b.tgt_in)
+            assert torch.equal(a.tgt_out, b.tgt_out) and a.counts == b.counts
+    assert now.group(0, len(now.epoch_batches(0))) is None
+    now.close()
+    ahead.close()

@@ -139,6 +139,10 @@ class ModelConfig:
     # Rows of the sinusoidal table (§3.5): the longest sequence, specials included.
     max_positions: Annotated[int, Interval(2)] = 1024
     pre_norm: bool = False  # departure: LayerNorm before each sublayer (+ final norms)
+    # How attention is computed (not part of the model: any value runs any model): "auto" lets
+    # tmt choose for the device (network/kernels.py attention_kernels), or one of
+    # scaled_dot_product_attention's kernels: flash, efficient (memory-efficient), cudnn, math.
+    attention_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = "auto"
     # Departures that models of other toolkits carry (tmt import: OPUS-MT's Marian models).
     # §3.3 max(0, ·); "swish" x·σ(x) (Marian's default, HF's silu), "gelu" (erf, as HF's gelu).
     activation: Literal["relu", "swish", "gelu"] = "relu"
@@ -246,7 +250,18 @@ class DataConfig:
     max_len: Count = 256  # training pairs with more subword tokens on either side are filtered
     # ... and pairs whose longer side exceeds this multiple of the shorter.
     max_len_ratio: Annotated[float, Interval(1.0)] = 3.0
-    max_tokens: Count = 4096  # batch budget per rank: sentences × padded length of the longer side
+    # Batch budget per rank: sentences × padded length of the longer side. 0 = by device: 4096 on
+    # a CPU; on CUDA the paper's ~25,000 tokens an update (§5.1), shared by the ranks. A resumed
+    # run keeps its own.
+    max_tokens: Number = 0
+    # Bounded batch shapes (data/sampler.py): lengths padded up to buckets chosen from the
+    # corpus's length distribution, rows a multiple of rows_multiple, so that an epoch has a few
+    # hundred shapes at most (a GPU builds kernels and plans per shape). auto: on with CUDA; on a
+    # CPU, exact lengths (the least padding). A resumed run keeps its own.
+    bucketing: Literal["auto", "on", "off"] = "auto"
+    source_buckets: Count = 32  # bucketing: source lengths an epoch pads to
+    target_buckets: Count = 8  # bucketing: target lengths per source bucket
+    rows_multiple: Count = 8  # bucketing: a batch's sentences, a multiple of this (fairseq's)
     num_proc: Count = 1  # processes that encode the corpus (datasets.map)
     # Subword regularization (departure): BPE-dropout (Provilkov et al., 2020), Kudo's (2018)
     # idea for a bpe model: each training pair's words are merged afresh, every candidate merge
@@ -337,7 +352,13 @@ class TrainConfig:
     max_minutes: Amount = 0.0  # wall-clock budget; 0 = none
     update_freq: Count = 1  # micro-batches accumulated per optimizer step
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # autocast; fp16 with a loss scaler
-    compile: bool = False  # torch.compile the model
+    # torch.compile the model: "auto" leaves it off until it is measured to pay on the device
+    # (scripts/bench_gpu.sh); "on" compiles it (a few seconds per batch shape: data.bucketing).
+    compile: Literal["auto", "on", "off"] = "auto"
+    # The label-smoothed loss in chunks of rows fused with the output projection (training/loss.py
+    # chunked_label_smoothed_nll): no (tokens × vocabulary) logits or float32 log-probabilities
+    # are kept for the backward pass. auto: on with CUDA; on a CPU the reference loss.
+    fused_loss: Literal["auto", "on", "off"] = "auto"
     log_every: Count = 100  # steps between metrics.jsonl records
     valid_every: Number = 1000  # steps between validation loss measurements (0 = off)
     save_every: Number = 1000  # steps between checkpoints (0 = off)
@@ -383,7 +404,9 @@ class DecodeConfig:
     forced_eos: Literal["log_prob", "zero"] = "log_prob"
     max_len_a: Amount = 1.0  # §6.1 maximum output length a · input length + b
     max_len_b: Number = 50  # §6.1 b: "input length + 50"
-    max_tokens: Count = 4096  # source tokens per translation batch (padded), before beam expansion
+    # Source tokens per translation batch (padded), before beam expansion. 0 = by device: 4096 on
+    # a CPU; on CUDA as many as half its free memory holds (translation/batch_budget.py).
+    max_tokens: Number = 0
     nbest: Count = 1  # hypotheses written per input line (tmt translate --nbest)
     buffer_lines: Count = 256  # stdin lines translated together when they are already waiting
     device: Annotated[str, DeviceName()] = "auto"  # where translate and evaluate run
@@ -506,7 +529,7 @@ def _relations(cfg: Config) -> list[tuple[bool, str]]:
         ),
         # A pair that passes the length filter must fit a batch and the positions (+1: eos).
         (
-            cfg.data.max_len + 1 <= cfg.data.max_tokens,
+            not cfg.data.max_tokens or cfg.data.max_len + 1 <= cfg.data.max_tokens,
             "data.max_len + 1 must be <= data.max_tokens",
         ),
         (
@@ -556,6 +579,11 @@ _SECTION_TYPES: dict[str, type] = typing.get_type_hints(Config)  # section name 
 SECTIONS = list(_SECTION_TYPES)
 # The sections that define a model: fixed for a run, its checkpoints and their averages.
 MODEL_SECTIONS = ("model", "tokenizer")
+# The values that leave a setting to the device (training/device_defaults.py): a resumed run keeps
+# its own, so they never count as a change of settings.
+BY_DEVICE = {"data.max_tokens": 0, "data.bucketing": "auto"}
+# Keys of those sections that say how a model runs, not what it is: they may differ anywhere.
+HOW_IT_RUNS = ("model.attention_backend",)
 
 
 def presets() -> dict[str, Path]:
@@ -682,9 +710,15 @@ def config_hash(cfg: Config) -> str:
 
 
 def changed_keys(old: Config, new: Config, sections: Sequence[str] = SECTIONS) -> list[str]:
-    """`section.key` of every value of `sections` that differs between two configs."""
+    """`section.key` of every value of `sections` that differs between two configs (HOW_IT_RUNS
+    aside)."""
     a, b = to_dict(old), to_dict(new)
-    return [f"{s}.{k}" for s in sections for k in b[s] if a[s][k] != b[s][k]]
+    return [
+        f"{s}.{k}"
+        for s in sections
+        for k in b[s]
+        if a[s][k] != b[s][k] and f"{s}.{k}" not in HOW_IT_RUNS
+    ]
 
 
 class _Text(str):
@@ -799,6 +833,8 @@ def _coerce(value: Any, kind: Any, key: str, origin: str) -> Any:
             value = yaml.safe_load(value) if value != "" else ""
     bad = _error(f"{origin}: {key} = {value!r}: expected {_type_name(kind)}")
     if typing.get_origin(kind) is Literal:
+        if isinstance(value, bool) and "on" in typing.get_args(kind):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off (and true) as a bool
         if value not in typing.get_args(kind):
             raise bad
         return value

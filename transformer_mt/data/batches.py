@@ -13,11 +13,10 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from transformer_mt.common import exits, files, textio
 from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, DataConfig
 from transformer_mt.data import corpus, filters, hints
+from transformer_mt.data.sampler import ShapeBuckets, TokenBucketSampler
 from transformer_mt.data.tokenizer import Tokenizer, language_token_id, load_or_train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -460,20 +460,30 @@ class Batch:
     tgt_in: torch.Tensor  # (B, T) bos + target ids: the decoder's input
     tgt_out: torch.Tensor  # (B, T) target ids + eos: what the decoder predicts
     pad_id: int
+    # (source, target) non-pad tokens, counted by collate on the host: read off a GPU's tensors,
+    # they would make the host wait for the GPU.
+    counts: tuple[int, int] | None = None
 
     @property
     def n_tokens(self) -> int:
         """Non-pad target tokens: the loss normaliser."""
-        return int((self.tgt_out != self.pad_id).sum())
+        return self.counts[1] if self.counts else int((self.tgt_out != self.pad_id).sum())
+
+    @property
+    def source_tokens(self) -> int:
+        """Non-pad source tokens (a batch not made by collate: those that are not pad_id)."""
+        return self.counts[0] if self.counts else int((self.src != self.pad_id).sum())
 
     def to(self, device: torch.device | str) -> Batch:
-        move = {"non_blocking": True}
-        return Batch(
-            self.src.to(device, **move),
-            self.tgt_in.to(device, **move),
-            self.tgt_out.to(device, **move),
-            self.pad_id,
-        )
+        """This batch on `device`, copied without waiting (from pinned memory to a GPU)."""
+        device = torch.device(device)
+        pin = device.type == "cuda" and not self.src.is_cuda
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+
+        tensors = move(self.src), move(self.tgt_in), move(self.tgt_out)
+        return Batch(*tensors, self.pad_id, self.counts)
 
 
 def collate(
@@ -483,13 +493,19 @@ def collate(
     bos_id: int,
     eos_id: int,
     source_ids: tuple[int, int] | None = None,
+    pad_to: tuple[int, int] = (0, 0),
 ) -> Batch:
     """src = x + eos; tgt_in = bos + y; tgt_out = y + eos; all right-padded with pad_id
-    (`source_ids`: the source's own (pad, eos) where its vocabulary places them elsewhere)."""
+    (`source_ids`: the source's own (pad, eos) where its vocabulary places them elsewhere) to the
+    longest sequence, or to `pad_to` (source, target) columns where that is longer (a batch's
+    bucket: data.bucketing). A sequence longer than its bucket (a BPE-dropout draw) pads to the
+    next multiple of 8 instead, so that the shapes stay few."""
     n = len(src_seqs)
     src_pad, src_eos = source_ids or (pad_id, eos_id)
-    src = np.full((n, max(map(len, src_seqs)) + 1), src_pad, dtype=np.int64)
-    tgt_in = np.full((n, max(map(len, tgt_seqs)) + 1), pad_id, dtype=np.int64)
+    src_width = _padded_width(max(map(len, src_seqs)) + 1, pad_to[0])
+    tgt_width = _padded_width(max(map(len, tgt_seqs)) + 1, pad_to[1])
+    src = np.full((n, src_width), src_pad, dtype=np.int64)
+    tgt_in = np.full((n, tgt_width), pad_id, dtype=np.int64)
     tgt_out = tgt_in.copy()
     for i, (x, y) in enumerate(zip(src_seqs, tgt_seqs, strict=True)):
         src[i, : len(x)] = x
@@ -498,7 +514,15 @@ def collate(
         tgt_in[i, 1 : len(y) + 1] = y
         tgt_out[i, : len(y)] = y
         tgt_out[i, len(y)] = eos_id
-    return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), pad_id)
+    counts = (sum(map(len, src_seqs)) + n, sum(map(len, tgt_seqs)) + n)  # + eos each
+    tensors = torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out)
+    return Batch(*tensors, pad_id, counts)
+
+
+def _padded_width(longest: int, bucket: int) -> int:
+    if not bucket:
+        return longest
+    return bucket if longest <= bucket else -(-longest // 8) * 8
 
 
 class EncodedSplit:
@@ -561,9 +585,11 @@ class EncodedSplit:
         sampling: SubwordSampling | None = None,
         epoch: int = 0,
         start: str = "bos",
+        pad_to: tuple[int, int] = (0, 0),
     ) -> Batch:
         """The pairs at `positions` as a batch; `start`: model.decoder_start, the decoder's first
-        input (<s>, or <pad> for Marian's models)."""
+        input (<s>, or <pad> for Marian's models); `pad_to`: its (source, target) columns at
+        least (TokenBucketSampler.batch_shape)."""
         src, tgt = self.ids(positions)
         if self.hints is not None:  # data.terms: this epoch's term hints
             rows = self.rows[np.asarray(positions)]
@@ -575,12 +601,20 @@ class EncodedSplit:
         return collate(
             src, tgt, pad_id=tokenizer.pad_id, bos_id=tokenizer.start_id(start),
             eos_id=tokenizer.eos_id, source_ids=(tokenizer.source_pad_id, tokenizer.source_eos_id),
+            pad_to=pad_to,
         )  # fmt: skip
 
     def sampler(
-        self, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1, shuffle: bool = True
+        self,
+        max_tokens: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        shapes: ShapeBuckets | None = None,
     ) -> TokenBucketSampler:
-        """Batches over this split; +1 per side for eos (source, target) and bos (decoder input)."""
+        """Batches over this split; +1 per side for eos (source, target) and bos (decoder input);
+        `shapes`: their lengths padded to buckets (data.bucketing)."""
         src_extra = None
         if self.hints is not None:  # each epoch packed by its hinted sources' lengths
             src_extra = functools.partial(
@@ -590,6 +624,7 @@ class EncodedSplit:
             src_lengths=self.src_lengths + 1, tgt_lengths=self.tgt_lengths + 1,
             max_tokens=max_tokens, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle,
             groups=self.groups if shuffle else None, weights=self.weights, src_extra=src_extra,
+            shapes=shapes,
         )  # fmt: skip
 
 
@@ -639,156 +674,6 @@ def _split_lists(column: pa.ChunkedArray) -> list[np.ndarray]:
     array = column.combine_chunks()
     offsets = _int64_numpy(array.offsets)
     return np.split(_int64_numpy(array.flatten()), offsets[1:-1] - offsets[0])
-
-
-class TokenBucketSampler:
-    """Length-bucketed batches under a token budget, shuffled per (seed, epoch), sharded by rank.
-
-    A batch's cost is its sentence count × its longest padded length on either side, at most
-    max_tokens. Pairs are sorted by (source, target) length after a seeded shuffle that breaks ties,
-    packed greedily, and the batch order is shuffled. Batches are split until their count divides
-    world_size, so every rank gets the same number of non-empty batches and each pair drawn
-    appears exactly once per epoch (see _split_until_divisible for the one case that exceeds
-    max_tokens). A single corpus draws each pair once per epoch. Several corpora (`groups`,
-    `weights`) draw as many pairs as they hold together, corpus i's share weights[i] /
-    sum(weights) of them (see epoch_draw), so a pair may come twice, or not at all.
-    Pure numpy: no torch, no state besides the arguments, so (epoch, index) resumes exactly.
-    """
-
-    def __init__(
-        self,
-        src_lengths: np.ndarray,
-        tgt_lengths: np.ndarray,
-        max_tokens: int,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        shuffle: bool = True,
-        groups: np.ndarray | None = None,
-        weights: Sequence[float] = (),
-        src_extra: Callable[[int], np.ndarray] | None = None,
-    ) -> None:
-        self.src_extra = src_extra  # epoch -> (N,) tokens each source gains (data.terms' hints)
-        self.src_lengths = np.asarray(src_lengths, dtype=np.int64)
-        self.tgt_lengths = np.asarray(tgt_lengths, dtype=np.int64)
-        self.longest = np.maximum(self.src_lengths, self.tgt_lengths)
-        if len(self.longest) and self.longest.max() > max_tokens:
-            raise ValueError(
-                f"a pair of {self.longest.max()} tokens exceeds max_tokens={max_tokens}"
-            )
-        if len(self.longest) < world_size:
-            raise TmtError(f"{len(self.longest)} pairs cannot be shared by {world_size} ranks")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world_size {world_size}")
-        self.max_tokens, self.seed, self.shuffle = max_tokens, seed, shuffle
-        self.rank, self.world_size = rank, world_size
-        self.members = None  # with several corpora: the pair indices of each
-        if groups is not None and len(weights) > 1:
-            self.members = [np.flatnonzero(groups == i) for i in range(len(weights))]
-            self.weights = np.asarray(weights, dtype=np.float64)
-            if not math.isfinite(sum(weights)):  # each finite, their sum not: scaled
-                self.weights = self.weights / self.weights.max()
-
-    def epoch_draw(self, epoch: int) -> np.ndarray:
-        """The pairs of `epoch` (indices, with repeats): all pairs once for a single corpus; for
-        a mixture, corpus i's quota q_i (its share of all pairs, rounded by largest remainder so
-        the quotas sum to the pairs held) as q_i // n_i passes over its n_i pairs plus a seeded
-        random q_i % n_i of them: exact shares, the same on every rank, per (seed, epoch)."""
-        total = len(self.longest)
-        if self.members is None:
-            return np.arange(total)
-        exact = total * self.weights / self.weights.sum()
-        quotas = np.floor(exact).astype(np.int64)
-        by_remainder = np.argsort(-(exact - quotas), kind="stable")
-        quotas[by_remainder[: total - int(quotas.sum())]] += 1
-        rng = np.random.default_rng((self.seed, epoch, 1))  # apart from the shuffle's stream
-        drawn = []
-        for members, quota in zip(self.members, quotas.tolist(), strict=True):
-            passes, rest = divmod(quota, len(members))
-            drawn += [members] * passes + [members[rng.permutation(len(members))[:rest]]]
-        return np.concatenate(drawn)
-
-    def epoch_lengths(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, target) lengths of each pair in `epoch`: a hinted source's with its hints."""
-        if self.src_extra is None:
-            return self.src_lengths, self.tgt_lengths
-        return self.src_lengths + self.src_extra(epoch), self.tgt_lengths
-
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """This rank's batches for `epoch`, in order: arrays of example indices."""
-        rng = np.random.default_rng((self.seed, epoch))
-        drawn = self.epoch_draw(epoch)
-        src, longest = self.src_lengths, self.longest
-        if self.src_extra is not None:
-            src, _ = self.epoch_lengths(epoch)
-            longest = np.maximum(src, self.tgt_lengths)
-        # A single corpus: drawn is arange, so this is rng.permutation(N) as it always was.
-        order = drawn[rng.permutation(len(drawn))] if self.shuffle else drawn
-        order = order[np.lexsort((self.tgt_lengths[order], src[order]))]  # stable
-        batches = _split_until_divisible(
-            _pack(order, longest, self.max_tokens), self.world_size, longest
-        )
-        if self.shuffle:
-            batches = [batches[i] for i in rng.permutation(len(batches))]
-        return batches[self.rank :: self.world_size]
-
-
-def _pack(order: np.ndarray, longest: np.ndarray, max_tokens: int) -> list[np.ndarray]:
-    """Greedy packing of sorted indices: extend a batch while count × max length fits."""
-    batches, start, batch_max = [], 0, 0
-    for i, length in enumerate(longest[order].tolist()):
-        batch_max = max(batch_max, length)
-        if (i - start + 1) * batch_max > max_tokens:
-            batches.append(order[start:i])
-            start, batch_max = i, length
-    if start < len(order):
-        batches.append(order[start:])
-    return batches
-
-
-def _split_until_divisible(
-    batches: list[np.ndarray], world_size: int, longest: np.ndarray
-) -> list[np.ndarray]:
-    """Halve the largest batches until the count is a multiple of world_size (no pair dropped).
-
-    When every batch already holds a single pair (data.max_tokens near data.max_len) none can be
-    halved: the shortest pairs are then merged in twos instead, the one case in which a batch may
-    exceed max_tokens (by at most a factor 2), since an empty batch would give a rank nothing."""
-    while len(batches) % world_size:
-        largest = max(range(len(batches)), key=lambda i: len(batches[i]))
-        if len(batches[largest]) == 1:
-            return _merge_singles(batches, world_size, longest)
-        batch = batches.pop(largest)
-        half = len(batch) // 2
-        batches[largest:largest] = [batch[:half], batch[half:]]
-    return batches
-
-
-def _merge_singles(
-    batches: list[np.ndarray], world_size: int, longest: np.ndarray
-) -> list[np.ndarray]:
-    """Single-pair batches, their count cut to a multiple of world_size by merging the shortest
-    pairs two by two (len(batches) >= world_size, so there are enough of them)."""
-    extra = len(batches) % world_size
-    by_length = sorted(range(len(batches)), key=lambda i: int(longest[batches[i][0]]))
-    merged = by_length[: 2 * extra]
-    is_merged = set(merged)
-    kept = [b for i, b in enumerate(batches) if i not in is_merged]
-    firsts, seconds = merged[::2], merged[1::2]
-    pairs = [np.concatenate([batches[a], batches[b]]) for a, b in zip(firsts, seconds, strict=True)]
-    return pairs + kept
-
-
-def padding_efficiency(
-    batches: Sequence[np.ndarray], src_lengths: np.ndarray, tgt_lengths: np.ndarray
-) -> float:
-    """Non-pad tokens / all tokens of source and target tensors over the given batches."""
-    real = padded = 0
-    for batch in batches:
-        src, tgt = src_lengths[batch], tgt_lengths[batch]
-        real += int(src.sum() + tgt.sum())
-        padded += len(batch) * int(src.max() + tgt.max())
-    return real / padded if padded else 0.0
 
 
 # --- files -------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""How a model computes while it decodes: its precision on its device, torchao's dynamic int8,
+"""How a model computes: scaled_dot_product_attention's kernels (model.attention_backend, in
+training and decoding); while it decodes, its precision on its device, torchao's dynamic int8,
 and on a CPU its float32 linear layers through oneDNN with their weights packed once.
 
 PyTorch computes a float32 linear layer on x86 with MKL's sgemm, which on AMD CPUs does not
@@ -13,14 +14,52 @@ with autograd on it computes as before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from transformer_mt.common.exits import TmtError
+
+# model.attention_backend's kernels, and each one's place in auto's order on CUDA.
+ATTENTION_KERNELS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def attention_kernels(choice: str, device: torch.device) -> list[SDPBackend] | None:
+    """The kernels scaled_dot_product_attention may use for model.attention_backend, in order
+    of preference (None: PyTorch's own choice). A kernel chosen comes first, the others after it
+    for the calls it cannot take (flash takes no padding mask: the encoder's and the cross
+    attention's go to the next one). auto on CUDA puts cuDNN's fused attention last: it builds
+    an execution plan for every new shape (~0.4 s each on an H200, 47 s of a 2-minute Multi30k
+    run), which flash and memory-efficient attention do not; scripts/bench_gpu.sh measures the
+    four over a first epoch. auto on a CPU: PyTorch's choice."""
+    if choice == "auto":
+        if device.type != "cuda":
+            return None
+        choice = "flash"  # then efficient, cudnn, math: ATTENTION_KERNELS' order
+    first = ATTENTION_KERNELS[choice]
+    return [first, *(k for k in ATTENTION_KERNELS.values() if k != first)]
+
+
+@contextlib.contextmanager
+def attention(choice: str, device: torch.device | str) -> Iterator[None]:
+    """Attention computed with model.attention_backend's kernels inside the block."""
+    kernels = attention_kernels(choice, torch.device(device))
+    if kernels is None:
+        yield
+        return
+    with sdpa_kernel(kernels, set_priority=True):
+        yield
 
 
 def in_precision(model: nn.Module, precision: str, device: torch.device) -> nn.Module:

@@ -421,10 +421,13 @@ class Transformer(nn.Module):
             cache.cross_v.append(v.contiguous())
         return cache
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """Teacher forcing: (B, S) source, (B, T) bos + target -> logits (B, T, V)."""
+    def forward(
+        self, src: torch.Tensor, tgt_in: torch.Tensor, project: bool = True
+    ) -> torch.Tensor:
+        """Teacher forcing: (B, S) source, (B, T) bos + target -> logits (B, T, V); without
+        `project`, the last states (B, T, D) that a fused loss projects itself."""
         src_mask = make_src_mask(src, self.source_pad_id)
-        return self.decode(tgt_in, self.encode(src, src_mask), src_mask)
+        return self.decode(tgt_in, self.encode(src, src_mask), src_mask, project=project)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -109,9 +109,12 @@ class MetricsLog:
         self.updates += 1
         self.bar.update(1)
 
-    def flush(self, step: int, epoch: int, partial: bool = False) -> dict[str, Any]:
+    def flush(
+        self, step: int, epoch: int, partial: bool = False, shapes: int | None = None
+    ) -> dict[str, Any]:
         """The record of the updates since the last one (all ranks), written and shown; a
-        `partial` one, of fewer than train.log_every updates, is the last of a session."""
+        `partial` one, of fewer than train.log_every updates, is the last of a session. `shapes`:
+        the distinct batch shapes of the epoch (batch_shapes; a GPU pays for each)."""
         sums = [self.loss, self.nll, self.tokens]
         totals = torch.tensor(sums, dtype=torch.float64, device=self.info.device)
         loss, nll, tokens = distributed.all_reduce_sum(totals, self.info).tolist()
@@ -124,6 +127,7 @@ class MetricsLog:
             "lr": self.lr,
             "tokens_per_s": tokens / max(time.monotonic() - self.start, 1e-9),
             "padding_efficiency": self.real_tokens / self.padded_tokens,
+            **({"batch_shapes": shapes} if shapes is not None else {}),
             **({"partial": True, "updates": self.updates} if partial else {}),
         }
         self._reset()

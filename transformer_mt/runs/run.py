@@ -35,6 +35,7 @@ from transformer_mt.common import distributed, exits, files
 from transformer_mt.common.distributed import DistInfo
 from transformer_mt.common.exits import TmtError
 from transformer_mt.config import (
+    BY_DEVICE,
     MODEL_SECTIONS,
     SECTIONS,
     Config,
@@ -62,6 +63,7 @@ MAY_CHANGE_ON_RESUME = (
     "train.patience", "train.nonfinite_patience", "train.device", "train.compile",
     "train.distributed_timeout_s", "train.resume", "data.num_proc", "data.cache_dir", "data.test",
     "train.keep_best", "train.curves", "train.tensorboard", "train.oom_patience",
+    "train.fused_loss",
 )  # fmt: skip
 
 
@@ -267,7 +269,9 @@ def drift(saved: Config, cfg: Config) -> list[str]:
         f"{key} {old[s][k]} -> {new[s][k]}"
         for s in sections
         for k in new[s]
-        if (key := f"{s}.{k}") not in MAY_CHANGE_ON_RESUME and old[s][k] != new[s][k]
+        if (key := f"{s}.{k}") not in MAY_CHANGE_ON_RESUME
+        and old[s][k] != new[s][k]
+        and BY_DEVICE.get(key, object()) != new[s][k]  # left to the device: the run's own
     ]
 
 

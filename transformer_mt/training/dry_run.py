@@ -10,6 +10,7 @@ epoch and their padding efficiency: dry_run returns them, format_report writes t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,11 @@ import torch
 from transformer_mt.common import distributed, textio
 from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, to_yaml
-from transformer_mt.data.batches import (
-    PreparedData,
-    SubwordSampling,
-    TokenBucketSampler,
-    padding_efficiency,
-    prepare_data,
-)
+from transformer_mt.data.batches import PreparedData, SubwordSampling, prepare_data
+from transformer_mt.data.sampler import TokenBucketSampler, padding_efficiency
 from transformer_mt.network.model import parameter_count
 from transformer_mt.runs import run
+from transformer_mt.training import device_defaults
 
 
 def training_bytes(cfg: Config, vocab_size: int, source_vocab_size: int | None = None) -> int:
@@ -78,9 +75,12 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     parent = run.init_model(cfg) if cfg.train.init_from else None
     data = prepare_data(cfg, parent.tokenizer if parent else None)
     check_prepared(cfg, data, world_size=1)
-    sampler = data.train.sampler(cfg.data.max_tokens, cfg.train.seed)
+    cfg = device_defaults.resolve(cfg, device, world_size=1)  # as a new run on this device
+    sampler = data.train.sampler(
+        cfg.data.max_tokens, cfg.train.seed, shapes=device_defaults.shape_buckets(cfg)
+    )
     batches = sampler.epoch_batches(0)
-    efficiency = padding_efficiency(batches, *sampler.epoch_lengths(0))
+    efficiency = padding_efficiency(batches, *sampler.epoch_lengths(0), sampler.padded_lengths(0))
     vocab = data.tokenizer.vocab_size, data.tokenizer.source_vocab_size
     summary = {
         "pairs": len(data.train),
@@ -91,6 +91,9 @@ def dry_run(cfg: Config) -> dict[str, Any]:
         "device": str(device),
         "free_bytes": distributed.free_memory(device),
         "batches": len(batches),
+        "max_tokens": cfg.data.max_tokens,
+        "bucketing": cfg.data.bucketing,
+        "batch_shapes": len(sampler.epoch_shapes(0)),
         "padding_efficiency": round(efficiency, 4),
         "filters": {key.removeprefix("data."): c.as_dict() for key, c in data.counts.items()},
         "cleaned": {key.removeprefix("data."): c for key, c in data.cleaned.items()},
@@ -100,7 +103,10 @@ def dry_run(cfg: Config) -> dict[str, Any]:
 
 
 def format_report(summary: dict[str, Any], cfg: Config) -> str:
-    """The dry run for people: the resolved config, then the data, corpora, model and batches."""
+    """The dry run for people: the resolved config (with what it leaves to the device chosen),
+    then the data, corpora, model and batches."""
+    chosen = {"max_tokens": summary["max_tokens"], "bucketing": summary["bucketing"]}
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **chosen))
     lines = ["# resolved config", to_yaml(cfg).rstrip("\n"), "# data"]
     for key, counts in summary["filters"].items():
         lines.append(f"data.{key}: " + ", ".join(f"{name} {n}" for name, n in counts.items()))
@@ -120,7 +126,8 @@ def format_report(summary: dict[str, Any], cfg: Config) -> str:
         f"parameters: {summary['parameters']:,}",
         f"memory: {summary['training_bytes'] / 2**30:,.2f} GiB to train (weights, gradients,"
         f" Adam's moments), {summary['free_bytes'] / 2**30:,.1f} GiB free on {summary['device']}",
-        f"batches per epoch: {summary['batches']} (max_tokens {cfg.data.max_tokens})",
+        f"batches per epoch: {summary['batches']} (max_tokens {cfg.data.max_tokens}),"
+        f" {summary['batch_shapes']} shapes (data.bucketing={cfg.data.bucketing})",
         f"padding efficiency: {summary['padding_efficiency']:.4f}",
     ]
     return "\n".join(lines)

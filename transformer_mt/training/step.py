@@ -5,6 +5,10 @@ agrees on its global token count and on any rank's request to stop or save, accu
 label-smoothed loss (divided by the global token count) through forward and backward passes, and
 ends with a second collective on its verdict: applied everywhere (unscale, clip, Adam, schedule) or,
 if any rank ran out of memory or saw a non-finite value, skipped everywhere with nothing changed.
+
+The host waits for the device once an update, for that verdict (and the loss, read with it): token
+counts come from the host's batches, the losses add up on the device, and one process needs no
+collective for its requests.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from transformer_mt.common.faults import fault_point
 from transformer_mt.config import Config
 from transformer_mt.data.batches import Batch
 from transformer_mt.network.model import Transformer
-from transformer_mt.training.loss import label_smoothed_nll
+from transformer_mt.training.loss import Objective, label_smoothed_nll
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +73,10 @@ def train_step(
     info: DistInfo,
     attempt: int = 1,
     requests: Requests = Requests(),  # frozen: a shared default is safe
+    objective: Objective | None = None,
 ) -> StepStats:
-    """One optimizer update over `micro` (update_freq micro-batches on this rank).
+    """One optimizer update over `micro` (update_freq micro-batches on this rank) of `objective`
+    (by default the label-smoothed loss from the logits).
 
     The loss is summed over target tokens and divided by the global token count of the update, so
     the gradient is the same however tokens are split over micro-batches and ranks (DDP averages
@@ -86,12 +92,13 @@ def train_step(
             loss_sum=0.0, nll_sum=0.0, tokens=0, global_tokens=global_tokens, real_tokens=0,
             padded_tokens=0, lr=lr, grad_norm=0.0, skipped="stopped", stop=stop, save=False,
         )  # fmt: skip
-    loss_sum, nll_sum, oom = _accumulate(
-        model, micro, opt.scaler, cfg, info, global_tokens=global_tokens, attempt=attempt
-    )
-    skipped, norm = _apply(model, opt, cfg, info, loss_sum=loss_sum, oom=oom)
-    pad_id = micro[0].pad_id
-    real = sum(int((b.src != pad_id).sum()) + b.n_tokens for b in micro)
+    objective = objective or Objective(cfg.optim.label_smoothing)
+    sums, oom = _accumulate(
+        model, micro, opt.scaler, objective, info, global_tokens=global_tokens, attempt=attempt,
+        precision=cfg.train.precision,
+    )  # fmt: skip
+    skipped, norm, loss_sum, nll_sum = _apply(model, opt, cfg, info, sums=sums, oom=oom)
+    real = sum(b.source_tokens + b.n_tokens for b in micro)
     padded = sum(b.src.numel() + b.tgt_out.numel() for b in micro)
     return StepStats(
         loss_sum=loss_sum, nll_sum=nll_sum, tokens=tokens, global_tokens=global_tokens,
@@ -104,6 +111,8 @@ def _agree(tokens: int, requests: Requests, info: DistInfo) -> tuple[int, str | 
     """The update's first collective: its global token count, whether any rank asks to stop
     (a signal, the time budget) or to save, and rank 0's plan of the time budget, so that every
     rank decides the same at this step."""
+    if not info.distributed:  # nothing to agree on: no tensor, no wait for the device
+        return tokens, requests.stop, requests.save, requests.plan
     wanted = [tokens, requests.stop == "max_minutes", requests.stop == "sigterm"]
     wanted += [requests.stop == "sigint", requests.save, requests.plan]
     control = torch.tensor(wanted, dtype=torch.float64, device=info.device)
@@ -117,16 +126,18 @@ def _accumulate(
     model: torch.nn.Module,
     micro: list[Batch],
     scaler: torch.amp.GradScaler,
-    cfg: Config,
+    objective: Objective,
     info: DistInfo,
     global_tokens: int,
     attempt: int,
-) -> tuple[float, float, bool]:
+    precision: str,
+) -> tuple[torch.Tensor, bool]:
     """Forward and backward of every micro-batch (DDP synchronises gradients in the last one);
-    returns this rank's loss and NLL sums and whether it ran out of memory."""
-    loss_sum = nll_sum = 0.0
+    returns this rank's loss and NLL sums (float64, on the device: not waited for) and whether it
+    ran out of memory."""
+    sums_of_rank = torch.zeros(2, dtype=torch.float64, device=info.device)
     oom = False
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     autocast = {"dtype": autocast_dtype, "enabled": autocast_dtype is not None}
     for i, batch in enumerate(micro):
         last = i == len(micro) - 1
@@ -135,10 +146,9 @@ def _accumulate(
             with no_sync:
                 with torch.autocast(info.device.type, **autocast):
                     poison = fault_point("loss", attempt) if i == 0 else None
-                    logits = model(batch.src, batch.tgt_in)
-                    sums = label_smoothed_nll(
-                        logits, batch.tgt_out, batch.pad_id, cfg.optim.label_smoothing
-                    )
+                    # The logits, or the last states for the fused loss to project.
+                    out = model(batch.src, batch.tgt_in, project=objective.wants_logits)
+                    sums = objective(out, batch.tgt_out, batch.pad_id)
                     loss = sums.loss * (info.world_size / global_tokens)
                     if poison == "nan":
                         loss = loss * float("nan")
@@ -147,7 +157,7 @@ def _accumulate(
             if not distributed.is_out_of_memory(err):
                 raise
             oom = True
-            logits = sums = loss = None
+            out = sums = loss = None
             logger.warning(
                 "out of memory on a batch of %s source, %s target tokens",
                 tuple(batch.src.shape), tuple(batch.tgt_out.shape),
@@ -159,9 +169,8 @@ def _accumulate(
                     out = model(batch.src[:1, :1], batch.tgt_in[:1, :1])
                 scaler.scale(out.float().sum() * 0.0).backward()  # joins it; the update is skipped
             continue
-        loss_sum += sums.loss.item()
-        nll_sum += sums.nll.item()
-    return loss_sum, nll_sum, oom
+        sums_of_rank += torch.stack([sums.loss.detach().double(), sums.nll.double()])
+    return sums_of_rank, oom
 
 
 def _apply(
@@ -169,21 +178,26 @@ def _apply(
     opt: Optimization,
     cfg: Config,
     info: DistInfo,
-    loss_sum: float,
+    sums: torch.Tensor,
     oom: bool,
-) -> tuple[str | None, float]:
+) -> tuple[str | None, float, float, float]:
     """The update's second collective, so that every rank reaches the same verdict; then the
     update (unscale, clip, Adam, schedule) or, if any rank saw a problem, its skip everywhere.
-    Returns (why it was skipped or None, the gradient norm)."""
-    flags = torch.tensor([float(oom), float(not math.isfinite(loss_sum))], device=info.device)
-    any_oom, any_nonfinite_loss = (distributed.all_reduce_sum(flags, info) > 0).tolist()
+    Returns (why it was skipped or None, the gradient norm, this rank's loss and NLL sums): the
+    update's one wait for the device, since the verdict is needed before Adam."""
     opt.scaler.unscale_(opt.optimizer)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=info.device)
+    ran_out = torch.full((), float(oom), device=info.device)
+    flags = torch.stack([ran_out, (~sums[0].isfinite()).float()])
+    distributed.all_reduce_sum(flags, info)
+    verdict = torch.cat([flags.double(), sums, norm.detach().double().reshape(1)]).tolist()
+    any_oom, any_nonfinite_loss = verdict[0] > 0, verdict[1] > 0
+    loss_sum, nll_sum, norm_value = verdict[2:]
     skipped = None
     if any_oom:
         skipped = "oom"
-    elif any_nonfinite_loss or not torch.isfinite(norm):
+    elif any_nonfinite_loss or not math.isfinite(norm_value):
         # With fp16 a finite loss and infinite gradients is the GradScaler's overflow: normal.
         skipped = "overflow" if opt.scaler.is_enabled() and not any_nonfinite_loss else "non_finite"
     if skipped is None:
@@ -193,7 +207,7 @@ def _apply(
         opt.scheduler.step()
     opt.scaler.update()  # lowers the fp16 loss scale after an overflow
     opt.optimizer.zero_grad(set_to_none=True)
-    return skipped, float(norm)
+    return skipped, norm_value, loss_sum, nll_sum
 
 
 # --- validation loss -------------------------------------------------------------------------

@@ -27,12 +27,15 @@ from transformer_mt.common.exits import StopSignals, TmtError
 from transformer_mt.common.faults import fault_point
 from transformer_mt.config import Config
 from transformer_mt.data import corpus
-from transformer_mt.data.batches import Batch, PreparedData, prepare_data
+from transformer_mt.data.batches import PreparedData, prepare_data
 from transformer_mt.data.tokenizer import Tokenizer
+from transformer_mt.network import kernels
 from transformer_mt.network.model import Transformer, count_parameters, parameter_count
 from transformer_mt.runs import averaging, checkpoint, metrics, plot, run, train_state
 from transformer_mt.runs.checkpoint import Checkpoint
-from transformer_mt.training import dry_run, optim
+from transformer_mt.training import device_defaults, dry_run, optim
+from transformer_mt.training.feeder import Feeder, valid_batches
+from transformer_mt.training.loss import Objective
 from transformer_mt.training.optim import build_optimizer, peak_lr
 from transformer_mt.training.progress import (
     Progress,
@@ -136,6 +139,10 @@ class _Session:
         # Resume point: the newest checkpoint that reads, refused if it holds another model.
         saved = run.resume(self.run_dir, cfg)
         self.resumed_from = saved.path if saved else None
+        # What the config leaves to the device, chosen (a resumed run keeps its own) and saved.
+        self.cfg = cfg = device_defaults.resolve(
+            cfg, info.device, info.world_size, saved.config if saved else None
+        )
         # Fine-tuning starts from another model; once this run has a checkpoint, it resumes it.
         parent = run.init_model(cfg) if saved is None and cfg.train.init_from else None
         tokenizer = (saved or parent).tokenizer if (saved or parent) else None
@@ -157,15 +164,21 @@ class _Session:
         if info.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        compiled = torch.compile(self.model) if cfg.train.compile else self.model
+        if info.is_main:
+            chosen = kernels.attention_kernels(cfg.model.attention_backend, info.device)
+            order = " > ".join(k.name.lower() for k in chosen) if chosen else "PyTorch's choice"
+            logger.info("attention kernels: %s (model.attention_backend=%s)", order,
+                        cfg.model.attention_backend)  # fmt: skip
+        compiled = torch.compile(self.model) if cfg.train.compile == "on" else self.model
         self.trained = distributed.wrap(compiled, info)
-        self.sampler = self.data.train.sampler(
-            cfg.data.max_tokens, cfg.train.seed, info.rank, info.world_size
-        )
-        self.epoch_batches: tuple[int, list[np.ndarray]] = (-1, [])
+        # The loss: from the logits, or fused with the output projection (train.fused_loss).
+        fused = device_defaults.fused_loss(cfg, info.device)
+        projection = self.model.output_projection if fused else None
+        self.objective = Objective(cfg.optim.label_smoothing, projection)
+        self.feeder = Feeder(cfg, self.data, self.sampling, info)
         self.rate_from: tuple[int, float] | None = None  # (step, time) a time budget is timed from
         self._plan_steps(fresh=saved is None)
-        self.valid_batches = _valid_batches(self.data, cfg, info)
+        self.valid_batches = valid_batches(self.data, cfg, info)
         heartbeat.beat(self.step)
         # Validation BLEU reads the raw validation text: scored exactly as tmt evaluate scores it.
         bleu = cfg.train.bleu_every
@@ -205,10 +218,14 @@ class _Session:
 
     def loop(self) -> str:
         """Updates until a budget, a signal, patience or divergence stops training; why it did."""
+        with kernels.attention(self.cfg.model.attention_backend, self.info.device):
+            return self._loop()
+
+    def _loop(self) -> str:
         cfg, progress = self.cfg.train, self.progress
         stop = budget_spent(progress, self.cfg, self.planned)  # a finished run stays finished
         while stop is None:
-            group = self._next_group()
+            group = self.feeder.group(progress.epoch, progress.batch_index)
             if group is None:  # this rank's batches of the epoch ran out: the next epoch
                 progress.epoch, progress.batch_index = progress.epoch + 1, 0
                 if cfg.max_epochs and progress.epoch >= cfg.max_epochs:
@@ -235,8 +252,8 @@ class _Session:
         schedule, train_cfg = self.schedule, self.cfg.train
         if schedule is None:
             return
-        self.epoch_batches = (self.progress.epoch, self.sampler.epoch_batches(self.progress.epoch))
-        per_epoch = -(-len(self.epoch_batches[1]) // train_cfg.update_freq)
+        batches = self.feeder.epoch_batches(self.progress.epoch)
+        per_epoch = -(-len(batches) // train_cfg.update_freq)
         budget = optim.step_budget(train_cfg.max_steps, train_cfg.max_epochs, per_epoch)
         scheduler = self.opt.scheduler
         if not schedule.fit_steps(budget, after=0 if fresh else scheduler.last_epoch + 1):
@@ -272,24 +289,10 @@ class _Session:
             f" warmup {self.schedule.warmup}, decay from {self.schedule.decay_start}"
         )
 
-    def _next_group(self) -> list[np.ndarray] | None:
-        """The batches of the next update (train.update_freq of them), None at the epoch's end."""
-        epoch, index = self.progress.epoch, self.progress.batch_index
-        if self.epoch_batches[0] != epoch:
-            self.epoch_batches = (epoch, self.sampler.epoch_batches(epoch))
-        batches = self.epoch_batches[1]
-        return batches[index : index + self.cfg.train.update_freq] if index < len(batches) else None
-
     def _update(self, group: list[np.ndarray]) -> tuple[StepStats, bool]:
         """One update attempt over `group`, then its logging and validation; (stats, new best)."""
         cfg, progress, info = self.cfg, self.progress, self.info
-        batch, tokenizer, start = (
-            self.data.train.batch,
-            self.data.tokenizer,
-            cfg.model.decoder_start,
-        )
-        micro = [batch(b, tokenizer, self.sampling, progress.epoch, start) for b in group]
-        micro = [batch.to(info.device) for batch in micro]
+        micro = self.feeder.micro_batches(progress.epoch, progress.batch_index, group)
         # Stop and save requests (signals, rank 0's clock) are agreed on inside the step.
         now = time.monotonic()
         out_of_time = (
@@ -303,8 +306,9 @@ class _Session:
         )
         attempt = progress.step + progress.skipped + 1  # skipped updates count
         stats = train_step(
-            self.trained, micro, self.opt, cfg, info, attempt=attempt, requests=requests
-        )
+            self.trained, micro, self.opt, cfg, info, attempt=attempt, requests=requests,
+            objective=self.objective,
+        )  # fmt: skip
         if stats.plan:  # every rank continues the schedule with rank 0's plan of the time
             self._replan(stats.plan)
         if stats.skipped == "stopped":  # a stopped step used none of its batches
@@ -322,7 +326,7 @@ class _Session:
         )  # fmt: skip
         fault_point("step", progress.step)
         if progress.step % cfg.train.log_every == 0:
-            self.metrics.flush(progress.step, progress.epoch)
+            self.metrics.flush(progress.step, progress.epoch, shapes=self._shapes())
         return stats, track_best(progress, self._validate(), cfg)
 
     def _validate(self) -> dict[str, float]:
@@ -379,6 +383,7 @@ class _Session:
 
     def finish(self, stop: str) -> dict[str, Any]:
         """The final save (a stop at an epoch's end), the final average, and the summary."""
+        self.feeder.close()
         saved = self.last_saved_step >= 0
         newest = run.checkpoint_dir(self.run_dir, self.last_saved_step) if saved else "none"
         if stop not in ("non_finite", "out_of_memory") and self.last_saved_step != self.step:
@@ -419,6 +424,10 @@ class _Session:
             "rank": self.info.rank,
         }
 
+    def _shapes(self) -> int:
+        """The distinct batch shapes of this epoch, every rank's (data.bucketing bounds them)."""
+        return self.feeder.shapes(self.progress.epoch)
+
     def _last_records(self, stop: str) -> None:
         """The record of the updates since the last one (a run seldom stops on a log step), then
         the last record of a session that trained: why it stopped (a run run again after its end
@@ -426,7 +435,8 @@ class _Session:
         progress = self.progress
         if progress.step + progress.skipped > self.first_attempt:  # a session that trained
             if self.metrics.updates:
-                self.metrics.flush(progress.step, progress.epoch, partial=True)
+                shapes = self._shapes()
+                self.metrics.flush(progress.step, progress.epoch, partial=True, shapes=shapes)
             self.metrics.write({"step": progress.step, "epoch": progress.epoch, "stop": stop})
 
     def _average(self) -> dict[str, Any] | None:
@@ -460,16 +470,6 @@ def _prepare_data_rank0_first(
     if info.is_main:
         distributed.barrier(info)
     return data
-
-
-def _valid_batches(data: PreparedData, cfg: Config, info: DistInfo) -> list[Batch]:
-    if not cfg.train.valid_every or len(data.valid) < info.world_size:
-        return []
-    sampler = data.valid.sampler(
-        cfg.data.max_tokens, cfg.train.seed, info.rank, info.world_size, shuffle=False
-    )
-    batches, start = sampler.epoch_batches(0), cfg.model.decoder_start
-    return [data.valid.batch(b, data.tokenizer, start=start).to(info.device) for b in batches]
 
 
 def _announce(cfg: Config, model: Transformer, data: PreparedData, info: DistInfo) -> None:

@@ -25,9 +25,9 @@ from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config
 from transformer_mt.data import glossary as glossaries
 from transformer_mt.data import hints
-from transformer_mt.data.batches import TokenBucketSampler
+from transformer_mt.data.sampler import TokenBucketSampler
 from transformer_mt.data.tokenizer import Tokenizer, language_token_id
-from transformer_mt.network import alignment, constraints, ensemble
+from transformer_mt.network import alignment, constraints, ensemble, kernels
 from transformer_mt.network.candidates import Candidates
 from transformer_mt.network.model import DecoderCache, Transformer, make_src_mask
 from transformer_mt.network.search import (
@@ -40,7 +40,7 @@ from transformer_mt.network.search import (
     sample,
 )
 from transformer_mt.network.shortlist import Shortlist
-from transformer_mt.translation import ct2
+from transformer_mt.translation import batch_budget, ct2
 
 logger = logging.getLogger(__name__)
 
@@ -243,30 +243,31 @@ def _decode_all(
         return
     decode = translator.config.decode
     lengths = np.array([len(ids[i]) + 1 for i in todo])
-    budget = decode.max_tokens
+    budget = batch_budget.batch_tokens(translator)
     if terms is not None:  # the same rows a batch: glossary.beam rows a sentence, not beam_size
         budget = budget * decode.beam_size // max(translator.config.glossary.beam, 1)
     budget = max(budget, int(lengths.max()))
     sampler = TokenBucketSampler(
         src_lengths=lengths, tgt_lengths=lengths, max_tokens=budget, seed=0, shuffle=False
     )
-    for batch in sampler.epoch_batches(0):
-        chosen = [todo[j] for j in batch]
-        sources = [ids[i] for i in chosen]
-        line_ids, prefix = [first_line + i for i in chosen], [forced[i] for i in chosen]
-        batch_terms = [terms[i] for i in chosen] if terms is not None else None
-        try:
-            hypotheses = _translate_batch(
-                translator, sources, line_ids, prefix, batch_terms, scores=scores
-            )
-        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as err:
-            if not distributed.is_out_of_memory(err):
-                raise
-            raise _out_of_memory(translator, sources) from None
-        if decode.alignment != "none":
-            hypotheses = _aligned(translator, sources, hypotheses)
-        for index, hyps in zip(chosen, hypotheses, strict=True):
-            results[index] = hyps
+    with kernels.attention(translator.config.model.attention_backend, translator.device):
+        for batch in sampler.epoch_batches(0):
+            chosen = [todo[j] for j in batch]
+            sources = [ids[i] for i in chosen]
+            line_ids, prefix = [first_line + i for i in chosen], [forced[i] for i in chosen]
+            batch_terms = [terms[i] for i in chosen] if terms is not None else None
+            try:
+                hypotheses = _translate_batch(
+                    translator, sources, line_ids, prefix, batch_terms, scores=scores
+                )
+            except (torch.OutOfMemoryError, RuntimeError, MemoryError) as err:
+                if not distributed.is_out_of_memory(err):
+                    raise
+                raise _out_of_memory(translator, sources) from None
+            if decode.alignment != "none":
+                hypotheses = _aligned(translator, sources, hypotheses)
+            for index, hyps in zip(chosen, hypotheses, strict=True):
+                results[index] = hyps
 
 
 def _obey(
@@ -356,7 +357,7 @@ def _out_of_memory(translator: Decodable, sources: list[list[int]]) -> TmtError:
     return TmtError(
         f"decoding {len(sources)} sentences of up to {max(map(len, sources))} tokens, {k} rows"
         f" each, ran out of memory on {translator.device}: lower decode.max_tokens"
-        f" ({decode.max_tokens}) or decode.beam_size ({decode.beam_size})"
+        f" ({batch_budget.batch_tokens(translator)}) or decode.beam_size ({decode.beam_size})"
     )
 
 

@@ -1,0 +1,381 @@
+"""The parts of scripts/bench_gpu.sh that are Python, and its table.
+
+    python scripts/bench_gpu.py attention --out DIR     # SDPA's kernels over a first epoch
+    python scripts/bench_gpu.py e2e --out DIR            # tmt train -c multi30k-gpu via torchrun
+    python scripts/bench_gpu.py decode --model RUN --out DIR --lines 10000
+    python scripts/bench_gpu.py resume --out DIR         # a kill and resume on the GPU
+    python scripts/bench_gpu.py table DIR                # one table of every part's JSON
+
+Each part writes DIR/<part>.json (and prints it as its last line). `--device cpu` runs a part on
+the CPU with small sizes: it checks the script, it measures nothing a report may quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TMT = [sys.executable, "-m", "transformer_mt"]
+# The base model on the bundled corpus, en→de with the base preset's 37k joint vocabulary.
+BASE_ON_MULTI30K = [
+    "data.source=multi30k",
+    "data.train=train",
+    "data.valid=val",
+    "data.test=test_2016_flickr",
+    "data.src_lang=en",
+    "data.tgt_lang=de",
+    "data.num_proc=4",
+]
+
+
+def write(out: Path, part: str, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{part}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result), flush=True)
+
+
+def attention(args: argparse.Namespace) -> dict:
+    """tmt's update over its first epoch of GPU batches (every shape new: plans and kernels are
+    made then), once per attention kernel, each on a fresh model in this process; cuDNN first,
+    before any shape is known to it."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import torch
+    from bench_train import build_tmt, load_batches, tmt_step
+
+    overrides = [*BASE_ON_MULTI30K, *(args.set or [])]
+    cfg, tok, host = load_batches("base", overrides, args.steps, args.device)
+    rows = {}
+    for backend in ("cudnn", "flash", "efficient", "math", "auto"):
+        torch.manual_seed(0)
+        model = build_tmt(cfg, tok).to(args.device).train()
+        step_args = argparse.Namespace(
+            device=args.device,
+            precision="bf16" if args.device == "cuda" else "fp32",
+            compile=False,
+        )
+        chosen = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, attention_backend=backend)
+        )
+        run = tmt_step(model, chosen, tok, step_args)
+        sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        for batch in host:
+            run(batch.to(args.device))
+        sync()
+        seconds = time.perf_counter() - start
+        tokens = sum(b.n_tokens for b in host)
+        rows[backend] = {"seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+        print(backend, rows[backend], flush=True)
+        del model, run
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    shapes = {(b.src.shape[0], b.src.shape[1], b.tgt_out.shape[1]) for b in host}
+    fastest = min((k for k in rows if k != "auto"), key=lambda k: rows[k]["seconds"])
+    return {"updates": len(host), "batch_shapes": len(shapes), "rows": rows, "fastest": fastest}
+
+
+def e2e(args: argparse.Namespace) -> dict:
+    """`tmt train -c multi30k-gpu` through torchrun (NCCL, one rank): its wall time from the
+    command's start to its end; then test2016 BLEU of what it made (tmt evaluate, its own
+    decoding settings, on the GPU)."""
+    run_dir = args.out / "multi30k"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    preset = ["-c", "multi30k-gpu", "--set", f"train.out_dir={run_dir}", *_sets(args.set)]
+    if args.device == "cpu":  # the script's check: a few updates
+        preset += [
+            "--set",
+            "train.device=cpu",
+            "--set",
+            "train.precision=fp32",
+            "--set",
+            "train.max_minutes=0.3",
+            "--set",
+            "model.n_encoder_layers=1",
+            "--set",
+            "model.n_decoder_layers=1",
+        ]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        "-m",
+        "transformer_mt",
+        "train",
+        *preset,
+        "--json",
+    ]
+    start = time.perf_counter()
+    trained = subprocess.run(torchrun, capture_output=True, text=True, cwd=REPO)
+    seconds = time.perf_counter() - start
+    (args.out / "e2e_train.log").write_text(trained.stderr[-20000:])
+    result = {"train_rc": trained.returncode, "wall_s": round(seconds, 1)}
+    if trained.returncode != 0:
+        return result | {"error": trained.stderr.strip().splitlines()[-1:]}
+    summary = json.loads(trained.stdout.strip().splitlines()[-1])
+    result |= {"updates": summary["step"], "stop": summary["stop"]}
+    device = "cuda" if args.device == "cuda" else "cpu"
+    scored = subprocess.run(
+        [*TMT, "evaluate", "-m", str(run_dir), "--split", "test", "--json", "--device", device],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    if scored.returncode != 0:
+        return result | {"evaluate_error": scored.stderr.strip().splitlines()[-1:]}
+    report = json.loads(scored.stdout.strip().splitlines()[-1])
+    return result | {"test2016_bleu": report.get("bleu")}
+
+
+def _sets(items: list[str] | None) -> list[str]:
+    return [arg for item in items or [] for arg in ("--set", item)]
+
+
+def decode(args: argparse.Namespace) -> dict:
+    """`lines` Multi30k training sources (de) decoded by the model at its default settings on
+    the device: tmt; transformers `generate` on tmt's export (AutoModelForSeq2SeqLM), the same
+    beam and length penalty, batches of 256 sentences in tmt's length order; CTranslate2 on the
+    GPU if its wheel runs there. Sentences/s, BLEU against the references, one timed pass each
+    after a warm-up on 256 lines."""
+    import torch
+    import transformers
+
+    from transformer_mt.translation import evaluate, translate
+    from transformer_mt.translation.batch_budget import batch_tokens
+
+    transformers.logging.set_verbosity_error()
+    sources, references = _training_lines(args.lines)
+    translator = translate.load_translator(args.model, [f"decode.device={args.device}"])
+    decode_cfg = translator.config.decode
+    rows: dict[str, dict] = {}
+
+    def timed(name: str, fn) -> None:
+        fn(sources[:256])  # warm-up
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        texts = fn(sources)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        rows[name] = {
+            "sentences_per_s": round(len(sources) / seconds, 1),
+            "seconds": round(seconds, 2),
+            "bleu": evaluate.score(texts, references)["bleu"],
+        }
+        print(name, rows[name], flush=True)
+
+    timed("tmt", lambda lines: translate.translate_text(translator, lines))
+    export = args.out / "hf_export"
+    shutil.rmtree(export, ignore_errors=True)
+    subprocess.run(
+        [*TMT, "export", "-m", str(args.model), "--format", "huggingface", "-o", str(export)],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
+    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(export).to(args.device).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(export)
+    max_new = int(decode_cfg.max_len_a * 128 + decode_cfg.max_len_b)
+
+    @torch.inference_mode()
+    def generate(lines: list[str]) -> list[str]:
+        order = sorted(range(len(lines)), key=lambda i: len(lines[i]))
+        out = [""] * len(lines)
+        for at in range(0, len(order), 256):
+            chosen = order[at : at + 256]
+            batch = hf_tok([lines[i] for i in chosen], return_tensors="pt", padding=True)
+            ids = hf.generate(
+                **batch.to(args.device),
+                num_beams=decode_cfg.beam_size,
+                length_penalty=decode_cfg.length_penalty,
+                max_new_tokens=max_new,
+                do_sample=False,
+            )
+            for i, text in zip(
+                chosen, hf_tok.batch_decode(ids, skip_special_tokens=True), strict=True
+            ):
+                out[i] = text
+        return out
+
+    timed("hf_generate", generate)
+    try:
+        ct2 = translate.load_translator(
+            args.model, [f"decode.device={args.device}", "decode.engine=ctranslate2"]
+        )
+        timed("ctranslate2", lambda lines: translate.translate_text(ct2, lines))
+    except Exception as err:  # a wheel that does not run on this card is a row of its own
+        rows["ctranslate2"] = {"error": str(err).splitlines()[0][:200]}
+    ratio = rows["tmt"]["sentences_per_s"] / rows["hf_generate"]["sentences_per_s"]
+    return {
+        "lines": len(sources),
+        "beam": decode_cfg.beam_size,
+        "max_tokens": batch_tokens(translator),
+        "rows": rows,
+        "tmt_over_generate": round(ratio, 2),
+    }
+
+
+def _training_lines(n: int) -> tuple[list[str], list[str]]:
+    from transformer_mt.data.corpus import BUNDLED_DIR
+
+    def read(lang: str) -> list[str]:
+        with gzip.open(BUNDLED_DIR / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
+            return f.read().splitlines()[:n]
+
+    return read("de"), read("en")
+
+
+def resume(args: argparse.Namespace) -> dict:
+    """configs/tiny.yaml on the device for 8 updates, straight; and killed after its checkpoint
+    at step 4 (TMT_FAULT), then the same command again: every logged loss and every weight of
+    step 8 must be the straight run's, bit for bit."""
+    import torch
+
+    from transformer_mt.runs import checkpoint
+
+    precision = "bf16" if args.device == "cuda" else "fp32"
+    base = [
+        "train",
+        "-c",
+        "tiny",
+        "--set",
+        f"train.device={args.device}",
+        "--set",
+        f"train.precision={precision}",
+        "--set",
+        "train.max_steps=8",
+        "--set",
+        "train.save_every=4",
+        "--set",
+        "train.log_every=1",
+        "--json",
+    ]
+
+    def tmt(run_dir: Path, fault: str = "") -> int:
+        env = {**os.environ, **({"TMT_FAULT": fault} if fault else {})}
+        cmd = [*TMT, *base, "--set", f"train.out_dir={run_dir}"]
+        return subprocess.run(cmd, env=env, capture_output=True, cwd=REPO).returncode
+
+    straight, resumed = args.out / "resume_straight", args.out / "resume_resumed"
+    for path in (straight, resumed):
+        shutil.rmtree(path, ignore_errors=True)
+    codes = [tmt(straight), tmt(resumed, "after_save@4:kill"), tmt(resumed)]
+
+    def losses(run_dir: Path) -> list:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x).get("loss") for x in lines if '"loss"' in x]
+
+    a = checkpoint.read(straight / "checkpoints" / "step_00000008").state_dict
+    b = checkpoint.read(resumed / "checkpoints" / "step_00000008").state_dict
+    same_weights = all(torch.equal(a[k], b[k]) for k in a)
+    return {
+        "exit_codes": codes,
+        "same_losses": losses(straight) == losses(resumed),
+        "same_weights": same_weights,
+        "bit_exact": same_weights and losses(straight) == losses(resumed),
+    }
+
+
+def table(directory: Path) -> str:
+    """One table of every part's JSON in `directory` (a part that did not finish says so)."""
+    parts = [json.loads(x) for x in (directory / "parts.jsonl").read_text().splitlines() if x]
+
+    def load(name: str) -> dict:
+        try:
+            return json.loads((directory / f"{name}.json").read_text())
+        except (OSError, ValueError):  # not written, or not JSON: the part did not finish
+            return {}
+
+    rows = [("part", "exit", "seconds", "result")]
+    for part in parts:
+        name, found = part["part"], load(part["part"])
+        if name == "tests":  # pytest's last line: what passed, failed and was skipped
+            log = (directory / "tests.log").read_text(errors="replace").strip().splitlines()
+            found = {"pytest": log[-1].strip("= ")} if log else {}
+        rows.append((name, str(part["rc"]), f"{part['seconds']:.0f}", _summary(name, found)))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [" | ".join(r[i].ljust(widths[i]) if i < 3 else r[i] for i in range(4)) for r in rows]
+    return "\n".join(lines)
+
+
+def _summary(name: str, found: dict) -> str:
+    if not found:
+        return "(no result: see its log)"
+    if name == "train":
+        res = found.get("results", {})
+        cells = []
+        for system, r in res.items():
+            mfu = f", MFU {r['mfu']:.1%}" if "mfu" in r else ""
+            warm = (
+                (
+                    f"; warm {r['warm_tokens_per_s']:,.0f}"
+                    + (f", MFU {r['warm_mfu']:.1%}" if "warm_mfu" in r else "")
+                )
+                if r.get("warm_tokens_per_s")
+                else ""
+            )
+            cells.append(
+                f"{system} {r['tokens_per_s']:,.0f} tok/s over the first {r['steps']}"
+                f"{mfu}{warm}; {r['batch_shapes']} shapes"
+            )
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in found.get("ratios", {}).items())
+        peak = next(iter(res.values()), {}).get("bf16_peak_tflops")
+        return (
+            "; ".join(cells)
+            + (f"; {ratios}" if ratios else "")
+            + (f"; bf16 peak {peak} TFLOP/s" if peak else "")
+        )
+    if name == "attention":
+        rows = ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in found["rows"].items())
+        return f"first {found['updates']} updates ({found['batch_shapes']} shapes): {rows}"
+    if name == "e2e":
+        return ", ".join(f"{k} {v}" for k, v in found.items())
+    if name == "decode":
+        rows = "; ".join(
+            f"{k} {v['sentences_per_s']:,.0f} sent/s BLEU {v['bleu']:.2f}"
+            if "bleu" in v
+            else f"{k}: {v.get('error')}"
+            for k, v in found["rows"].items()
+        )
+        return (
+            f"{found['lines']} lines, beam {found['beam']}: {rows}; tmt/generate"
+            f" {found['tmt_over_generate']}x"
+        )
+    return ", ".join(f"{k} {v}" for k, v in found.items())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=("attention", "e2e", "decode", "resume", "table"))
+    parser.add_argument("directory", nargs="?", type=Path, help="table: the results' directory")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_gpu")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", type=Path, help="decode: the model (a run directory)")
+    parser.add_argument("--lines", type=int, default=10000)
+    parser.add_argument("--steps", type=int, default=40, help="attention: updates timed")
+    parser.add_argument("--set", action="append", help="a config override for the part")
+    args = parser.parse_args()
+    if args.part == "table":
+        print(table(args.directory or args.out))
+        return
+    result = {"attention": attention, "e2e": e2e, "decode": decode, "resume": resume}[args.part](
+        args
+    )
+    write(args.out, args.part, {"device": args.device, **result})
+
+
+if __name__ == "__main__":
+    main()

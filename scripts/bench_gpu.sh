@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 60's GPU benchmark: one CUDA GPU, at most 8 minutes, one table (docs/benchmarks.md keeps
+# it with the date, the card and this command).
+#
+#   bash scripts/bench_gpu.sh                 # results and logs in runs/bench_gpu
+#   STEPS=1000 bash scripts/bench_gpu.sh      # the goal's first 1,000 updates (default 600)
+#
+# Parts, each under its own time limit so that the whole ends within 8 minutes (a part that runs
+# out shows its exit status 124 in the table, and its log says how far it got):
+#   tests      tests/test_gpu.py
+#   train      bench_train.py: tmt and HF Marian, the base model (d_model 512, 6+6 layers, the
+#              37k joint vocabulary of configs/base.yaml, which the bundled corpus trains) on
+#              Multi30k en→de, at tmt's GPU batches (25,000 tokens, bounded shapes), bf16: the
+#              first STEPS updates (every new shape in them) and WARM more over shapes seen;
+#              tokens/s of real target tokens, MFU against the card's measured bf16 rate
+#   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
+#              backend): what auto should choose
+#   e2e        tmt train -c multi30k-gpu through torchrun (NCCL, one rank): wall time, updates,
+#              then test2016 BLEU (tmt evaluate)
+#   decode     10,000 lines by that model at its defaults: tmt, transformers generate on tmt's
+#              export, CTranslate2 on the GPU if its wheel runs there
+#   resume     configs/tiny.yaml killed after its checkpoint at step 4 and resumed: bit-exact
+#
+# On the device tool's machine (no datasets there; ctranslate2 for the decode row), carry wheels
+# in .whl (git-ignored: .git/info/exclude), made here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 -d .whl datasets==5.2.0 dill==0.4.1 \
+#     multiprocess==0.70.19 pyarrow==26.0.1 ctranslate2==4.8.5
+# and this script installs them into .site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/bench_gpu}
+PY=${PY:-python3}
+STEPS=${STEPS:-600}
+WARM=${WARM:-200}
+LINES=${LINES:-10000}
+mkdir -p "$OUT"
+: > "$OUT/parts.jsonl"
+export TMT_CACHE=${TMT_CACHE:-$PWD/$OUT/cache} PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
+  export PYTHONPATH=$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+# part NAME SECONDS COMMAND...: runs COMMAND under a time limit, its output in OUT/NAME.log
+part() {
+  local name=$1 limit=$2 start end rc
+  shift 2
+  start=$(date +%s.%N)
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  end=$(date +%s.%N)
+  printf '{"part": "%s", "rc": %d, "seconds": %s}\n' "$name" "$rc" \
+    "$(awk "BEGIN { print $end - $start }")" >> "$OUT/parts.jsonl"
+  echo "$name: exit $rc" >&2
+}
+
+# configs/base.yaml (en→de, as WMT14 there) on the bundled corpus instead of WMT14:
+BASE=(--config base --set data.source=multi30k --set data.train=train --set data.valid=val
+      --set data.test=test_2016_flickr --set data.num_proc=4)
+part tests 60 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+part train 130 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
+  --systems tmt,hf_marian --cold-steps "$STEPS" --warm-steps "$WARM" --warmup 0 --rounds 1
+tail -1 "$OUT/train.log" > "$OUT/train.json"
+part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
+part e2e 150 $PY scripts/bench_gpu.py e2e --out "$OUT"
+part decode 60 $PY scripts/bench_gpu.py decode --out "$OUT" --model "$OUT/multi30k" \
+  --lines "$LINES"
+part resume 30 $PY scripts/bench_gpu.py resume --out "$OUT"
+$PY scripts/bench_gpu.py table "$OUT" | tee "$OUT/table.txt"

@@ -1,0 +1,153 @@
+"""Settings a config leaves to the device: data.max_tokens and data.bucketing (chosen when a run
+starts, kept by its resumes, an explicit value always winning), decode.max_tokens (by free memory
+on CUDA), train.fused_loss and model.attention_backend. The choice for CUDA is a function of the
+device's type, tested here without one; what a GPU does with it is tests/test_gpu.py's."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import with_data
+from test_train import records, with_train
+
+from transformer_mt.common.exits import TmtError
+from transformer_mt.config import Config, load_config
+from transformer_mt.network import kernels
+from transformer_mt.training import device_defaults
+from transformer_mt.training.train import train
+from transformer_mt.translation import batch_budget
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def by_device(cfg: Config) -> Config:
+    """`cfg` leaving batch size and shapes to the device (configs/tiny.yaml names its size)."""
+    return with_data(cfg, max_tokens=0, bucketing="auto")
+
+
+def test_a_cpu_keeps_its_batches_and_cuda_gets_the_papers(tiny_cfg: Config) -> None:
+    cfg = by_device(tiny_cfg)
+    on_cpu = device_defaults.resolve(cfg, CPU, world_size=1)
+    assert (on_cpu.data.max_tokens, on_cpu.data.bucketing) == (4096, "off")
+    on_gpu = device_defaults.resolve(cfg, CUDA, world_size=1)
+    assert (on_gpu.data.max_tokens, on_gpu.data.bucketing) == (25000, "on")
+    # The paper's 25,000 tokens an update, shared by the ranks and the accumulated micro-batches.
+    assert device_defaults.resolve(cfg, CUDA, world_size=4).data.max_tokens == 6250
+    accumulated = with_train(cfg, update_freq=2)
+    assert device_defaults.resolve(accumulated, CUDA, world_size=8).data.max_tokens == 1563
+    # Never fewer than the longest pair needs.
+    assert device_defaults.resolve(cfg, CUDA, world_size=1000).data.max_tokens == 101
+    # Everything else stays as it was.
+    assert dataclasses.replace(on_gpu, data=cfg.data) == cfg
+
+
+def test_an_explicit_value_always_wins(tiny_cfg: Config) -> None:
+    explicit = with_data(tiny_cfg, max_tokens=777, bucketing="off")
+    assert device_defaults.resolve(explicit, CUDA, 1) == explicit
+    saved = with_data(tiny_cfg, max_tokens=2000, bucketing="on")
+    assert device_defaults.resolve(explicit, CUDA, 1, saved=saved) == explicit
+
+
+def test_a_resumed_run_keeps_its_own_whatever_the_device(tiny_cfg: Config) -> None:
+    cfg = by_device(tiny_cfg)
+    saved_on_gpu = with_data(tiny_cfg, max_tokens=25000, bucketing="on")
+    resumed = device_defaults.resolve(cfg, CPU, 1, saved=saved_on_gpu)
+    assert (resumed.data.max_tokens, resumed.data.bucketing) == (25000, "on")
+    # A run saved before tmt bucketed says auto: it packed exact lengths, and goes on so.
+    older = with_data(tiny_cfg, max_tokens=4096, bucketing="auto")
+    assert device_defaults.resolve(cfg, CUDA, 1, saved=older).data.bucketing == "off"
+
+
+def test_the_run_saves_what_it_chose_and_a_resume_keeps_it(
+    tiny_cfg: Config, tmp_path: Path
+) -> None:
+    cfg = with_train(by_device(tiny_cfg), out_dir=str(tmp_path), max_steps=2, save_every=2)
+    train(cfg)
+    saved = load_config(tmp_path / "config.yaml")
+    assert (saved.data.max_tokens, saved.data.bucketing) == (4096, "off")
+    # The same command again, extended: nothing counts as changed.
+    assert train(with_train(cfg, max_steps=4))["step"] == 4
+    # Bucketing asked for by name, on a run that packed exact lengths: another experiment.
+    with pytest.raises(TmtError, match="data.bucketing off -> on"):
+        train(with_train(with_data(cfg, bucketing="on"), max_steps=6))
+
+
+def test_train_dry_run_reports_the_choice_and_the_shapes(tiny_cfg: Config) -> None:
+    from transformer_mt.training import dry_run
+
+    cfg = by_device(tiny_cfg)
+    report = dry_run.dry_run(cfg)
+    assert (report["max_tokens"], report["bucketing"]) == (4096, "off")
+    assert 0 < report["batch_shapes"] <= report["batches"]
+    text = dry_run.format_report(report, cfg)
+    assert "max_tokens: 4096" in text and "bucketing: 'off'" in text
+    assert f"{report['batch_shapes']} shapes (data.bucketing=off)" in text
+    bucketed = dry_run.dry_run(with_data(cfg, bucketing="on"))
+    assert bucketed["batch_shapes"] <= report["batch_shapes"]
+
+
+def test_decoding_batches_by_device(tiny_cfg: Config) -> None:
+    def translator(device: torch.device, **decode: object) -> SimpleNamespace:
+        cfg = dataclasses.replace(tiny_cfg, decode=dataclasses.replace(tiny_cfg.decode, **decode))
+        return SimpleNamespace(config=cfg, device=device, tokenizer=SimpleNamespace(vocab_size=500))
+
+    assert tiny_cfg.decode.max_tokens == 0
+    assert batch_budget.batch_tokens(translator(CPU)) == 4096
+    assert batch_budget.batch_tokens(translator(CPU, max_tokens=60)) == 60
+    assert batch_budget.batch_tokens(translator(CUDA, max_tokens=60)) == 60  # no GPU asked
+
+
+def test_a_gpus_decoding_batch_is_what_half_its_free_memory_holds() -> None:
+    base = load_config("base")  # d_model 512, 6 decoder layers, beam 4
+    bf16 = dataclasses.replace(base, decode=dataclasses.replace(base.decode, precision="bf16"))
+    per_token = 4 * (6 * 2 * 512 * 2 * 2 * (1 + 50 / 16) + 37000) + 8 * 512 * 2
+    room = int(per_token * 10_000)
+    assert batch_budget.gpu_batch_tokens(room, bf16, 37000) == 10_000
+    # Bounded: never under the CPU's, never over 32,768 (a card's worth of long sentences).
+    assert batch_budget.gpu_batch_tokens(1, bf16, 37000) == 4096
+    assert batch_budget.gpu_batch_tokens(room * 100, bf16, 37000) == 32768
+    # A wider beam or float32 holds fewer.
+    beam8 = dataclasses.replace(bf16, decode=dataclasses.replace(bf16.decode, beam_size=8))
+    assert batch_budget.gpu_batch_tokens(room, beam8, 37000) < 10_000
+    assert batch_budget.gpu_batch_tokens(room, base, 37000) < 10_000
+
+
+def test_the_fused_loss_and_the_attention_kernels_by_device(tiny_cfg: Config) -> None:
+    assert not device_defaults.fused_loss(tiny_cfg, CPU)
+    assert device_defaults.fused_loss(tiny_cfg, CUDA)
+    fused_on = with_train(tiny_cfg, fused_loss="on")
+    assert device_defaults.fused_loss(fused_on, CPU)
+    assert not device_defaults.fused_loss(with_train(tiny_cfg, fused_loss="off"), CUDA)
+    assert kernels.attention_kernels("auto", CPU) is None  # PyTorch's own choice
+    names = [k.name for k in kernels.attention_kernels("auto", CUDA)]
+    assert names == ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]
+    cudnn = [k.name for k in kernels.attention_kernels("cudnn", CUDA)]
+    assert cudnn[0] == "CUDNN_ATTENTION" and sorted(cudnn) == sorted(names)
+
+
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_an_attention_kernel_named_on_a_cpu_trains_the_same_model(
+    tiny_cfg: Config, tmp_path: Path, backend: str
+) -> None:
+    cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, dropout=0.0))
+    cfg = with_train(cfg, max_steps=3, log_every=1, valid_every=0, save_every=0)
+    train(with_train(cfg, out_dir=str(tmp_path / "auto")))
+    chosen = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, attention_backend=backend)
+    )
+    train(with_train(chosen, out_dir=str(tmp_path / backend)))
+    auto = [r["loss"] for r in records(tmp_path / "auto") if "loss" in r]
+    named = [r["loss"] for r in records(tmp_path / backend) if "loss" in r]
+    assert len(auto) == 3 and named == pytest.approx(auto, rel=1e-5)
+    # It says how the model runs, not what it is: a model decodes with any other value.
+    from transformer_mt.translation.translate import load_translator
+
+    model = tmp_path / backend / "checkpoints" / "step_00000003"
+    other = "auto" if backend != "auto" else "math"
+    translator = load_translator(model, [f"model.attention_backend={other}"])
+    assert translator.config.model.attention_backend == other
+    assert translator.translate(["ein Hund"]) == load_translator(model, []).translate(["ein Hund"])

@@ -1,0 +1,78 @@
+"""The training settings a config leaves to the device, chosen when a run starts.
+
+data.max_tokens 0 and data.bucketing auto mean "what suits the device": on a CPU, 4,096 tokens a
+batch and exact lengths (every padding token costs arithmetic; shapes cost nothing); on CUDA, the
+paper's ~25,000 tokens an update (§5.1: "approximately 25000 source tokens and 25000 target
+tokens"), shared by the ranks, and bounded batch shapes (data/sampler.py: a GPU builds kernels
+and plans per shape). An explicit value always wins. A resumed run keeps the values it started
+with, whatever device resumes it, so that its batches stay the same.
+
+The chosen values are written into the run's config (config.yaml and every checkpoint): what the
+run trained with, which `tmt train --dry-run` and a resume read back, not what it was asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from transformer_mt.config import BY_DEVICE, Config
+from transformer_mt.data.sampler import ShapeBuckets
+
+logger = logging.getLogger(__name__)
+
+CPU_TOKENS = 4096  # data.max_tokens on a CPU: ~2,000 updates in 30 minutes on 2 cores (multi30k)
+PAPER_TOKENS = 25_000  # §5.1 tokens an update on CUDA, whatever the number of ranks
+
+
+def resolve(
+    cfg: Config, device: torch.device, world_size: int, saved: Config | None = None
+) -> Config:
+    """`cfg` with data.max_tokens and data.bucketing chosen where it leaves them to the device:
+    the `saved` run's values when resuming, else this device's (named in the log)."""
+    data = cfg.data
+    chosen = {}
+    if data.max_tokens == BY_DEVICE["data.max_tokens"]:
+        kept = saved.data.max_tokens if saved else 0
+        chosen["max_tokens"] = kept or tokens_for(cfg, device, world_size)
+    if data.bucketing == BY_DEVICE["data.bucketing"]:
+        kept = saved.data.bucketing if saved else "auto"
+        # A run saved before tmt bucketed (its config says auto) packed exact lengths.
+        chosen["bucketing"] = kept if kept != "auto" else "off" if saved else _bucketing_for(device)
+    if not chosen:
+        return cfg
+    why = "the run's own" if saved else f"for {device.type} × {world_size}"
+    logger.info("by device (%s): %s", why, ", ".join(f"data.{k}={v}" for k, v in chosen.items()))
+    return dataclasses.replace(cfg, data=dataclasses.replace(data, **chosen))
+
+
+def tokens_for(cfg: Config, device: torch.device, world_size: int) -> int:
+    """data.max_tokens for `device`: 4,096 on a CPU; on CUDA, each of `world_size` ranks' share
+    of the paper's 25,000 tokens an update (each micro-batch of train.update_freq its part);
+    never fewer than the longest pair needs."""
+    tokens = CPU_TOKENS
+    if device.type == "cuda":
+        tokens = -(-PAPER_TOKENS // (world_size * cfg.train.update_freq))
+    return max(tokens, cfg.data.max_len + 1)
+
+
+def _bucketing_for(device: torch.device) -> str:
+    return "on" if device.type == "cuda" else "off"
+
+
+def shape_buckets(cfg: Config) -> ShapeBuckets | None:
+    """The sampler's shape buckets of a resolved config (None: exact lengths)."""
+    data = cfg.data
+    if data.bucketing != "on":
+        return None
+    return ShapeBuckets(data.source_buckets, data.target_buckets, data.rows_multiple)
+
+
+def fused_loss(cfg: Config, device: torch.device) -> bool:
+    """train.fused_loss: auto is on with CUDA (no batch × vocabulary float32 log-probabilities
+    kept for the backward pass), off on a CPU (the reference loss, the golden values')."""
+    return cfg.train.fused_loss == "on" or (
+        cfg.train.fused_loss == "auto" and device.type == "cuda"
+    )
