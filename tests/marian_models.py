@@ -148,15 +148,24 @@ def derive_separate(multi: Path, out: Path, seed: int = 0) -> Path:
     weights = load_file(str(multi / "model.safetensors"))
     old_of = torch.tensor([i for _, i in sorted((n, o) for o, n in new_id.items())])
     shared = weights.pop("model.shared.weight")
-    weights["model.encoder.embed_tokens.weight"] = shared
-    weights["model.decoder.embed_tokens.weight"] = shared[old_of].clone()
-    weights["final_logits_bias"] = weights["final_logits_bias"][:, old_of].clone()
+    decoder, bias = shared[old_of].clone(), weights["final_logits_bias"][:, old_of].clone()
+    return _save_separate(model, weights, shared, decoder, bias, vocab, out)
+
+
+def _save_separate(model, weights, source, target, bias, vocab, out: Path) -> Path:
+    """A separate-vocabulary MarianMTModel with these embeddings and output bias, written as
+    transformers 4 wrote one: config, generation config, pytorch_model.bin (the state dict, tied
+    copies included, pickled)."""
+    import torch
+
+    weights["model.encoder.embed_tokens.weight"] = source
+    weights["model.decoder.embed_tokens.weight"] = target
+    weights["final_logits_bias"] = bias
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
     _generation(model, vocab["<pad>"], vocab["</s>"])
     model.generation_config.save_pretrained(str(out))
     model.config.save_pretrained(str(out))
-    # transformers 4's pytorch_model.bin: the state dict, tied copies included, pickled.
     torch.save(model.state_dict(), out / "pytorch_model.bin")
     return out
 
@@ -228,3 +237,46 @@ def random_marian(
     _generation(model, pad, eos, max_length=512)
     model.save_pretrained(str(out))
     return out
+
+
+def derive_apart(multi: Path, out: Path, seed: int = 0, extra: int = 40) -> Path:
+    """`multi`'s network as an OPUS-MT tc-big checkpoint with separate vocabularies whose
+    specials stand apart: the target vocabulary holds `extra` more entries (so its <pad>, the
+    last, is another id than the source's) and its </s> at another id (5); the config names the
+    source side's ids, as transformers' converter writes them (pad_token_id: the encoder's
+    vocabulary's last id; eos_token_id: the tokenizer's </s>, the source's), and generate decodes
+    with those: it starts from, bans and stops on those ids of the target vocabulary. Each target
+    piece keeps its embedding row; the extra rows are small random ones."""
+    import shutil
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    out.mkdir(parents=True)
+    for name in ("source.spm", "target.spm", "vocab.json"):
+        shutil.copy(multi / name, out / name)
+    vocab = json.loads((multi / "vocab.json").read_text())
+    pieces = sorted(vocab, key=vocab.get)
+    unused = [f"<unused{i}>" for i in range(extra)]
+    order = [p for p in pieces if p not in ("</s>", "<pad>")]
+    order.insert(5, "</s>")
+    order += [*unused, "<pad>"]
+    target_vocab = {piece: i for i, piece in enumerate(order)}
+    (out / "target_vocab.json").write_text(json.dumps(target_vocab))
+    _save_tokenizer(out, separate=True, langs=("en", "mul"))
+    config = transformers.MarianConfig.from_pretrained(str(multi))
+    config.share_encoder_decoder_embeddings = False
+    config.decoder_vocab_size = len(target_vocab)
+    model = transformers.MarianMTModel(config).eval()
+    weights = load_file(str(multi / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    shared = weights.pop("model.shared.weight")
+    bias = weights["final_logits_bias"]
+    rows = torch.randn(len(order), shared.size(1), generator=generator) * 0.02
+    new_bias = torch.full((1, len(order)), -4.0)
+    for piece, i in target_vocab.items():
+        if piece in vocab:
+            rows[i], new_bias[0, i] = shared[vocab[piece]], bias[0, vocab[piece]]
+    rows[vocab["<pad>"]] = shared[vocab["<pad>"]]  # what generate starts from: the pad's row
+    return _save_separate(model, weights, shared, rows, new_bias, vocab, out)

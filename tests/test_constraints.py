@@ -8,9 +8,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_search import BOS, EOS, PAD, WORDS, ToyState, all_outputs, sequence_score, toy_step
 
-from transformer_mt.network.constraints import Automata, constrained_beam_search
+from transformer_mt.network.automaton import Automata
+from transformer_mt.network.constraints import constrained_beam_search
 from transformer_mt.network.search import beam_search, length_penalty
 
 V = 6
@@ -168,3 +171,48 @@ def test_oracle_is_not_vacuous() -> None:
     assert missed >= 5
     assert math.isfinite(sequence_score(0, (4,), 0))
     assert WORDS == (3, 4, 5)
+
+
+def wanders(sentence, prefix, seed):
+    """A weak model: it says word 3 over and over and ends only near the limit; the terms'
+    words are unlikely, one of them (5) about e^-12 everywhere."""
+    logits = torch.tensor([0.0, 0.0, -4.0, 3.0, -2.0, -12.0])
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("terms", [[[[5, 5]]], [[[4]], [[5, 4, 5]]], [[[5, 5, 5], [4, 4]]]])
+def test_a_weak_model_at_the_length_limit_still_writes_every_term(k: int, terms) -> None:
+    """Issue 61, G1: the model would fill every position with 3 and meet the limit mid-term
+    ("lad" for lady); the search keeps the room the terms need, with every beam width, the
+    limit exactly as long as the shortest way to hold them (and longer)."""
+    need = sum(min(len(a) for a in alternatives) for alternatives in terms)
+    for limit in (need + 1, need + 3, 12):
+        hyps = constrained_beam_search(
+            toy_step(log_probs_of=wanders), ToyState([0]), [limit], [terms], BOS, EOS,
+            beam_size=k, nbest=min(k, 2), banned=(PAD, BOS),
+        )[0]  # fmt: skip
+        assert hyps, (limit, k)
+        for h in hyps:
+            assert holds(tuple(h.tokens), terms), (limit, k, h.tokens)
+            assert len(h.tokens) < limit
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 50), k=st.sampled_from([1, 2, 3]), slack=st.integers(0, 3),
+    terms=st.lists(st.lists(st.lists(st.sampled_from(WORDS), min_size=1, max_size=3),
+                            min_size=1, max_size=2), min_size=1, max_size=3),
+)  # fmt: skip
+def test_every_output_holds_its_terms_whenever_the_limit_has_room(seed, k, slack, terms) -> None:
+    """Property: for any toy model, beam and terms, a limit with room for the shortest output
+    that holds them gives outputs that all hold them."""
+    shortest = min((len(y) for y in all_outputs(7) if holds(y, terms)), default=None)
+    if shortest is None or shortest + 1 + slack > 7:
+        return
+    limit = shortest + 1 + slack
+    for hyps in constrained_beam_search(
+        toy_step(seed), ToyState([0, 1]), [limit, limit], [terms, terms], BOS, EOS,
+        beam_size=k, nbest=k, banned=(PAD, BOS),
+    ):  # fmt: skip
+        assert hyps and all(holds(tuple(h.tokens), terms) for h in hyps)

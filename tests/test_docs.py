@@ -104,3 +104,36 @@ def test_the_readme_is_one_screen_of_getting_started() -> None:
     linked = re.findall(r"\]\((docs/[^)#]+)", readme)
     assert {"docs/index.md", "docs/configuration.md"} <= set(linked)
     assert all((REPO / link).exists() for link in linked), linked
+
+
+def all_options(command: str) -> set[str]:
+    """Every spelling of every option of `tmt command`, short ones and hidden old ones too."""
+    click_command = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
+    return {o for p in click_command.params for o in [*p.opts, *p.secondary_opts]} | {"--help"}
+
+
+def documented_calls() -> list[tuple[str, str, str]]:
+    """(page, command, option) for each option of each `tmt COMMAND ...` the manual and the README
+    show, in code blocks and in `inline code` (comments after # aside)."""
+    found = []
+    for page in [*sorted(DOCS.glob("*.md")), REPO / "README.md"]:
+        text = page.read_text(encoding="utf-8")
+        calls = re.findall(r"(?m)^\s*(?:\S+=\S+\s+)*tmt (\w+)([^\n#]*)", text)
+        calls += re.findall(r"`tmt (\w+)([^`]*)`", text)
+        for command, rest in calls:
+            rest = re.split(r"&&|\|\||[|;<>]", rest)[0]  # up to the next command of a pipeline
+            if command not in PAGE_OF:
+                continue
+            for option in re.findall(r"(?:^|\s)(--?[a-zA-Z][\w-]*)", rest):
+                found.append((page.name, command, option))
+    return found
+
+
+def test_every_option_the_manual_shows_exists() -> None:
+    """The other direction (issue 61): an option the manual or the README gives a command is one
+    that command takes (docs/evaluate.md once showed `tmt evaluate ... -o FILE`)."""
+    calls = documented_calls()
+    assert len(calls) > 200, "the manual's commands must be found for this test to mean anything"
+    unknown = sorted({(page, f"tmt {command} {option}") for page, command, option in calls
+                      if option not in all_options(command)})  # fmt: skip
+    assert not unknown, unknown

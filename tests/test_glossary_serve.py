@@ -115,6 +115,14 @@ def test_stored_glossaries_as_deepl_keeps_them(served: Server) -> None:
         ({"colour": "red"}, 400, "colour: unknown field"),
         ({"name": ""}, 400, "name: missing"),
         ({"entries": "Mann\tguy\n" * 300}, 413, "serve.max_glossary_bytes"),
+        # Issue 61, SV-16: a tab in a quoted CSV field was stored, and given back as a TSV line
+        # of three fields that tmt's own reader refuses.
+        (
+            {"entries": 'Mann,"fel\tlow"\n', "entries_format": "csv"},
+            400,
+            "entries:1: a tab in the target",
+        ),
+        ({"entries": "Mann\tx | | y\n"}, 400, "entries:1: an empty alternative"),
     ],
 )
 def test_a_bad_glossary_is_refused_and_nothing_stored(served, change, status, message) -> None:
@@ -168,21 +176,36 @@ def test_a_restart_keeps_them_and_a_kill_mid_write_loses_only_that_one(
         assert third.stop() == 0
 
 
-def test_two_servers_share_a_directory(multi30k_run: Path, tmp_path: Path) -> None:
-    # Each glossary has one writer (its id is new): servers on one directory share them, as the
-    # keys of one DeepL account do; a deletion by one is seen by the other.
+def test_a_second_server_on_the_same_directory_is_refused(
+    multi30k_run: Path, tmp_path: Path
+) -> None:
+    """Issue 61, SV-27: one server holds a glossary directory (one could delete what the other
+    stores); a second is refused in one line, exit 2, and the first keeps serving its glossaries.
+    Once the first has stopped, the directory is free again."""
+    import cli_processes
+
     args = ("--set", f"serve.glossary_dir={tmp_path / 'shared'}")
-    one, two = Server(multi30k_run, *args), Server(multi30k_run, *args)
+    one = Server(multi30k_run, *args)
     try:
         gid = one.client.post("/v1/glossaries", json=STORED).json()["glossary_id"]
-        answer = two.client.post("/v1/translate", json={"text": SOURCES[:4], "glossary_id": gid})
+        second = cli_processes.run(["serve", "-m", str(multi30k_run), "--port", "0", *args],
+                                   timeout=120)  # fmt: skip
+        assert second.returncode == 2, second.stderr
+        errors = [line for line in second.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and "in use by another server" in errors[0], second.stderr
+        assert "serve.glossary_dir" in errors[0] and "Traceback" not in second.stderr
+        answer = one.client.post("/v1/translate", json={"text": SOURCES[:4], "glossary_id": gid})
         assert answer.status_code == 200 and "terms" in answer.json()
-        assert two.client.delete(f"/v1/glossaries/{gid}").status_code == 204
-        assert one.client.get(f"/v1/glossaries/{gid}").status_code == 404
         for bad in ("../../etc/passwd", "x" * 300, "%2e%2e"):
             assert one.client.get(f"/v1/glossaries/{bad}/entries").status_code == 404
     finally:
-        assert one.stop() == 0 and two.stop() == 0
+        assert one.stop() == 0
+    two = Server(multi30k_run, *args)  # the first has let it go
+    try:
+        assert [g["glossary_id"] for g in two.client.get("/v1/glossaries").json()["glossaries"]] \
+            == [gid]  # fmt: skip
+    finally:
+        assert two.stop() == 0
 
 
 # slow: make test keeps its promise with

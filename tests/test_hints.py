@@ -446,7 +446,16 @@ def test_terms_with_eflomal_finds_the_lexicon(terms_cfg: Config, tmp_path: Path)
     right = sum(entries.get(w, [""])[0] == f"{w[2:]}{w[:2]}x" for w in entries)
     assert len(entries) >= 30 and right / len(entries) > 0.9
     assert all(line.count("\t") == 2 for line in out.read_text().splitlines()[1:])
-    assert not out.with_name(out.name + terms.WORK_SUFFIX).exists()  # the chunks are cleaned
+    work = out.with_name(out.name + terms.WORK_SUFFIX)  # the chunks go, the record stays
+    assert [p.name for p in work.iterdir()] == ["done.json"]
+    # The same command again says it is done and writes nothing (issue 61, J1's rule).
+    stamp = out.stat().st_mtime_ns
+    again = terms.build(terms_cfg, out)
+    assert again["done"] and again["entries"] == len(entries) and out.stat().st_mtime_ns == stamp
+    other = apply_overrides(terms_cfg, ["data.terms.min_count=4"])
+    with pytest.raises(TmtError, match="a dictionary tmt terms made from other terms;"):
+        terms.build(other, out)
+    assert not terms.build(other, out, overwrite=True)["done"]
 
 
 def test_terms_resumes_after_a_kill(terms_cfg: Config, tmp_path: Path) -> None:
@@ -497,6 +506,18 @@ def test_terms_refuses_another_runs_work(terms_cfg: Config, tmp_path: Path) -> N
     (tmp_path / "notes").mkdir()
     with pytest.raises(TmtError, match="is a directory"):
         terms.build(terms_cfg, tmp_path / "notes", overwrite=True)
+
+
+def test_terms_of_no_pairs_is_refused_in_one_line_and_writes_nothing(
+    terms_cfg: Config, tmp_path: Path
+) -> None:
+    """Issue 61, TM-6: a corpus of 0 pairs gave exit 0 and a header-only dictionary."""
+    empty = write_parallel(tmp_path / "empty", [])
+    cfg = apply_overrides(terms_cfg, [f"data.train={empty}"])
+    out = tmp_path / "terms.tsv"
+    with pytest.raises(TmtError, match="no pairs to align; tmt terms wrote nothing"):
+        terms.build(cfg, out)
+    assert not out.exists() and not out.with_name(out.name + terms.WORK_SUFFIX).exists()
 
 
 def test_terms_with_a_models_alignments(terms_cfg: Config, trained_run: Path, tmp_path) -> None:

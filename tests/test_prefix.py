@@ -137,7 +137,8 @@ def test_a_job_resumed_with_another_prefix_file_is_refused(
     done = runner.invoke(app, [*args, "--prefix", str(first)])
     assert done.exit_code == 0 and "(1 translated before)" in done.stderr, done.output
     assert all(line.startswith("A") for line in out.read_text().splitlines())
-    assert not (tmp_path / f"out.en{bulk.JOB_SUFFIX}").exists()
+    job = tmp_path / f"out.en{bulk.JOB_SUFFIX}"
+    assert sorted(p.name for p in job.iterdir()) == [".lock", "done.json"]  # the record stays
 
 
 def test_a_prefix_file_is_read_as_the_input_is_and_never_overwritten(

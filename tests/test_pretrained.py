@@ -297,8 +297,8 @@ def _refusals() -> dict[str, tuple]:
     def pickle_text(d: Path) -> None:
         torch.save({"model.shared.weight": "not a tensor"}, d / "pytorch_model.bin")
 
-    def ids(d: Path) -> None:
-        _edit_config(d, eos_token_id=0)
+    def ids(d: Path) -> None:  # another id than the tokenizer's is taken (M2); none at all not
+        _edit_config(d, eos_token_id=100_000)
 
     return {
         "t5": (t5, "model_type 't5' (T5ForConditionalGeneration) is not a MarianMTModel"),
@@ -310,7 +310,7 @@ def _refusals() -> dict[str, tuple]:
         "shapes": (shapes, "fc1.weight has shape (192, 48), its config says (128, 48)"),
         "pickle with code": (pickle_code, "refused: holds more than tensors"),
         "pickle of text": (pickle_text, "refused: not a mapping of names to tensors"),
-        "special ids": (ids, "eos_token_id=0, but its tokenizer says 37"),
+        "special ids": (ids, "eos_token_id=100000, outside the decoder's vocabulary of"),
     }
 
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +34,9 @@ class Server:
     """`tmt serve` in a child process on port 0; its log collected, stopped at the end."""
 
     def __init__(self, model: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        if not any(arg.startswith("serve.glossary_dir=") for arg in args):
+            # One server holds a glossary directory: each test server a directory of its own.
+            args = (*args, "--set", f"serve.glossary_dir={tempfile.mkdtemp(prefix='tmt-g-')}")
         command = ["serve", "-m", str(model), "--port", "0", *args]
         self.process = cli_processes.popen(
             command, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,

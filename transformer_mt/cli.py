@@ -145,6 +145,7 @@ def translate(
     target_lang: flags.TargetLang = None,
     shortlist: flags.ShortlistFlag = None,
     glossary: flags.GlossaryFile = None,
+    glossary_mode: flags.GlossaryMode = None,
     glossary_report: flags.GlossaryReport = None,
     last: flags.Last = 0,
     best: flags.Best = 0,
@@ -163,13 +164,13 @@ def translate(
         set_, nbest=nbest, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device,
         precision=precision, engine=engine, sampling=sampling, temperature=temperature,
         seed=seed, alignment=alignment, target_lang=target_lang, glossary=glossary,
-        shortlist=shortlist,
+        glossary_mode=glossary_mode, shortlist=shortlist,
     )  # fmt: skip
     last = flags.renamed(last, old_last, "--last", "--average-last")
     translator = _load(flags.given_models(model, old_model), weights, overrides, last, best, by)
     if bulk.is_bulk(input_, output, prefix, glossary_report):
         report = bulk.translate_job(translator, input_, output, overwrite, prefix, glossary_report)
-        if "output" in report:  # rank 0
+        if "output" in report and not report["done"]:  # rank 0 (done: the job said so)
             typer.echo(f"tmt: {output}: {report['lines']} lines in {report['chunks']} chunks"
                        f" ({report['resumed_chunks']} translated before)", err=True)  # fmt: skip
         return
@@ -199,6 +200,7 @@ def evaluate(
     target_lang: flags.TargetLang = None,
     shortlist: flags.ShortlistFlag = None,
     glossary: flags.GlossaryFile = None,
+    glossary_mode: flags.GlossaryMode = None,
     last: flags.Last = 0,
     best: flags.Best = 0,
     by: flags.By = None,
@@ -216,7 +218,8 @@ def evaluate(
     translating = {"--weights": weights, "--last": last or old_last, "--best": best, "--by": by,
                    "--beam": beam, "--lenpen": lenpen, "--max-tokens": max_tokens,
                    "--device": device, "--precision": precision, "--engine": engine,
-                   "--target-lang": target_lang, "--shortlist": shortlist}  # fmt: skip
+                   "--target-lang": target_lang, "--shortlist": shortlist,
+                   "--glossary-mode": glossary_mode}  # fmt: skip
     lib.check_arguments(bool(hyp), bool(model or old_model), input_ is not None, ref is not None,
                         split is not None, translating, glossary is not None)  # fmt: skip
     split = split or "test"
@@ -228,6 +231,7 @@ def evaluate(
     overrides = flags.flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
         engine=engine, target_lang=target_lang, glossary=glossary, shortlist=shortlist,
+        glossary_mode=glossary_mode,
     )  # fmt: skip
     lib.check_split(split)  # before a model is loaded
     last = flags.renamed(last, old_last, "--last", "--average-last")

@@ -463,7 +463,9 @@ class GlossaryConfig:
     mode: Literal["strict", "check", "hint", "auto"] = "strict"
     beam: Count = 8  # the beam of constrained decoding (Post & Vilar's banks need room)
     case_sensitive: bool = False  # match sources with their case (default: case ignored)
-    max_source_words: Count = 10  # a longer source is refused
+    # Longer sources are skipped, counted in the log (0 = none: a trie matches any length at the
+    # cost of the words a line shares with the entry, whatever its length; DeepL takes them).
+    max_source_words: Number = 0
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,14 @@ GlossaryFile = Annotated[
         " (glossary.path; glossary.mode strict, check, hint or auto).",
     ),
 ]
+GlossaryMode = Annotated[
+    str | None,
+    typer.Option(
+        "--glossary-mode",
+        help="strict (every entry in every output: constrained search where needed), check"
+        " (report only), hint or auto (a model trained with hints) (glossary.mode).",
+    ),
+]
 GlossaryReport = Annotated[
     str | None,
     typer.Option(
@@ -168,7 +176,8 @@ GlossaryReport = Annotated[
     ),
 ]
 # Each flag is one override of decode.NAME (serve.NAME for host and port) unless named here.
-_KEYS = {"beam": "decode.beam_size", "lenpen": "decode.length_penalty", "glossary": "glossary.path"}
+_KEYS = {"beam": "decode.beam_size", "lenpen": "decode.length_penalty", "glossary": "glossary.path",
+         "glossary_mode": "glossary.mode"}  # fmt: skip
 
 
 def flag_overrides(set_: list[str] | None, **flags: Any) -> list[str | tuple[str, str]]:

@@ -6,8 +6,10 @@ CSV quotes): .csv files are read as CSV, .tsv ones as TSV, others by their first
 TSV). A target may offer alternatives separated by " | " (`Hund<TAB>dog | dogs`): any one
 satisfies the entry. Both sides are read as Unicode NFC; "# " lines before the first entry are a
 header. Refused in one line naming the file and line: a line without two fields, an empty side,
-a control character, the same source with two different targets (both lines named), a language
-pair that is not the model's, a source longer than glossary.max_source_words words.
+a control character (a tab or a line break inside a quoted CSV field among them), an empty
+alternative, the same source with two different targets (both lines named), a language pair that
+is not the model's. A source longer than glossary.max_source_words words (when set) is skipped and
+counted (Glossary.skipped), never a reason to refuse the file.
 
 Matching works on words: runs of letters, digits and marks, joined by inner hyphens (T-Shirt is
 one word, so `Shirt` does not fire inside it, nor `Mann` inside `Feuerwehrmann`); an apostrophe,
@@ -67,8 +69,13 @@ _ABOVE_LATIN = re.compile("[\u0300-\U0010ffff]")
 _SAME = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'", "`": "'", "\u2010": "-",
                        "\u2011": "-"})  # fmt: skip
 _TYPOGRAPHIC = re.compile("[\u2019\u2018\u02bc`\u2010\u2011]")  # what _SAME changes
-_BAR = re.compile(r"(?:^|\s)\|(?:\s|$)")  # " | " between alternatives (at an end: an empty one)
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+# " | " between alternatives: a bar with white space (or the text's end) on both sides, each bar
+# one separator, so "x | | y" and "hound |" have an empty alternative (refused alike).
+_BAR = re.compile(r"(?:(?<=\s)|^)\|(?=\s|$)")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # tabs and line breaks too
+# Turkish and Azerbaijani I: dotted İ and dotless ı match I and i, as a reader takes them
+# (casefold keeps İ's dot as a combining mark, and ı apart from i).
+_DOTTED_I = str.maketrans({"\u0130": "I", "\u0131": "i"})
 
 
 class Entry(NamedTuple):
@@ -96,6 +103,7 @@ class Glossary:
     name: str  # the file, or what gave the entries (a request)
     case_sensitive: bool = False
     sha256: str = ""  # of what was read, with the settings that change matching
+    skipped: int = 0  # entries left out: their source over glossary.max_source_words
     keys: list[list[str]] | None = field(default=None, repr=False)  # each source's (parse's)
     _trie: dict = field(default_factory=dict, repr=False)
 
@@ -122,6 +130,8 @@ class Glossary:
             text = unicodedata.normalize("NFC", text)
         if _TYPOGRAPHIC.search(text):  # translate is costly: only where it changes something
             text = text.translate(_SAME)
+        if not self.case_sensitive and ("\u0130" in text or "\u0131" in text):
+            text = text.translate(_DOTTED_I)
         text = text if self.case_sensitive else text.casefold()
         return _words_of(text).findall(text)
 
@@ -217,7 +227,7 @@ def capitalised(target: str) -> str:
 def load(
     path: str | Path,
     case_sensitive: bool = False,
-    max_source_words: int = 10,
+    max_source_words: int = 0,
     pair: tuple[str, str] | None = None,
 ) -> Glossary:
     """The glossary of a file (cached by content and settings); `pair`: the model's (source,
@@ -257,7 +267,7 @@ def parse(
     kind: str,
     name: str,
     case_sensitive: bool = False,
-    max_source_words: int = 10,
+    max_source_words: int = 0,
     pair: tuple[str, str] | None = None,
 ) -> Glossary:
     """A glossary from TSV or CSV text (`kind`), every line checked; errors name `name`:line."""
@@ -291,14 +301,15 @@ def _parse(
     sources: list[list[str]] = []
     seen: dict[tuple[str, ...], Entry] = {}
     probe = Glossary([], name, case_sensitive)
+    skipped = 0
     for line, fields in rows:
         entry = _entry(fields, kind, name, line, pair)
         keys = tuple(probe._keys(entry.source))
         if not keys:
             raise TmtError(f"{name}:{line}: the source {entry.source!r} has no word to match")
-        if len(keys) > max_source_words:
-            raise TmtError(f"{name}:{line}: the source has {len(keys)} words; at most"
-                           f" {max_source_words} (glossary.max_source_words)")  # fmt: skip
+        if max_source_words and len(keys) > max_source_words:
+            skipped += 1  # glossary.max_source_words: left out, counted
+            continue
         earlier = seen.get(keys)
         if earlier is not None:
             if earlier.targets != entry.targets:
@@ -313,14 +324,14 @@ def _parse(
     settings = f"{kind}|{case_sensitive}|{max_source_words}|{pair}".encode()
     raw = data if isinstance(data, bytes) else data.encode()
     digest = hashlib.sha256(raw + b"\0" + settings).hexdigest()
-    return Glossary(entries, name, case_sensitive, sha256=digest, keys=sources)
+    return Glossary(entries, name, case_sensitive, sha256=digest, keys=sources, skipped=skipped)
 
 
 def from_pairs(
     pairs: Sequence[Sequence[str]],
     name: str,
     case_sensitive: bool = False,
-    max_source_words: int = 10,
+    max_source_words: int = 0,
 ) -> Glossary:
     """A glossary of [source, target] pairs (a request's inline glossary), checked as a file's:
     `name`:N names the N-th pair."""
@@ -360,9 +371,10 @@ def _csv_rows(text: str, name: str) -> Iterable[tuple[int, list[str]]]:
     while start < len(lines) and lines[start].startswith("# "):
         start += 1
     reader = csv.reader(io.StringIO("\n".join(lines[start:])), strict=True)
+    ended = 0  # the line the previous record ended on: a quoted field may span lines
     try:
         for fields in reader:
-            number = reader.line_num + start
+            number, ended = ended + 1 + start, reader.line_num
             if not fields or not "".join(fields).strip():
                 continue
             if len(fields) not in (2, 4):
@@ -381,11 +393,15 @@ def _entry(
         if not value:
             raise TmtError(f"{name}:{line}: the {side} is empty")
         if _CONTROL.search(value):
-            raise TmtError(f"{name}:{line}: a control character in the {side}")
-    if "|" in target:
-        targets = tuple(dict.fromkeys(t.strip() for t in _BAR.split(target)))
-        if not all(_WORDS.search(t) for t in targets):
+            what = {"\t": "a tab", "\n": "a line break", "\r": "a line break"}.get(
+                _CONTROL.search(value).group(), "a control character"
+            )
+            raise TmtError(f"{name}:{line}: {what} in the {side}")
+    if _BAR.search(target):
+        parts = [t.strip() for t in _BAR.split(target)]
+        if not all(_WORDS.search(t) for t in parts):
             raise TmtError(f"{name}:{line}: an empty alternative in the target {target!r}")
+        targets = tuple(dict.fromkeys(parts))
     elif _WORDS.search(target):
         targets = (target,)
     else:
@@ -411,17 +427,20 @@ def _nfc(text: str) -> str:
 def report(line: int, text: str, matches: Sequence[Match], terms: Sequence | None) -> dict:
     """The glossary report of one input line (tmt translate --glossary-report, the server's
     "terms"): per entry it matched, where (characters of the input line), the entry, the
-    alternative the output uses (None: none), whether it does, and whether constrained decoding
-    put it there. `terms`: the best hypothesis's (search.Hypothesis.terms)."""
-    uses = list(terms) if terms else [(-1, False)] * len(matches)
+    alternative the output uses (None: none), whether it does, whether constrained decoding wrote
+    it (the line's first translation missed an entry: this output is the constrained search's),
+    and for an entry strict could not place, `missed`: why. `terms`: the best hypothesis's
+    (search.Hypothesis.terms: (alternative, forced, why missed) per entry)."""
+    uses = list(terms) if terms else [(-1, False, "")] * len(matches)
     return {
         "line": line,
         "terms": [
             {"source": m.entry.source, "matched": text[m.start : m.end], "start": m.start,
              "end": m.end, "target": m.entry.target,
-             "alternative": m.entry.targets[alt] if alt >= 0 else None,
-             "used": alt >= 0, "forced": bool(forced)}
-            for m, (alt, forced) in zip(matches, uses, strict=True)
+             "alternative": m.entry.targets[use[0]] if use[0] >= 0 else None,
+             "used": use[0] >= 0, "forced": bool(use[1]),
+             **({"missed": use[2]} if len(use) > 2 and use[2] else {})}
+            for m, use in zip(matches, uses, strict=True)
         ],
     }  # fmt: skip
 

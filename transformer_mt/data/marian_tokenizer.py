@@ -52,6 +52,11 @@ DEFAULTS: dict[str, Any] = {
     # transformers 5 saves the special tokens with fixed ids (tokenizer_config.json's
     # added_tokens_decoder), which the source side's encoding takes over the vocabulary's.
     "added_token_ids": {},
+    # The decoder's </s> and <pad> (its start and the id it never writes) where the model's
+    # config names other ids than the target vocabulary's own (a tc-big checkpoint with separate
+    # vocabularies: transformers' converter writes the source side's, and generate decodes with
+    # them): {"eos": id, "pad": id}; empty for the vocabulary's own (and not packed then).
+    "decoder_ids": {},
 }
 
 
@@ -63,10 +68,10 @@ def is_marian(data: bytes) -> bool:
 def pack(files: Mapping[str, bytes], settings: Mapping[str, Any]) -> bytes:
     """The one byte string of a tokenizer's files and settings: the same input, the same bytes."""
     names = [name for name in FILES if name in files]
-    header = {
-        "files": [[name, len(files[name])] for name in names],
-        "settings": {key: settings.get(key, value) for key, value in DEFAULTS.items()},
-    }
+    chosen = {key: settings.get(key, value) for key, value in DEFAULTS.items()}
+    if not chosen["decoder_ids"]:  # the tokenizers of earlier tmt, byte for byte
+        del chosen["decoder_ids"]
+    header = {"files": [[name, len(files[name])] for name in names], "settings": chosen}
     return (
         MAGIC
         + json.dumps(header, sort_keys=True).encode()
@@ -135,6 +140,14 @@ class MarianTokenizer:
         )
         self.source_eos_id, self.source_unk_id, self.source_pad_id = (
             special[n]["source"] for n in ("eos", "unk", "pad"))  # fmt: skip
+        decoder = self.settings["decoder_ids"]
+        if decoder:  # the config's ids on the decoder's side (DEFAULTS says when)
+            size = len(self._pieces["target"])
+            if not (isinstance(decoder, dict) and set(decoder) <= {"eos", "pad"} and all(
+                    isinstance(v, int) and 0 <= v < size for v in decoder.values())):  # fmt: skip
+                raise TmtError(f"{origin}: damaged Marian tokenizer (decoder ids {decoder!r})")
+            self.eos_id = decoder.get("eos", self.eos_id)
+            self.pad_id = decoder.get("pad", self.pad_id)
         self.vocab_size = len(self._pieces["target"])
         self.source_vocab_size = len(self._pieces["source"])
         self.special_tokens = [self.settings[f"{n}_token"] for n in ("eos", "unk", "pad")] + [
@@ -243,14 +256,25 @@ class MarianTokenizer:
         return out
 
     def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
-        """Text of each target id sequence, special tokens dropped (<unk> too), as
-        MarianTokenizer.batch_decode(skip_special_tokens=True) writes it."""
-        skip = {self.piece_to_id(t) for t in self.special_tokens}
+        """Text of each target id sequence as MarianTokenizer.batch_decode(skip_special_tokens=
+        True) writes it: the ids of the special tokens dropped (<unk> too: their ids as the
+        tokenizer reads them, the source side's), a special token the target side still holds
+        at another id written as it is, the rest by the target's sentencepiece model."""
+        skip = {self.piece_to_id(t, "source") for t in self.special_tokens}
+        if not self.settings["decoder_ids"]:  # one place for each special: the target's own
+            skip = {self.piece_to_id(t) for t in self.special_tokens}
+        special = set(self.special_tokens)
         processor, clean = self._spm["target"], self.settings["clean_up_tokenization_spaces"]
         texts = []
         for seq in ids:
-            pieces = [self.id_to_piece(int(t)) for t in seq if int(t) not in skip]
-            text = processor.decode_pieces(pieces).replace(_WORD_START, " ").strip()
+            text, pieces = "", []
+            for piece in (self.id_to_piece(int(t)) for t in seq if int(t) not in skip):
+                if piece in special:  # transformers writes it between sentencepiece's runs
+                    text += processor.decode_pieces(pieces) + piece + " "
+                    pieces = []
+                else:
+                    pieces.append(piece)
+            text = (text + processor.decode_pieces(pieces)).replace(_WORD_START, " ").strip()
             for old, new in _CLEAN_UP if clean else ():
                 text = text.replace(old, new)
             texts.append(text)

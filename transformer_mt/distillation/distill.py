@@ -36,6 +36,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -257,6 +258,7 @@ class _Distillation:
         report = bulk.translate_job(teacher, str(source), str(output), overwrite=not job.exists())
         self.manifest.setdefault("translations", {})[str(i)] = files.sha256_file(output)  # by i
         self._record("translations", self.manifest["translations"])
+        shutil.rmtree(job, ignore_errors=True)  # distill.json records it now: the job's record goes
         logger.info("teacher: %d lines, %d chunks resumed", report["lines"],
                     report["resumed_chunks"])  # fmt: skip
         return int(report["resumed_chunks"])

@@ -98,6 +98,8 @@ def read_tokenizer(source: Path) -> marian_tokenizer.MarianTokenizer:
     for key, default in marian_tokenizer.DEFAULTS.items():
         if key == "added_token_ids":
             chosen[key] = _added_ids(settings)
+        elif key == "decoder_ids":  # tmt's, from the model's config (decoder_side)
+            continue
         elif key == "additional_special_tokens":
             value = settings.raw(key) or []
             if not isinstance(value, list):
@@ -206,6 +208,33 @@ def tmt_config(
     except TmtError as err:
         raise TmtError(f"{where}: not a model tmt can hold ({err})") from None
     return cfg, generation
+
+
+def decoder_side(
+    where: Path, hf: Fields, tokenizer: marian_tokenizer.MarianTokenizer
+) -> marian_tokenizer.MarianTokenizer:
+    """The tokenizer with the decoder's </s> and <pad> the config names, where they are not the
+    target vocabulary's own (an OPUS-MT tc-big checkpoint with separate vocabularies: the
+    converter writes the source side's ids, and generate starts from, bans and stops on those):
+    tmt decodes as generate does. Each must be an id of the decoder's vocabulary; the decoder
+    starts from <pad>, as every Marian model does."""
+    size = tokenizer.vocab_size
+    pad = hf.integer("pad_token_id", tokenizer.pad_id, minimum=0)
+    eos = hf.integer("eos_token_id", tokenizer.eos_id, minimum=0)
+    start = hf.integer("decoder_start_token_id", pad, minimum=0)
+    for key, value in (("pad_token_id", pad), ("eos_token_id", eos)):
+        if value >= size:
+            raise TmtError(f"{where}: {key}={value}, outside the decoder's vocabulary of {size}")
+    if start != pad:
+        raise TmtError(f"{where}: decoder_start_token_id={start}, but pad_token_id={pad}: a"
+                       " Marian decoder starts from <pad>")  # fmt: skip
+    if (pad, eos) == (tokenizer.pad_id, tokenizer.eos_id):
+        return tokenizer
+    decoder = {k: v for k, v in (("eos", eos), ("pad", pad))
+               if v != getattr(tokenizer, f"{k}_id")}  # fmt: skip
+    files, settings = marian_tokenizer.unpack(tokenizer.model_bytes, str(where.parent))
+    packed = marian_tokenizer.pack(files, settings | {"decoder_ids": decoder})
+    return marian_tokenizer.MarianTokenizer(packed, origin=str(where.parent))
 
 
 def check_ids(where: Path, hf: Fields, tokenizer: marian_tokenizer.MarianTokenizer) -> None:

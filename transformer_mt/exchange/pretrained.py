@@ -73,7 +73,9 @@ def _import(
     _check_native(source)
     hf_config = marian_config.read(source / "config.json")
     marian_config.check_architecture(source, hf_config)
-    tokenizer = marian_config.read_tokenizer(source)
+    tokenizer = marian_config.decoder_side(
+        source / "config.json", hf_config, marian_config.read_tokenizer(source)
+    )
     cfg, generation = marian_config.tmt_config(source, hf_config, tokenizer, src_lang, tgt_lang)
     weights, weight_files = _read_weights(source)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # shapes only

@@ -6,11 +6,9 @@ The method is dynamic beam allocation (Post & Vilar 2018) vectorised over the ba
 (2019) do it, with these choices:
 
 - Where a hypothesis stands is an Aho-Corasick automaton per sentence over all its entries'
-  alternatives (one node space for the batch): `node` per row, the longest end of the output that
-  begins an alternative, and `met` (rows, entries), the entries whose alternative has appeared.
-  Both are tensors reordered with the beam, as the decoder's cache is. A transition is one
-  look-up in a sorted table of (node, token) keys; a token no alternative holds returns to the
-  root.
+  alternatives (automaton.py, one node space for the batch): `node` per row, the longest end of
+  the output that begins an alternative, and `met` (rows, entries), the entries whose alternative
+  has appeared. Both are tensors reordered with the beam, as the decoder's cache is.
 - Candidates per row: its k best tokens by the model, plus every token of its sentence's
   alternatives (Hu et al.'s constraint tokens; one that is among the k best counts once).
 - Banks: a candidate's progress is the tokens of the entries it has met (each entry counted by
@@ -20,9 +18,14 @@ The method is dynamic beam allocation (Post & Vilar 2018) vectorised over the ba
   the first k finishes its hypothesis, as in search.beam_search.
 - EOS is blocked until every entry is met; after a token that completes an entry, a piece that
   would continue the word (no word-start mark, a letter or digit first: `continues`) is blocked
-  for one step, so the term ends as a whole word. At a sentence's maximum length EOS is forced
-  as always: a hypothesis that got there unmet is kept apart and returned only when no satisfied
-  one was found (the caller makes room: decoding.py lengthens the limit by the terms' lengths).
+  for one step, so the term ends as a whole word.
+- Room: a hypothesis never takes a token that leaves it fewer positions before its sentence's
+  length limit than its unmet entries still need (automaton.Automata.needed), so every
+  hypothesis that can meet them does, however weak the model (one that would wander to the limit
+  mid-term is steered into the terms while there is room). The caller makes room: decoding.py
+  lengthens the limit by the terms' lengths. At the limit EOS is forced as always: a hypothesis
+  that never had the room (terms longer than the limit allows) is kept apart and returned only
+  when no satisfied one was found.
 
 With a beam as wide as every candidate, nothing is pruned and the result is the exact best
 satisfying output (tests/test_constraints.py checks it against exhaustive search).
@@ -32,11 +35,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from transformer_mt.data import glossary as glossaries
 from transformer_mt.data.tokenizer import Tokenizer
+from transformer_mt.network.automaton import Automata, Terms
 from transformer_mt.network.maxima import ranked
 from transformer_mt.network.search import (
     STOPPING_RULES,
@@ -49,121 +54,6 @@ from transformer_mt.network.search import (
     _mask,
     length_penalty,
 )
-
-# Per sentence: its entries; per entry: its alternatives; per alternative: token ids.
-Terms = Sequence[Sequence[Sequence[int]]]
-
-
-class Automata:
-    """The Aho-Corasick automata of a batch's sentences, one node space, as tensors."""
-
-    def __init__(self, sentences: Sequence[Terms], vocab: int, device: torch.device | str) -> None:
-        self.vocab = vocab
-        entries = max([len(terms) for terms in sentences] + [1])
-        roots, root_of, depth, completes, starts = [], [], [], [], []
-        keys, values, alphabets = [], [], []
-        lengths = torch.zeros(len(sentences), entries, dtype=torch.long)
-        for s, terms in enumerate(sentences):
-            offset = len(depth)
-            roots.append(offset)
-            nodes = _automaton(terms)
-            for node in nodes:
-                root_of.append(offset)
-                depth.append(node.depth)
-                completes.append(node.completes)
-                starts.append(node.starts)
-                for token, target in sorted(node.delta.items()):
-                    keys.append((offset + node.index) * vocab + token)
-                    values.append(offset + target)
-            for e, alternatives in enumerate(terms):
-                lengths[s, e] = min(len(a) for a in alternatives)
-            alphabets.append(sorted({t for alternatives in terms for a in alternatives for t in a}))
-        self.root = torch.tensor(roots, dtype=torch.long, device=device)  # (n,)
-        self.root_of = torch.tensor(root_of, dtype=torch.long, device=device)  # (nodes,)
-        self.depth = torch.tensor(depth, dtype=torch.long, device=device)
-        self.completes = _bits(completes, entries, device)  # (nodes, E)
-        self.starts = _bits(starts, entries, device)  # (nodes, E): starts an alternative of e
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        self.keys = torch.tensor([keys[i] for i in order], dtype=torch.long, device=device)
-        self.values = torch.tensor([values[i] for i in order], dtype=torch.long, device=device)
-        self.real = torch.tensor(  # (n, E): the entries each sentence has
-            [[e < len(terms) for e in range(entries)] for terms in sentences], device=device
-        )
-        self.lengths = lengths.to(device)  # (n, E): an entry's shortest alternative
-        width = max([len(a) for a in alphabets] + [1])
-        self.alphabet = torch.full((len(sentences), width), -1, dtype=torch.long)  # (n, G)
-        for s, tokens in enumerate(alphabets):
-            self.alphabet[s, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        self.alphabet = self.alphabet.to(device)
-        # Above every bank: all entries' tokens and the deepest node.
-        self.banks = int(lengths.sum(dim=1).max()) + max(depth) + 1
-
-    def step(self, node: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The node after each of `tokens` (r, K) from `node` (r,)."""
-        if len(self.keys) == 0:
-            return self.root_of[node][:, None].expand_as(tokens)
-        key = node[:, None] * self.vocab + tokens.clamp(min=0)
-        at = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)
-        return torch.where(self.keys[at] == key, self.values[at], self.root_of[node][:, None])
-
-    def progress(
-        self, sentence: torch.Tensor, node: torch.Tensor, met: torch.Tensor
-    ) -> torch.Tensor:
-        """Tokens of progress (bank) of each candidate: sentence, node (...), met (..., E)."""
-        real, lengths = self.real[sentence], self.lengths[sentence]
-        done = (met & real).long().mul(lengths).sum(dim=-1)
-        partial = (self.starts[node] & ~met & real).any(dim=-1)
-        return done + torch.where(partial, self.depth[node], 0)
-
-
-class _Node:
-    def __init__(self, index: int, depth: int) -> None:
-        self.index, self.depth = index, depth
-        self.children: dict[int, int] = {}
-        self.delta: dict[int, int] = {}  # token -> node, where not the root
-        self.completes: set[int] = set()  # entries an alternative of which ends here
-        self.starts: set[int] = set()  # entries an alternative of which begins with this node
-        self.fail = 0
-
-
-def _automaton(terms: Terms) -> list[_Node]:
-    """One sentence's Aho-Corasick automaton over its entries' alternatives (node 0: the root):
-    goto, failure links, the full transition function over the alternatives' tokens, and at each
-    node the entries it completes (its own and its failure chain's)."""
-    nodes = [_Node(0, 0)]
-    for entry, alternatives in enumerate(terms):
-        for alternative in alternatives:
-            at = nodes[0]
-            for token in alternative:
-                if token not in at.children:
-                    nodes.append(_Node(len(nodes), at.depth + 1))
-                    at.children[token] = nodes[-1].index
-                at = nodes[at.children[token]]
-                at.starts.add(entry)
-            at.completes.add(entry)
-    alphabet = sorted({t for alternatives in terms for a in alternatives for t in a})
-    queue = [0]
-    for u in queue:  # breadth first: a node's failure is shallower, so done before it
-        node = nodes[u]
-        if u:
-            node.completes |= nodes[node.fail].completes
-        for token in alphabet:
-            if token in node.children:
-                target = node.children[token]
-                nodes[target].fail = nodes[node.fail].delta.get(token, 0) if u else 0
-                queue.append(target)
-            else:
-                target = nodes[node.fail].delta.get(token, 0) if u else 0
-            if target:
-                node.delta[token] = target
-    return nodes
-
-
-def _bits(sets: list[set[int]], width: int, device: torch.device | str) -> torch.Tensor:
-    out = torch.zeros(len(sets), width, dtype=torch.bool)
-    for row, members in enumerate(sets):
-        out[row, list(members)] = True
-    return out.to(device)
 
 
 def constrained_beam_search(
@@ -186,43 +76,129 @@ def constrained_beam_search(
 ) -> list[list[Hypothesis]]:
     """search.beam_search's contract, each output holding its sentence's `terms` (one
     alternative of every entry; the module docstring says how). `continues` (V,) bool: the
-    pieces that would continue a word, blocked right after a term.
-
-    Longer than 60 lines for beam_search's reason: one step is one algorithm over shared tensors.
-    """
+    pieces that would continue a word, blocked right after a term."""
     if early_stopping not in STOPPING_RULES:
         raise ValueError(f"early_stopping {early_stopping!r}: expected one of {STOPPING_RULES}")
     forcing = _Forcing(max_lengths, prefixes, eos_id, device)
-    n, k, steps, limits = len(max_lengths), beam_size, forcing.steps, forcing.limits
+    n, k, limits = len(max_lengths), beam_size, forcing.limits
     bound_lp = [float(length_penalty(length, alpha, form)) for length in limits.tolist()]
     bound_lp = torch.tensor(bound_lp, dtype=torch.float64, device=device)
-    live = torch.arange(n, device=device)  # sentence of each live sentence
-    width = 1
-    tokens = torch.full((n,), bos_id, dtype=torch.long, device=device)
-    history = torch.zeros(n, steps, dtype=torch.long, device=device)  # (N·width, T)
-    beam_scores = torch.zeros(n, width, device=device)
-    auto = node = met = None  # the automata, each row's node (N·w,) and met entries (N·w, E)
-    guard = torch.zeros(n, dtype=torch.bool, device=device)  # a term just ended in this row
-    satisfied, unmet = _Finished(n, k, steps, device), _Finished(n, 1, steps, device)
-    beams = torch.arange(k, device=device)
-    for t in range(1, steps + 1):
-        log_probs, state = step_fn(tokens, state)  # (N·width, V)
+    beams = _Beams.start(n, forcing.steps, bos_id, device)
+    satisfied = _Finished(n, k, forcing.steps, device)
+    unmet = _Finished(n, 1, forcing.steps, device)  # the best unmet: where no output can hold all
+    auto = None
+    for t in range(1, forcing.steps + 1):
+        log_probs, state = step_fn(beams.tokens, state)  # (N·width, V)
         if auto is None:  # the vocabulary is the model's output width
             auto = Automata(terms, log_probs.size(-1), device)
-            node = auto.root.clone()
-            met = torch.zeros(n, auto.real.size(1), dtype=torch.bool, device=device)
-        forced = forcing.tokens(live, t, width)
+            beams.node, beams.met = auto.root.clone(), auto.real.new_zeros(auto.real.shape)
+        forced = forcing.tokens(beams.live, t, beams.width)
         log_probs = _mask(log_probs, banned, forced)
         if forced_eos == "zero":
-            forcing.zero_eos(log_probs, live, t, width)
-        row_sentence = live.repeat_interleave(width)  # (N·width,)
+            forcing.zero_eos(log_probs, beams.live, t, beams.width)
+        moves = _Moves.of(auto, beams, log_probs, forced, eos_id, continues, k)
+        moves.keep_room(auto, beams, limits, t, free=forced < 0)
+        order = _striped(moves.scores.view(len(beams.live), -1), moves.bank, auto.banks)
+        penalty = float(length_penalty(t, alpha, form))
+        moves.finish(order, beams, auto, satisfied, unmet, penalty, t, k)
+        source_row = beams.advance(moves, order, k, t)
+        horizon_lp = {"bound": bound_lp[beams.live], "current": penalty}.get(early_stopping)
+        done = _done(satisfied, beams.live, beams.scores, limits[beams.live], t=t, k=k,
+                     horizon_lp=horizon_lp)  # fmt: skip
+        keep = (~done).nonzero().squeeze(1)  # the one host sync of a step
+        if len(keep) == 0:
+            break
+        kept_rows = beams.keep(keep, k)
+        state.reorder(source_row[kept_rows], k)
+    found, fallback = satisfied.best(nbest), unmet.best(1)
+    return [hyps or spare for hyps, spare in zip(found, fallback, strict=True)]
+
+
+class _Beams:
+    """The live hypotheses of a constrained search: each row's last token, output so far,
+    score, automaton node, met entries and whether a term just ended in it; rows `width` to a
+    live sentence."""
+
+    def __init__(self, live: torch.Tensor, tokens: torch.Tensor, history: torch.Tensor,
+                 scores: torch.Tensor) -> None:  # fmt: skip
+        self.live, self.tokens, self.history, self.scores = live, tokens, history, scores
+        self.width = 1
+        self.node = self.met = torch.zeros(0)  # set once the vocabulary is known
+        self.guard = torch.zeros(len(live), dtype=torch.bool, device=live.device)
+
+    @classmethod
+    def start(cls, n: int, steps: int, bos_id: int, device: torch.device | str) -> _Beams:
+        live = torch.arange(n, device=device)  # sentence of each live sentence
+        tokens = torch.full((n,), bos_id, dtype=torch.long, device=device)
+        history = torch.zeros(n, steps, dtype=torch.long, device=device)  # (N·width, T)
+        return cls(live, tokens, history, torch.zeros(n, 1, device=device))
+
+    @property
+    def row_sentence(self) -> torch.Tensor:
+        return self.live.repeat_interleave(self.width)  # (N·width,)
+
+    def advance(self, moves: _Moves, order: torch.Tensor, k: int, t: int) -> torch.Tensor:
+        """The first k valid non-EOS candidates of each sentence live on (fewer: -inf beams fill
+        the rest); the row each came from (m·k,)."""
+        m, cand_count, device = len(self.live), moves.candidates.size(1), self.live.device
+        scores_sorted = moves.scores.view(m, -1).gather(1, order)
+        valid = scores_sorted > -math.inf
+        eos_sorted = moves.is_eos.view(m, -1).gather(1, order) & valid
+        keep_rank = _first_true(valid & ~eos_sorted, k)  # (m, k) positions, -1 where none
+        have = keep_rank >= 0
+        pick = keep_rank.clamp(min=0)
+        chosen = order.gather(1, pick)  # (m, k) candidate index within the sentence
+        self.scores = scores_sorted.gather(1, pick).masked_fill(~have, -math.inf)
+        source_row = torch.arange(m, device=device)[:, None] * self.width + chosen // cand_count
+        flat = chosen.view(-1) % cand_count + source_row.view(-1) * cand_count
+        source_row = source_row.view(-1)  # (m·k,)
+        entries = self.met.size(1)
+        self.tokens = moves.candidates.view(-1)[flat]
+        new_met = moves.next_met.view(-1, entries)[flat]
+        self.guard = (moves.reached.view(-1, entries)[flat] & ~self.met[source_row]).any(dim=1)
+        self.node, self.met = moves.next_node.view(-1)[flat], new_met
+        self.history = self.history[source_row]
+        self.history[:, t - 1] = self.tokens
+        self.width = k
+        return source_row
+
+    def keep(self, keep: torch.Tensor, k: int) -> torch.Tensor:
+        """Only the sentences `keep` (indices into live) stay; their rows (len(keep)·k,)."""
+        beams = torch.arange(k, device=keep.device)
+        rows = (keep[:, None] * k + beams).view(-1)
+        self.live, self.scores = self.live[keep], self.scores[keep]
+        self.tokens, self.history = self.tokens[rows], self.history[rows]
+        self.node, self.met, self.guard = self.node[rows], self.met[rows], self.guard[rows]
+        return rows
+
+
+@dataclass
+class _Moves:
+    """One step's candidates of every live row (N·w, K): each row's k best tokens and its
+    sentence's term tokens (once), their scores, the automaton state each leads to and its
+    bank."""
+
+    candidates: torch.Tensor  # (N·w, K) token ids
+    scores: torch.Tensor  # (N·w, K) the hypothesis's score with the token
+    next_node: torch.Tensor  # (N·w, K)
+    next_met: torch.Tensor  # (N·w, K, E)
+    reached: torch.Tensor  # (N·w, K, E) the entries the token completes
+    is_eos: torch.Tensor  # (N·w, K)
+    bank: torch.Tensor  # (m, w·K) progress in tokens
+
+    @classmethod
+    def of(
+        cls, auto: Automata, beams: _Beams, log_probs: torch.Tensor, forced: torch.Tensor,
+        eos_id: int, continues: torch.Tensor | None, k: int,
+    ) -> _Moves:  # fmt: skip
+        row_sentence, met = beams.row_sentence, beams.met
         free = forced < 0
         all_met = (met | ~auto.real[row_sentence]).all(dim=1)
         log_probs[free & ~all_met, eos_id] = -math.inf  # no end before every term
-        if continues is not None and bool((guard & free).any()):
-            log_probs[guard & free] = log_probs[guard & free].masked_fill(continues, -math.inf)
-        m, vocab = len(live), log_probs.size(-1)
-        # Candidates: each row's k best tokens, and its sentence's term tokens (once).
+        guard = beams.guard & free
+        if continues is not None and bool(guard.any()):
+            log_probs[guard] = log_probs[guard].masked_fill(continues, -math.inf)
+        vocab = log_probs.size(-1)
         best = ranked(log_probs, min(k, vocab))  # (N·w, k)
         extra = auto.alphabet[row_sentence]  # (N·w, G), -1 padding
         if best.size(1) + extra.size(1) < k:  # a tiny vocabulary: k candidates a row at least
@@ -233,63 +209,55 @@ def constrained_beam_search(
         candidates = torch.cat([best, extra.clamp(min=0)], dim=1)  # (N·w, K)
         scores = torch.cat([log_probs.gather(1, best),
                             extra_scores.masked_fill(repeated, -math.inf)], dim=1)  # fmt: skip
-        scores = scores + beam_scores.reshape(-1, 1)  # (N·w, K)
-        next_node = auto.step(node, candidates)  # (N·w, K)
+        scores = scores + beams.scores.reshape(-1, 1)  # (N·w, K)
+        next_node = auto.step(beams.node, candidates)  # (N·w, K)
         reached = auto.completes[next_node] & auto.real[row_sentence][:, None]  # (N·w, K, E)
         next_met = met[:, None, :] | reached
         is_eos = candidates == eos_id
-        next_node = torch.where(is_eos, node[:, None], next_node)
+        next_node = torch.where(is_eos, beams.node[:, None], next_node)
         next_met = torch.where(is_eos[:, :, None], met[:, None, :], next_met)
         bank = auto.progress(row_sentence[:, None], next_node, next_met)  # (N·w, K)
-        # One sentence's candidates in one row: (m, w·K); the beam by bank striping.
-        cand_count = candidates.size(1)
-        order = _striped(scores.view(m, -1), bank.view(m, -1), auto.banks)  # (m, w·K)
-        scores_sorted = scores.view(m, -1).gather(1, order)
-        valid = scores_sorted > -math.inf
-        eos_sorted = is_eos.view(m, -1).gather(1, order) & valid
-        row_of = torch.arange(m, device=device)[:, None] * width + order // cand_count  # (m, wK)
-        # EOS candidates among the first k finish (apart, if some term is unmet).
-        ends = eos_sorted[:, :k]
-        ended_met = (next_met.view(m, -1, met.size(1)).gather(
-            1, order[:, :k, None].expand(-1, -1, met.size(1))) | ~auto.real[live][:, None, :]
+        m = len(beams.live)
+        return cls(candidates=candidates, scores=scores, next_node=next_node, next_met=next_met,
+                   reached=reached, is_eos=is_eos, bank=bank.view(m, -1))  # fmt: skip
+
+    def keep_room(
+        self, auto: Automata, beams: _Beams, limits: torch.Tensor, t: int, free: torch.Tensor
+    ) -> None:
+        """A row that can still meet every entry before its sentence's length limit keeps that
+        room: its candidates that would leave fewer free positions than the tokens its terms
+        still need are dropped (a weak model would otherwise run to the limit mid-term). A row
+        that never had the room (its terms longer than the limit) is left to do its best."""
+        row_sentence = beams.row_sentence
+        room = limits[row_sentence] - t  # positions left before the forced EOS, this one incl.
+        before = auto.needed(row_sentence, beams.node, beams.met)  # (N·w,)
+        after = auto.needed(row_sentence[:, None], self.next_node, self.next_met)  # (N·w, K)
+        tight = free & (before <= room)
+        drop = tight[:, None] & (after > (room - 1)[:, None]) & ~self.is_eos
+        self.scores = self.scores.masked_fill(drop, -math.inf)
+
+    def finish(
+        self, order: torch.Tensor, beams: _Beams, auto: Automata, satisfied: _Finished,
+        unmet: _Finished, penalty: float, t: int, k: int,
+    ) -> None:  # fmt: skip
+        """EOS candidates among the first k of each sentence finish (apart, if an entry is
+        unmet: only at a maximum length, where EOS is forced)."""
+        m, entries = len(beams.live), beams.met.size(1)
+        scores_sorted = self.scores.view(m, -1).gather(1, order)
+        ends = (self.is_eos.view(m, -1).gather(1, order) & (scores_sorted > -math.inf))[:, :k]
+        ended_met = (self.next_met.view(m, -1, entries).gather(
+            1, order[:, :k, None].expand(-1, -1, entries)) | ~auto.real[beams.live][:, None, :]
         ).all(dim=2)  # fmt: skip
-        penalty = float(length_penalty(t, alpha, form))
+        cand_count = self.candidates.size(1)
+        row_of = torch.arange(m, device=order.device)[:, None] * beams.width + order // cand_count
         raw = scores_sorted[:, :k].double()
-        satisfied.add(live, ends & ended_met, raw, penalty, history[row_of[:, :k]], length=t - 1)
-        if bool((ends & ~ended_met).any()):  # only at a maximum length: EOS forced
+        satisfied.add(beams.live, ends & ended_met, raw, penalty, beams.history[row_of[:, :k]],
+                      length=t - 1)  # fmt: skip
+        if bool((ends & ~ended_met).any()):
             first = _first_true(ends & ~ended_met, 1)  # (m, 1)
             at = first.clamp(min=0)
-            unmet.add(live, first >= 0, raw.gather(1, at), penalty,
-                      history[row_of[:, :k].gather(1, at)], length=t - 1)  # fmt: skip
-        # The first k valid non-EOS candidates live on (fewer: -inf beams fill the rest).
-        keep_rank = _first_true(valid & ~eos_sorted, k)  # (m, k) positions, -1 where none
-        have = keep_rank >= 0
-        pick = keep_rank.clamp(min=0)
-        chosen = order.gather(1, pick)  # (m, k) candidate index within the sentence
-        beam_scores = scores_sorted.gather(1, pick).masked_fill(~have, -math.inf)
-        source_row = torch.arange(m, device=device)[:, None] * width + chosen // cand_count
-        flat = chosen.view(-1) % cand_count + source_row.view(-1) * cand_count
-        source_row = source_row.view(-1)  # (m·k,)
-        tokens = candidates.view(-1)[flat]
-        new_node = next_node.view(-1)[flat]
-        new_met = next_met.view(-1, met.size(1))[flat]
-        guard = (reached.view(-1, met.size(1))[flat] & ~met[source_row]).any(dim=1)
-        node, met = new_node, new_met
-        history = history[source_row]
-        history[:, t - 1] = tokens
-        width = k
-        horizon_lp = {"bound": bound_lp[live], "current": penalty}.get(early_stopping)
-        done = _done(satisfied, live, beam_scores, limits[live], t=t, k=k, horizon_lp=horizon_lp)
-        keep = (~done).nonzero().squeeze(1)  # the one host sync of a step
-        if len(keep) == 0:
-            break
-        kept_rows = (keep[:, None] * k + beams).view(-1)
-        state.reorder(source_row[kept_rows], k)
-        live, beam_scores = live[keep], beam_scores[keep]
-        tokens, history = tokens[kept_rows], history[kept_rows]
-        node, met, guard = node[kept_rows], met[kept_rows], guard[kept_rows]
-    found, fallback = satisfied.best(nbest), unmet.best(1)
-    return [hyps or spare for hyps, spare in zip(found, fallback, strict=True)]
+            unmet.add(beams.live, first >= 0, raw.gather(1, at), penalty,
+                      beams.history[row_of[:, :k].gather(1, at)], length=t - 1)  # fmt: skip
 
 
 def _striped(scores: torch.Tensor, bank: torch.Tensor, banks: int) -> torch.Tensor:

@@ -52,8 +52,9 @@ class Hypothesis:
     # (source, output) index pairs, when decode.alignment asks for them (alignment.py)
     alignment: tuple[tuple[int, int], ...] | None = None
     # With a glossary, per entry its line matched: (the alternative the output uses, -1 for
-    # none; whether constrained decoding put it there) (decoding.py)
-    terms: tuple[tuple[int, bool], ...] | None = None
+    # none; whether constrained decoding wrote it; why strict could not place it, or "")
+    # (decoding.py)
+    terms: tuple[tuple[int, bool, str], ...] | None = None
 
 
 def length_penalty(length: int | torch.Tensor, alpha: float, form: str = "gnmt") -> Any:

@@ -63,7 +63,8 @@ def newest(run_dir: Path, n: int, allow_fewer: bool = False) -> Checkpoint:
     """The average of the newest `n` checkpoints of a run that read (broken ones are reported and
     skipped); with allow_fewer, of as many as there are (at least 1)."""
     _require_run(run_dir)
-    mean, taken = _average(reversed(run.list_checkpoints(run_dir)), limit=n, skip_broken=True)
+    mean, taken = _average(reversed(run.list_checkpoints(run_dir, links=True)), limit=n,
+                           skip_broken=True)  # fmt: skip
     if mean is None or (taken < n and not allow_fewer):
         raise TmtError(f"{run_dir}: {taken} complete checkpoints, {n} asked for")
     return mean
@@ -76,7 +77,7 @@ def best_of(run_dir: Path, n: int, by: str | None = None) -> Checkpoint:
     by = by or scored_metric(run_dir)
     if by not in HIGHER_IS_BETTER:
         raise TmtError(f"{by}: expected one of {', '.join(HIGHER_IS_BETTER)}", param="by")
-    ranked = checkpoint.ranked_by(run.list_checkpoints(run_dir), by)
+    ranked = checkpoint.ranked_by(run.list_checkpoints(run_dir, links=True), by)
     if len(ranked) < n:
         raise TmtError(
             f"{run_dir}: {n} checkpoints with {by} asked for, {len(ranked)} carry it (a"
@@ -94,7 +95,8 @@ def best_of(run_dir: Path, n: int, by: str | None = None) -> Checkpoint:
 def scored_metric(run_dir: Path) -> str:
     """What best-N averaging ranks a run's checkpoints by unless told: val_bleu when they carry
     it (the run measured BLEU at checkpoint steps), else val_loss."""
-    carried = {name for path in run.list_checkpoints(run_dir) for name in checkpoint.scores(path)}
+    carried = {name for path in run.list_checkpoints(run_dir, links=True)
+               for name in checkpoint.scores(path)}  # fmt: skip
     return "val_bleu" if "val_bleu" in carried else "val_loss"
 
 

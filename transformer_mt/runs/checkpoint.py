@@ -338,9 +338,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def _read_plain(path: Path, limit: int | None = None) -> bytes:
-    """The bytes of the plain file at `path` (files.read_plain), its refusals as one line."""
+    """The bytes of the plain file at `path` (files.read_plain), its refusals as one line; a
+    symbolic link to a plain file is read through (a linked store: its content is checked
+    against the manifest's SHA-256 all the same), one to a FIFO or a device is refused."""
     try:
-        return files.read_plain(path, limit)
+        return files.read_plain(path, limit, follow_links=True)
     except FileNotFoundError:
         raise
     except files.NotPlainFile as err:

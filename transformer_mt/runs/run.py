@@ -194,7 +194,9 @@ class RunLock:
 def resume(run_dir: Path, cfg: Config) -> Checkpoint | None:
     """The newest checkpoint of the run that reads, with its training state (newer broken ones
     are reported and skipped); refused when it holds another model than `cfg` describes, or was
-    trained with other settings (see MAY_CHANGE_ON_RESUME) unless train.resume=force."""
+    trained with other settings (see MAY_CHANGE_ON_RESUME) unless train.resume=force, or when the
+    run directory is a linked store (check_no_links)."""
+    check_no_links(run_dir)
     saved = next(newest_valid(run_dir, train_state=True), None)
     if saved is None:
         return None
@@ -220,6 +222,32 @@ def resume(run_dir: Path, cfg: Config) -> Checkpoint | None:
             "resuming with changed settings (train.resume=force): %s", ", ".join(changed)
         )
     return saved
+
+
+def check_no_links(run_dir: Path) -> None:
+    """Refuse to train into a run directory that holds symbolic links (a linked store: cp -rs,
+    a Hugging Face cache's snapshot, git-annex, DVC, Nix; checkpoints/best, tmt's own, aside):
+    training writes and prunes there, never through a link. Translating, evaluating, serving and
+    exporting read such a store as it is."""
+    if not run_dir.is_dir():
+        return
+    candidates = [*run_dir.iterdir()]
+    for sub in (run_dir / CHECKPOINTS, run_dir / AVERAGE):
+        if sub.is_dir() and not sub.is_symlink():
+            for entry in sub.iterdir():
+                candidates.append(entry)
+                if entry.is_dir() and not entry.is_symlink():
+                    candidates.extend(entry.iterdir())
+    # A link to a file or directory: a store (a link to a device, a FIFO or nowhere is a damaged
+    # checkpoint file, which resuming skips as any other).
+    linked = [p for p in candidates if p.is_symlink() and p != run_dir / CHECKPOINTS / "best"
+              and (p.is_file() or p.is_dir())]  # fmt: skip
+    if linked:
+        raise TmtError(
+            f"train.out_dir={run_dir}: a store of symbolic links ({linked[0]} is one), which"
+            " tmt train will not write through; train a copy (cp -rL"
+            f" {run_dir} NEW_DIR) or into another train.out_dir"
+        )
 
 
 # Model settings a fine-tuning run may change: regularisation of its training, not the weights.
@@ -317,8 +345,11 @@ def save(
     return path
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint directories of a run, oldest step first (complete or not)."""
+def list_checkpoints(run_dir: Path, links: bool = False) -> list[Path]:
+    """Checkpoint directories of a run, oldest step first (complete or not). A checkpoint that is
+    a symbolic link (a linked store: a Hugging Face cache, cp -rs, git-annex, DVC, Nix) is listed
+    only with `links`, for reading a model: what tmt writes, prunes or resumes is never reached
+    through a link."""
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
         return []
@@ -328,7 +359,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
         if p.name.startswith(_PREFIX)
         and p.name[len(_PREFIX) :].isdigit()
         and p.is_dir()
-        and not p.is_symlink()  # a link could point anywhere
+        and (links or not p.is_symlink())
     ]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
@@ -352,7 +383,7 @@ def best(run_dir: Path) -> Path | None:
     if not link.is_symlink():
         return None
     target = link.parent / os.readlink(link)
-    if target.parent != link.parent or target not in list_checkpoints(run_dir):
+    if target.parent != link.parent or target not in list_checkpoints(run_dir, links=True):
         logger.warning("ignoring %s: it points outside the run's checkpoints", link)
         return None
     return target
@@ -385,8 +416,9 @@ def prune(
 def newest_valid(
     run_dir: Path, train_state: bool = False, skip: Collection[Path] = ()
 ) -> Iterator[Checkpoint]:
-    """The run's checkpoints that read, newest first; broken ones are reported and skipped."""
-    for path in reversed(list_checkpoints(run_dir)):
+    """The run's checkpoints that read, newest first; broken ones are reported and skipped. A
+    model is read through a linked store's links; a resume (`train_state`) never is."""
+    for path in reversed(list_checkpoints(run_dir, links=not train_state)):
         if path in skip:
             continue
         try:
@@ -416,7 +448,7 @@ def load_model(path: Path) -> Checkpoint:
             f"{path}: not a checkpoint (no {checkpoint.MANIFEST_FILE})"
             f" nor a run directory (no {CHECKPOINTS}/)"
         )
-    newest = list_checkpoints(path)[-1:]
+    newest = list_checkpoints(path, links=True)[-1:]
     for kind, candidate in (("average", path / AVERAGE), ("best checkpoint", best(path))):
         if candidate is None or not (candidate / checkpoint.MANIFEST_FILE).exists():
             continue

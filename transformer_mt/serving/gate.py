@@ -1,6 +1,6 @@
 """The outermost layer of `tmt serve` (ASGI, around the FastAPI app): the body limit (413), the
-API key (401), the access log and the request metrics, and one line and a 500 for a fault of the
-server, never a traceback.
+API key (401), the access log and the request metrics, one line and a 500 for a fault of the
+server, and one line and a 503 for a request a drain cut short, never a traceback.
 """
 
 from __future__ import annotations
@@ -82,6 +82,17 @@ class Gate:
                          first_line(err))  # fmt: skip
             if not status[0]:
                 await _send_error(watched, 500, f"the server failed ({type(err).__name__})")
+        except asyncio.CancelledError:
+            if self.service.drain_deadline is None:
+                raise
+            # The drain ran out of time (uvicorn cancels what is still running): a 503 and one
+            # line, as a request cut at serve.drain_seconds gets, never a 500 and a traceback.
+            logger.warning("%s %s: cut by the drain (serve.drain_seconds)", scope["method"],
+                           scope["path"])  # fmt: skip
+            if not status[0]:
+                await _send_error(watched, 503, "the server is stopping: this request did not"
+                                  " finish within its drain (serve.drain_seconds); retry it",
+                                  {"Retry-After": "1"})  # fmt: skip
         self._account(scope, status[0], time.monotonic() - start)
 
     async def _discard(self, scope: dict[str, Any], receive: Any) -> None:

@@ -7,10 +7,11 @@ serve.glossary_dir, written atomically, verified whenever read.
 
 A glossary is written whole under a staging name (".tmp-<id>.json-<pid>"), synced, then renamed:
 a kill mid-write leaves the other glossaries whole, and the staging file of a writer that is no
-longer running is swept at the next start (files.recover). Each file has one writer (its id is
-new), so several servers may share a directory, as the keys of one DeepL account do: each reads
-the directory when asked (a file read once and kept while its size and time are the same), so a
-glossary one server stores, another uses. `sha256` is of the file's other fields in canonical
+longer running is swept at the next start (files.recover). One server holds the directory (its
+.lock, an flock the kernel releases when the holder dies, however it dies): a second server
+given the same serve.glossary_dir is refused at its start, naming the holder, since one could
+delete what the other stores. The directory is read when asked (a file read once and kept while
+its size and time are the same). `sha256` is of the file's other fields in canonical
 JSON: a file that does not match it, or does not parse as a glossary, is skipped with a warning
 naming it (never trusted, never deleted). A glossary serves the pair it was made for: another
 pair's is refused when a request names it. Limits: serve.max_glossaries glossaries in the
@@ -41,6 +42,7 @@ logger = logging.getLogger("tmt.serve")
 _FIELDS = ("glossary_id", "name", "source_lang", "target_lang", "entries_format", "entries",
            "creation_time", "entry_count")  # fmt: skip
 _MAX_NAME = 1024
+LOCK_FILE = ".lock"  # held by the one server that uses the directory
 _ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -84,16 +86,30 @@ class GlossaryStore:
         self._read: dict[str, tuple[tuple[int, int, int], Stored | None]] = {}
         self._mutex = threading.Lock()
         self._writes = 0  # glossaries written by this process (the fault point's number)
+        self._lock = files.Lock(self.directory / LOCK_FILE)
 
     def open(self) -> None:
-        """The directory made if need be, the staging files of dead writers swept."""
+        """The directory made if need be and held (a second server is refused), the staging
+        files of dead writers swept."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._lock.acquire()
             files.recover(self.directory, live_writers=True)
+        except files.Busy as err:
+            raise TmtError(f"serve.glossary_dir={self.directory}: in use by another server"
+                           f" ({err.holder}); stop it, or give this one another"
+                           " serve.glossary_dir") from None  # fmt: skip
         except OSError as err:
+            self.close()
             raise TmtError(f"serve.glossary_dir={self.directory}: cannot write there"
                            f" ({err.strerror or err})") from None  # fmt: skip
+        if not self._lock.locked:
+            logger.warning("%s: cannot lock; make sure no other server uses it", self.directory)
         logger.info("%d stored glossaries in %s", len(self._all()), self.directory)
+
+    def close(self) -> None:
+        """The directory let go (the server has stopped)."""
+        self._lock.release()
 
     # --- reading, verified -----------------------------------------------------------------
 
@@ -158,6 +174,10 @@ class GlossaryStore:
             compiled = self._compile(record, "entries")
         except TmtError as err:
             raise StoreError(400, str(err)) from None
+        if compiled.skipped:
+            logger.warning("glossary %r: %d entries skipped: a source of more than %d words"
+                           " (glossary.max_source_words)", record["name"], compiled.skipped,
+                           self.settings.max_source_words)  # fmt: skip
         record["entry_count"] = len(compiled)
         record["sha256"] = _digest(record)
         with self._mutex:

@@ -129,6 +129,8 @@ def create_app(
             batcher.open()
         yield
         batcher.stop(timeout=5.0)  # after the drain: what was in flight is answered
+        if own_store:
+            store.close()
 
     app = FastAPI(title="tmt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
@@ -388,7 +390,15 @@ def serve(
         raise TmtError(f"decode.beam_size {decode.beam_size}, decode.nbest {decode.nbest}: more"
                        f" than serve.max_beam ({cfg.max_beam}) hypotheses a sentence")  # fmt: skip
     store = glossary_store(translator, cfg)
-    store.open()  # the directory made, a killed write's staging swept
+    store.open()  # the directory made and held, a killed write's staging swept
+    try:
+        _run(translator, cfg, api_key, store)
+    finally:
+        store.close()
+
+
+def _run(translator: Translator, cfg: ServeConfig, api_key: str, store: GlossaryStore) -> None:
+    """serve's server: HTTP on a thread, the model decoded on this one, until a signal."""
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     app = create_app(translator, cfg, api_key, decoder_thread=False, store=store)
@@ -408,9 +418,16 @@ def serve(
         finally:
             batcher.stop()  # whatever ended the server ends the worker
 
-    # SIGTERM or SIGINT: uvicorn stops accepting and drains (a second one: at once), exit 0.
+    # SIGTERM or SIGINT: uvicorn stops accepting and drains (a second one: at once), exit 0; what
+    # is still in flight at serve.drain_seconds is answered 503 (Service.start_drain).
+    service = app.state.service
+
+    def stop(sig: int, frame: Any) -> None:
+        service.start_drain()
+        server.handle_exit(sig, frame)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, server.handle_exit)
+        signal.signal(sig, stop)
     http_thread = threading.Thread(target=http, name="tmt-http")
     http_thread.start()
     where = f"[{host}]" if ":" in host else host

@@ -26,7 +26,7 @@ from transformer_mt.data import glossary as glossaries
 from transformer_mt.runs import checkpoint, metrics, plot
 from transformer_mt.serving.batching import Batcher, Job, QueueFull
 from transformer_mt.serving.glossary_store import GlossaryStore, StoreError
-from transformer_mt.translation.decoding import language_token
+from transformer_mt.translation.sources import language_token
 from transformer_mt.translation.translate import (
     Translator,
     check_engine,
@@ -57,6 +57,19 @@ class Service:
     store: GlossaryStore | None = None  # the stored glossaries (POST /v1/glossaries)
     options: dict[tuple[Any, ...], Translator] = dataclasses.field(default_factory=dict)
     inline: dict[str, glossaries.Glossary] = dataclasses.field(default_factory=dict)
+    # When a drain (SIGTERM, SIGINT) must have answered what it still holds (time.monotonic()):
+    # serve.drain_seconds after the signal, less a margin, so a request cut there is answered
+    # 503 before uvicorn would cancel it (a 500 and a traceback). None: not draining.
+    drain_deadline: float | None = None
+
+    def start_drain(self) -> None:
+        """The server was told to stop: in-flight requests have serve.drain_seconds."""
+        if self.drain_deadline is None:
+            margin = min(0.5, self.cfg.drain_seconds / 2)
+            self.drain_deadline = time.monotonic() + self.cfg.drain_seconds - margin
+
+    def drain_over(self) -> bool:
+        return self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
 
     def translator_for(self, overrides: list[tuple[str, str]]) -> Translator:
         """The served model with this request's decoding options (validated as the CLI's)."""
@@ -149,12 +162,17 @@ class Service:
             raise ServeError(503, f"busy: {err}; retry later", {"Retry-After": "1"}) from None
         waiting = asyncio.wrap_future(future)
         while True:  # a client that has gone costs nothing more: its job is dropped
-            done, _ = await asyncio.wait({waiting}, timeout=0.25)
+            done, _ = await asyncio.wait({waiting}, timeout=0.05 if self.drain_deadline else 0.25)
             if done:
                 return waiting.result()
             if await request.is_disconnected():
                 job.cancelled = True
                 raise ServeError(499, "the client closed the request")
+            if self.drain_over():  # the server is stopping and the drain's time is up
+                job.cancelled = True
+                raise ServeError(503, "the server is stopping: this request did not finish"
+                                      " within its drain (serve.drain_seconds); retry it",
+                                 {"Retry-After": "1"})  # fmt: skip
 
     def matches_of(
         self, lines: list[str], translator: Translator, glossary: glossaries.Glossary | None
@@ -280,7 +298,7 @@ def served_checkpoint(translator: Translator) -> str:
     if translator.run_dir is None or translator.path is None:
         return ""
     try:
-        return files.sha256_plain(translator.path / files.MANIFEST_FILE)
+        return files.sha256_plain(translator.path / files.MANIFEST_FILE, follow_links=True)
     except OSError:
         return ""
 

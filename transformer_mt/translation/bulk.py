@@ -35,22 +35,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from transformer_mt.common import distributed, exits, faults, files, textio
+from transformer_mt.common import distributed, exits, faults, files, finished, textio
 from transformer_mt.common.distributed import DistInfo
 from transformer_mt.common.exits import TmtError
-from transformer_mt.config import Config, to_dict
 from transformer_mt.runs import run
-from transformer_mt.translation import streams, translate
+from transformer_mt.translation import job_identity, streams
 from transformer_mt.translation.translate import Translator
 
 logger = logging.getLogger("tmt")
 
 JOB_SUFFIX = files.JOB_SUFFIX
-JOB_FILE = "job.json"
-JOB_FORMAT = 1
-# Decoding options that do not change what is written: where, in what batches and with which
-# kernels it runs.
-NOT_IN_IDENTITY = ("device", "max_tokens", "buffer_lines", "cpu_linear")
+JOB_FILE = job_identity.JOB_FILE
+NOT_IN_IDENTITY = job_identity.NOT_IN_IDENTITY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +60,8 @@ class Plan:
     prefix: str | None = None  # the target prefix file (one line an input line), if any
     prefix_offsets: list[int] = dataclasses.field(default_factory=list)  # ... its chunks' starts
     report: str | None = None  # the glossary report's path, if one is written
+    identity: dict[str, Any] = dataclasses.field(default_factory=dict)  # job.json's
+    done: bool = False  # this very job finished before: nothing to translate or write
 
 
 def is_bulk(
@@ -105,18 +103,29 @@ def translate_job(
         distributed.barrier(info)
         report = {"lines": plan.lines, "chunks": len(plan.offsets),
                   "resumed_chunks": len(plan.offsets) - len(plan.missing),
-                  "translated_chunks": _gather_count(done, info)}  # fmt: skip
+                  "translated_chunks": _gather_count(done, info), "done": plan.done}  # fmt: skip
         if info.is_main:
-            _assemble(plan, translator, input_path, output_path)
+            if not plan.done:
+                _assemble(plan, translator, input_path, output_path)
+                _finish(plan, output_path)
             report["output"] = output_path
             if plan.report:
                 report["glossary_report"] = plan.report
     finally:
         lock.release()
         distributed.cleanup()
-    if info.is_main:  # the output is complete: the job is over
-        shutil.rmtree(plan.job_dir, ignore_errors=True)
     return report
+
+
+def _finish(plan: Plan, output_path: str) -> None:
+    """The output is complete: the job's chunks go, its record of what it wrote stays
+    (common/finished.py: the same command again then says it is done)."""
+    job_dir = Path(plan.job_dir)
+    for entry in job_dir.iterdir():
+        if entry.name != run.LOCK_FILE:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    outputs = [Path(output_path), *([Path(plan.report)] if plan.report else [])]
+    finished.mark_done(job_dir, plan.identity, outputs)
 
 
 def _exit_code(err: OSError) -> int:
@@ -164,13 +173,18 @@ def _plan(
     chunk_lines = translator.config.decode.chunk_lines
     digest, offsets, lines = _scan(source, chunk_lines)
     prefix = _scan_prefix(prefix_path, chunk_lines, lines, input_path)
-    identity = _identity(translator, source, digest, prefix[0] if prefix else None)
+    identity = job_identity.identity_of(translator, source, digest, prefix[0] if prefix else None)
     if report_path is not None:  # a job writing a report is another job: its chunks hold one
         identity["glossary_report"] = True
-    previous = _read_job(job_dir)
+    previous = job_identity.read_job(job_dir)
+    if previous is None and not overwrite and _finished_before(job_dir, identity, output_path,
+                                                               report_path):  # fmt: skip
+        lock.acquire()  # the same command after it finished: nothing to do
+        return Plan(str(job_dir), offsets, lines, [], prefix_path, [], report_path, identity,
+                    done=True)  # fmt: skip
     if previous is not None and previous != identity:
         if not overwrite:
-            what = _difference(previous, identity)
+            what = job_identity.difference(previous, identity)
             raise TmtError(
                 f"{output_path}: {job_dir} is an unfinished job with {what}; run it with the same"
                 " ones to finish it, or add {overwrite} to start again",
@@ -187,10 +201,27 @@ def _plan(
         raise TmtError(
             f"{output_path}: cannot write in {output.parent} (no such directory)", param="output"
         )
-    lock.acquire()  # a second job on this output stops here, naming the first
+    _take(job_dir, lock, identity, output_path, new=previous is None)
+    reporting = report_path is not None
+    missing, altered = _uncommitted(job_dir, len(offsets), lines, translator, reporting)
+    missing = sorted(missing + altered)
+    if previous is not None and len(missing) < len(offsets):
+        logger.info("%s: resuming: %d of %d chunks already translated", output_path,
+                    len(offsets) - len(missing), len(offsets))  # fmt: skip
+    return Plan(str(job_dir), offsets, lines, missing, prefix_path, prefix[1] if prefix else [],
+                report_path, identity)  # fmt: skip
+
+
+def _take(
+    job_dir: Path, lock: run.RunLock, identity: dict[str, Any], output_path: str, new: bool
+) -> None:
+    """The job directory held (a second job on this output stops here, naming the first), the
+    writes of killed ranks swept; for a `new` job, emptied of another's and given its job.json."""
+    lock.acquire()
     try:
-        files.remove_leftovers(job_dir, [f"*{files.TEMP_SUFFIX}"])  # writes of killed ranks
-        if previous is None:  # a new job: nothing of another one may pass for a chunk
+        files.remove_leftovers(job_dir, [f"*{files.TEMP_SUFFIX}"])
+        if new:  # nothing of another job may pass for a chunk
+            finished.forget(job_dir)
             for entry in job_dir.iterdir():
                 if entry != lock.path:
                     shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
@@ -201,14 +232,27 @@ def _plan(
             exit_code=_exit_code(err),
             param="output",
         ) from None
-    reporting = report_path is not None
-    missing, altered = _uncommitted(job_dir, len(offsets), lines, translator, reporting)
-    missing = sorted(missing + altered)
-    if previous is not None and len(missing) < len(offsets):
-        logger.info("%s: resuming: %d of %d chunks already translated", output_path,
-                    len(offsets) - len(missing), len(offsets))  # fmt: skip
-    return Plan(str(job_dir), offsets, lines, missing, prefix_path, prefix[1] if prefix else [],
-                report_path)  # fmt: skip
+
+
+def _finished_before(
+    job_dir: Path, identity: dict[str, Any], output_path: str, report_path: str | None
+) -> bool:
+    """Whether this very job finished before (common/finished.py: its record, its outputs as it
+    wrote them), said in the log; another job's finished output is refused, naming what
+    differs."""
+    outputs = [Path(output_path), *([Path(report_path)] if report_path else [])]
+    kind, recorded = finished.state(job_dir, identity, outputs)
+    if kind == "other":
+        raise TmtError(
+            f"{output_path}: the output of a finished job with"
+            f" {job_identity.difference(recorded, identity)}; run that job's command (it is"
+            " done), or add {overwrite} to translate again", param="output",
+            mentions=["overwrite"],
+        )  # fmt: skip
+    if kind == "done":
+        logger.info("%s: done: this job (input, model and settings) finished before; nothing"
+                    " translated, nothing written", output_path)  # fmt: skip
+    return kind == "done"
 
 
 def _scan(source: Path, chunk_lines: int) -> tuple[str, list[int], int]:
@@ -222,27 +266,6 @@ def _scan(source: Path, chunk_lines: int) -> tuple[str, list[int], int]:
             position += len(line)
             lines += 1
     return digest.hexdigest(), offsets, lines
-
-
-def _identity(
-    translator: Translator, source: Path, digest: str, prefix_digest: str | None
-) -> dict[str, Any]:
-    """What makes a job this job (job.json): its input, model, decoding options, prefixes."""
-    decode = to_dict(translator.config)["decode"]
-    identity = {
-        "format": JOB_FORMAT,
-        "input": str(source.resolve()),
-        "input_sha256": digest,
-        "model_sha256": translate.fingerprint(translator),
-        "decode": {k: v for k, v in decode.items() if k not in NOT_IN_IDENTITY},
-    }
-    if prefix_digest is not None:  # a job without one keeps the identity of earlier tmt's jobs
-        identity["prefix_sha256"] = prefix_digest
-    if translator.glossary is not None:  # as the prefix: another glossary, another job
-        settings = to_dict(translator.config)["glossary"]
-        identity["glossary"] = {k: v for k, v in settings.items() if k != "path"}
-        identity["glossary"]["sha256"] = translator.glossary.sha256
-    return identity
 
 
 def _scan_prefix(
@@ -259,46 +282,6 @@ def _scan_prefix(
             " empty) an input line", param="prefix",
         )  # fmt: skip
     return digest, offsets
-
-
-def _read_job(job_dir: Path) -> dict[str, Any] | None:
-    path = job_dir / JOB_FILE
-    if not path.exists():
-        return None
-    try:
-        found = json.loads(files.read_plain(path, limit=1 << 20))
-    except (OSError, ValueError, RecursionError):
-        found = None
-    if not isinstance(found, dict):
-        return {"job.json": "unreadable"}
-    if isinstance(found.get("decode"), dict):
-        # A decoding option that an earlier tmt did not have meant its default then (engine).
-        defaults = {
-            k: v for k, v in to_dict(Config())["decode"].items() if k not in NOT_IN_IDENTITY
-        }
-        found["decode"] = defaults | found["decode"]
-    return found
-
-
-def _difference(previous: dict[str, Any], identity: dict[str, Any]) -> str:
-    if "job.json" in previous:
-        return "an unreadable job.json"
-    if previous.get("input_sha256") != identity["input_sha256"]:
-        return f"another input ({previous.get('input')}, changed since or different)"
-    if previous.get("prefix_sha256") != identity.get("prefix_sha256"):
-        return "another target prefix file (--prefix), or none where there was one"
-    if previous.get("glossary") != identity.get("glossary"):
-        return "another glossary (--glossary) or glossary settings, or none where there was one"
-    if previous.get("glossary_report") != identity.get("glossary_report"):
-        return "a glossary report (--glossary-report) where there was none, or none where there was"
-    old, new = previous.get("decode", {}), identity["decode"]
-    changed = [f"decode.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-               if old.get(k) != new.get(k)]  # fmt: skip
-    if changed:  # first: another engine or precision also makes another fingerprint
-        return f"other decoding options ({', '.join(changed)})"
-    if previous.get("model_sha256") != identity["model_sha256"]:
-        return "another model"
-    return "another format"
 
 
 def _uncommitted(

@@ -207,7 +207,7 @@ def read(directory: Path) -> Export:
     """The export at `directory`, its files verified against tmt_export.json."""
     where = directory / REPORT_FILE
     try:
-        report = json.loads(files.read_plain(where, limit=1 << 22))
+        report = json.loads(files.read_plain(where, limit=1 << 22, follow_links=True))
     except (OSError, ValueError, RecursionError) as err:
         raise TmtError(f"{where}: unreadable ({_reason(err)}); export the model again") from None
     checksums = report.get("sha256") if isinstance(report, dict) else None
@@ -224,7 +224,7 @@ def read(directory: Path) -> Export:
         raise TmtError(f"{where}: lists other files than an export has; export the model again")
     for name in checksums:
         try:
-            found = files.sha256_plain(directory / name)
+            found = files.sha256_plain(directory / name, follow_links=True)
         except OSError as err:
             raise TmtError(f"{directory / name}: unreadable ({_reason(err)})") from None
         if found != checksums.get(name):
@@ -298,7 +298,7 @@ def decode(
     use_vmap: bool = False,
 ) -> list[list[Hypothesis]]:
     """The n-best of each source (ids, without EOS) by CTranslate2; `limits`: each output's
-    maximum length, its EOS included (decoding.output_limits); `prefixes`: target prefixes each
+    maximum length, its EOS included (sources.output_limits); `prefixes`: target prefixes each
     output starts with (CTranslate2's target_prefix), or none.
 
     CTranslate2 takes one maximum length per call: the batch is decoded to its largest limit and

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -26,7 +25,7 @@ from transformer_mt.config import Config
 from transformer_mt.data import glossary as glossaries
 from transformer_mt.data import hints
 from transformer_mt.data.sampler import TokenBucketSampler
-from transformer_mt.data.tokenizer import Tokenizer, language_token_id
+from transformer_mt.data.tokenizer import Tokenizer
 from transformer_mt.network import alignment, constraints, ensemble, kernels
 from transformer_mt.network.candidates import Candidates
 from transformer_mt.network.model import DecoderCache, Transformer, make_src_mask
@@ -41,10 +40,15 @@ from transformer_mt.network.search import (
 )
 from transformer_mt.network.shortlist import Shortlist
 from transformer_mt.translation import batch_budget, ct2
+from transformer_mt.translation.decode_checks import check_engine
+from transformer_mt.translation.sources import (
+    constrained_limits,
+    max_positions,
+    output_limits,
+    source_ids,
+)
 
 logger = logging.getLogger(__name__)
-
-_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 class Decodable(Protocol):
@@ -59,54 +63,6 @@ class Decodable(Protocol):
     engine: Any
     glossary: glossaries.Glossary | None
     shortlist: Shortlist | None
-
-
-def check_engine(cfg: Config, device: torch.device) -> None:
-    """Refuse, naming the option, what an engine cannot do as tmt promises it."""
-    decode, engine = cfg.decode, cfg.decode.engine
-    if decode.precision == "fp16" and device.type != "cuda":
-        raise TmtError("decode.precision=fp16 needs a GPU (decode.device); use bf16 or fp32")
-    if engine == "torch" and decode.precision == "int8" and device.type != "cpu":
-        raise TmtError(
-            f"decode.precision=int8: the torch engine quantizes on CPU only (decode.device is"
-            f" {device}); use fp16 or bf16 there, or decode.engine=ctranslate2"
-        )
-    if engine == "ctranslate2" and decode.alignment != "none":
-        raise TmtError(
-            f"decode.alignment={decode.alignment}: not with decode.engine=ctranslate2 (tmt aligns"
-            " with the PyTorch model's cross-attention); use decode.engine=torch"
-        )
-    if engine == "ctranslate2" and decode.sampling != "none":
-        raise TmtError(
-            f"decode.sampling={decode.sampling}: not with decode.engine=ctranslate2 (its random"
-            " streams depend on the batch, tmt's on the line alone); use decode.engine=torch"
-        )
-
-
-# Options that one way of decoding reads and another ignores: given for the other, refused.
-_SAMPLING_ONLY = ("decode.temperature", "decode.seed")
-_SEARCH_ONLY = ("decode.beam_size", "decode.length_penalty", "decode.length_penalty_form",
-                "decode.early_stopping")  # fmt: skip
-_TMT_SEARCH_ONLY = ("decode.length_penalty_form", "decode.early_stopping")
-
-
-def check_options(cfg: Config, overrides: Sequence[str | tuple[str, str]]) -> None:
-    """Refuse an option this command or request gave that its decoding would not read (each
-    override is "key=value" or (that, the user's words)): --temperature without --sampling,
-    --beam while sampling, tmt's stopping rule for CTranslate2's search."""
-    decode = cfg.decode
-    for item in overrides:
-        text, typed = item if isinstance(item, tuple) else (item, f"--set {item}")
-        key = text.partition("=")[0].strip()
-        if key in _SAMPLING_ONLY and decode.sampling == "none":
-            raise TmtError(f"{typed}: applies to sampling only; add decode.sampling (--sampling"
-                           " full, topk:K or topp:P)")  # fmt: skip
-        if key in _SEARCH_ONLY and decode.sampling != "none":
-            raise TmtError(f"{typed}: not used while sampling (decode.sampling="
-                           f"{decode.sampling}): nbest N draws N samples")  # fmt: skip
-        if key in _TMT_SEARCH_ONLY and decode.engine == "ctranslate2":
-            raise TmtError(f"{typed}: tmt's search only; CTranslate2's beam search has its own"
-                           " (decode.engine=torch)")  # fmt: skip
 
 
 class _DecodeState:
@@ -124,56 +80,6 @@ class _DecodeState:
             self.src_mask = self.src_mask.index_select(0, sentences)
             if self.allowed is not None:
                 self.allowed = self.allowed.index_select(0, sentences)
-
-
-def source_ids(translator: Decodable, lines: Sequence[str], what: str = "line") -> list[list[int]]:
-    """The subword ids of each line as the model reads it: lone surrogates (possible in Python
-    strings, never in UTF-8, fatal to sentencepiece) replaced, a multi-target model's language
-    token first (decode.target_lang), and cut to the model's positions (source tokens + EOS, or a
-    target prefix + EOS, must fit them) with a warning. A prefix (`what`) is target text."""
-    limit = _max_positions(translator) - 1
-    side = "target" if what == "prefix" else "source"
-    texts = [_SURROGATES.sub("\ufffd", line) for line in lines]
-    ids = translator.tokenizer.encode(texts, side=side)
-    code = language_token(translator) if side == "source" else None
-    if code is not None:  # an empty line stays empty: it is not translated
-        ids = [[code, *seq] if seq else seq for seq in ids]
-    for i, seq in enumerate(ids):
-        if len(seq) > limit:
-            logger.warning(
-                "%s %d: %d tokens, truncated to %d (model.max_positions)", what, i + 1, len(seq),
-                limit,
-            )  # fmt: skip
-            ids[i] = seq[:limit]
-    return ids
-
-
-def language_token(translator: Decodable) -> int | None:
-    """The id of >>xxx<< for decode.target_lang xxx (None when unset), refused in one line when
-    the model has no such token: only multi-target Marian models read one."""
-    lang = translator.config.decode.target_lang
-    return language_token_id(translator.tokenizer, lang) if lang else None
-
-
-def _max_positions(translator: Decodable) -> int:
-    """The position table's size: an ensemble's smallest (its architectures may differ)."""
-    return min([translator.config.model.max_positions,
-                *(m.cfg.max_positions for m in translator.ensemble)])  # fmt: skip
-
-
-def output_limits(
-    translator: Decodable,
-    sources: Sequence[Sequence[int]],
-    prefixes: Sequence[Sequence[int]] = (),
-) -> list[int]:
-    """§6.1: the maximum output length (the EOS included) of each source, a · |x| + b, at least
-    its target prefix and the EOS, within the position table."""
-    decode, positions = translator.config.decode, _max_positions(translator)
-    given = [len(p) for p in prefixes] or [0] * len(sources)
-    return [
-        min(max(int(decode.max_len_a * len(x) + decode.max_len_b), size + 1), positions)
-        for x, size in zip(sources, given, strict=True)
-    ]
 
 
 @torch.inference_mode()
@@ -209,7 +115,7 @@ def translate_lines(
     todo = [i for i, seq in enumerate(ids) if seq]
     _decode_all(translator, ids, forced, todo, first_line, results, scores=scores)
     if matches is not None and any(matches):
-        _obey(translator, ids, forced, todo, results, matches)
+        _obey(translator, ids, forced, todo, results, matches, first_line)
     return results
 
 
@@ -277,39 +183,77 @@ def _obey(
     todo: list[int],
     results: list[list[Hypothesis]],
     matches: Sequence[Sequence[glossaries.Match]],
+    first_line: int = 0,
 ) -> None:
     """The glossary step (glossary.mode): each hypothesis of a line with matches learns which
     entries its text uses; with strict, a line one of whose outputs misses an entry is decoded
     again by constrained beam search (glossary.beam), which puts every entry in. An output that
     already uses every entry is kept: the model's own best, which a constrained search could at
     most equal (its outputs are a subset of the search space). A line without matches is left
-    exactly as it was decoded."""
-    tok = translator.tokenizer
-    strict = translator.config.glossary.mode in ("strict", "auto")  # auto: strict after hints
+    exactly as it was decoded. An entry strict could not place says why (the report's `missed`,
+    and a warning naming the line), as does a line given fewer than nbest hypotheses."""
+    tok, cfg = translator.tokenizer, translator.config
+    strict = cfg.glossary.mode in ("strict", "auto")  # auto: strict after hints
     with_terms = [i for i in todo if matches[i]]
     first = {
         i: [constraints.used_alternatives(tok, matches[i], h) for h in results[i]]
         for i in with_terms
     }
     redo = [i for i in with_terms if strict and not all(-1 not in u for u in first[i])]
-    if redo:
-        terms = {i: constraints.compile_terms(tok, matches[i]) for i in redo}
-        redo = [i for i in redo if any(terms[i])]  # entries the model cannot write stay out
-        _decode_all(_torch_side(translator), ids, forced, redo, 0, results,
-                    {i: [t for t in terms[i] if t] for i in redo})  # fmt: skip
-    again = set(redo)
+    terms = {i: constraints.compile_terms(tok, matches[i]) for i in redo}
+    again = [i for i in redo if any(terms[i])]  # an entry the model cannot write stays out
+    if again:
+        _decode_all(_torch_side(translator), ids, forced, again, 0, results,
+                    {i: [t for t in terms[i] if t] for i in again})  # fmt: skip
     for i in with_terms:
-        before = first[i][0] if first[i] else [-1] * len(matches[i])
         annotated = []
-        for h in results[i]:
-            uses = (constraints.used_alternatives(tok, matches[i], h) if i in again
-                    else first[i][results[i].index(h)])  # fmt: skip
-            terms_used = tuple(
-                (alt, i in again and alt >= 0 and prior < 0)
-                for alt, prior in zip(uses, before, strict=True)
-            )
-            annotated.append(dataclasses.replace(h, terms=terms_used))
+        for j, h in enumerate(results[i]):
+            uses = (constraints.used_alternatives(tok, matches[i], h) if i in terms
+                    else first[i][j])  # fmt: skip
+            annotated.append(dataclasses.replace(h, terms=tuple(
+                (alt, i in again and alt >= 0, "" if alt >= 0 or i not in terms
+                 else _why_missed(translator, ids[i], forced[i], terms[i], e))
+                for e, alt in enumerate(uses)
+            )))  # fmt: skip
         results[i] = annotated
+        _warn_misses(translator, first_line + i + 1, matches[i], annotated, i in again)
+
+
+def _why_missed(
+    translator: Decodable, source: list[int], prefix: list[int], terms: constraints.Terms,
+    entry: int,
+) -> str:  # fmt: skip
+    """Why strict's output does not hold entry `entry` of a line (`terms`: every entry's
+    alternatives as the model writes them, [] for one it cannot)."""
+    if not terms[entry]:
+        return "its target has a piece the model's vocabulary cannot write"
+    writable = [t for t in terms if t]
+    limit = constrained_limits(translator, [source], [prefix] if prefix else [], [writable])[0]
+    need = len(prefix) + sum(min(map(len, alternatives)) for alternatives in writable)
+    if need >= limit:
+        return (
+            f"no room: its terms take {need} tokens and an output of this line at most"
+            f" {limit - 1} (model.max_positions {max_positions(translator)})"
+        )
+    return f"the constrained search (glossary.beam {translator.config.glossary.beam}) found none"
+
+
+def _warn_misses(
+    translator: Decodable, line: int, matches: Sequence[glossaries.Match],
+    hyps: list[Hypothesis], again: bool,
+) -> None:  # fmt: skip
+    """A warning for each entry strict could not place in the line's best output, and for a
+    line whose n-best came back shorter than decode.nbest."""
+    if not hyps:
+        return
+    for match, (_, _, why) in zip(matches, hyps[0].terms or (), strict=True):
+        if why:
+            logger.warning("glossary: line %d: %r -> %r not placed: %s", line,
+                           match.entry.source, match.entry.target, why)  # fmt: skip
+    nbest = translator.config.decode.nbest
+    if again and len(hyps) < nbest:
+        logger.warning("glossary: line %d: %d of %d hypotheses hold every entry (the constrained"
+                       " search found no more)", line, len(hyps), nbest)  # fmt: skip
 
 
 def _torch_side(translator: Decodable) -> Decodable:
@@ -422,12 +366,10 @@ def _search(
               "device": translator.device, "prefixes": prefixes,
               "forced_eos": decode.forced_eos}  # fmt: skip
     limits = output_limits(translator, sources, prefixes)
-    if terms is not None:  # room for every term's longest alternative
-        positions = _max_positions(translator)
-        limits = [min(limit + sum(max(map(len, alternatives)) for alternatives in line), positions)
-                  for limit, line in zip(limits, terms, strict=True)]  # fmt: skip
+    if terms is not None:
         return constraints.constrained_beam_search(
-            step, state, limits, terms, beam_size=translator.config.glossary.beam,
+            step, state, constrained_limits(translator, sources, prefixes, terms), terms,
+            beam_size=max(translator.config.glossary.beam, decode.nbest),
             continues=constraints.word_continuations(tok).to(translator.device), nbest=decode.nbest,
             early_stopping=decode.early_stopping, **common,
         )  # fmt: skip

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformer_mt.common import files, textio
+from transformer_mt.common import files, finished, textio
 from transformer_mt.common.exits import TmtError
 from transformer_mt.common.faults import fault_point
 from transformer_mt.config import Config, to_dict
@@ -51,11 +51,17 @@ def build(cfg: Config, output: Path, model: str | None = None, overwrite: bool =
     with textio.OutputLock(output):
         corpora = corpus.open_training(cfg.data)
         inputs = [path for split in corpora for path in corpus.input_files(split)]
-        textio.check_output(output, inputs, overwrite=overwrite)
         aligner = _aligner(cfg, model)
         work = output.with_name(output.name + WORK_SUFFIX)
         identity = {"format": FORMAT, "corpora": [s.fingerprint for s in corpora],
                     "terms": to_dict(cfg)["data"]["terms"], "aligner": aligner.name}  # fmt: skip
+        kind = None if overwrite else _finished_before(work, identity, output)
+        if kind == "done":  # the same command after it finished: nothing to do
+            return {"output": str(output), "done": True, "entries": _entries_in(output),
+                    "pairs": None, "aligner": aligner.name, "resumed_chunks": 0,
+                    "seconds": 0.0}  # fmt: skip
+        textio.check_output(output, inputs, overwrite=overwrite)
+        finished.forget(work)
         _open_work(work, identity, overwrite)
         start, resumed = time.monotonic(), 0
         totals: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -75,18 +81,52 @@ def build(cfg: Config, output: Path, model: str | None = None, overwrite: bool =
             for source, target, n in counted["pairs"]:
                 totals[(source, target)] += n
             totals = bounded(totals, _MAX_COUNTS)
+        if not pairs:  # nothing to align: an empty dictionary would only mislead
+            shutil.rmtree(work, ignore_errors=True)
+            origins = ", ".join(split.origin for split in corpora)
+            raise TmtError(f"data.train ({origins}): no pairs to align; tmt terms wrote nothing")
         entries = _dictionary(totals, freq, cfg)
+        if not entries:
+            logger.warning("%s: no phrase pair reached data.terms.min_count %d (and min_prob"
+                           " %g) in %d pairs: the dictionary has no entries", output,
+                           cfg.data.terms.min_count, cfg.data.terms.min_prob, pairs)  # fmt: skip
         header = (f"# tmt terms: {len(entries)} entries from {pairs} pairs of data.train;"
                   f" aligner: {aligner.name}; {json.dumps(identity['terms'])}\n")  # fmt: skip
         text = header + "".join(f"{s}\t{' | '.join(t)}\t{n}\n" for s, t, n in entries)
         files.atomic_write(output, text.encode("utf-8"))
-        shutil.rmtree(work, ignore_errors=True)  # the dictionary is whole: the chunks are done
-    return {"output": str(output), "entries": len(entries), "pairs": pairs,
+        # The dictionary is whole: the chunks go, the record of what was made stays.
+        for entry in work.iterdir():
+            entry.unlink() if entry.is_file() else shutil.rmtree(entry, ignore_errors=True)
+        finished.mark_done(work, identity, [output])
+    return {"output": str(output), "done": False, "entries": len(entries), "pairs": pairs,
             "aligner": aligner.name, "resumed_chunks": resumed,
             "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
 
 
+def _finished_before(work: Path, identity: dict[str, Any], output: Path) -> str | None:
+    """ "done" when this very dictionary was made before (common/finished.py), said in the log;
+    one made from other corpora, settings or aligner is refused, naming what differs."""
+    kind, recorded = finished.state(work, identity, [output])
+    if kind == "other":
+        differ = [key for key in identity if recorded.get(key) != identity[key]]
+        raise TmtError(f"{output}: a dictionary tmt terms made from other {', '.join(differ)};"
+                       " run that command (it is done), or add {overwrite} to make it again",
+                       mentions=["overwrite"])  # fmt: skip
+    if kind == "done":
+        logger.info("%s: done: this dictionary (corpora, settings, aligner) was made before;"
+                    " nothing written", output)  # fmt: skip
+    return kind
+
+
+def _entries_in(output: Path) -> int:
+    """Entries of a dictionary tmt terms wrote (its lines but the header)."""
+    with open(output, "rb") as handle:
+        return sum(1 for line in handle if line.strip() and not line.startswith(b"# "))
+
+
 def format_report(report: dict[str, Any]) -> str:
+    if report.get("done"):
+        return f"{report['output']}: done before: {report['entries']} entries (nothing written)"
     return (f"{report['output']}: {report['entries']} entries from {report['pairs']} pairs"
             f" ({report['aligner']}; {report['resumed_chunks']} chunks committed before,"
             f" {report['seconds']} s)")  # fmt: skip

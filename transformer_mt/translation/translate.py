@@ -37,13 +37,10 @@ from transformer_mt.network.model import Transformer, count_parameters
 from transformer_mt.network.shortlist import Shortlist
 from transformer_mt.runs import averaging, run
 from transformer_mt.translation import ct2
-from transformer_mt.translation.decoding import (
-    check_engine,
-    check_options,
-    output_limits,
-    source_ids,
-    translate_lines,
-)
+from transformer_mt.translation.decode_checks import check_engine, check_options
+from transformer_mt.translation.decoding import translate_lines
+from transformer_mt.translation.glossary_use import check_glossary, glossary_of, load_glossary
+from transformer_mt.translation.sources import output_limits, source_ids
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +105,13 @@ class Translator:
         lines: Sequence[str],
         beam: int | None = None,
         prefix: Sequence[str] | None = None,
-        glossary: glossaries.Glossary | str | Path | None = None,
+        glossary: glossaries.Glossary | str | Path | Sequence[Sequence[str]] | None = None,
         **decode: Any,
     ) -> list[str]:
         """The best translation of each line, in order (one per line; "" for an empty line);
         `prefix`: a target prefix for each line ("" for none) that its translation starts with;
-        `glossary` (a file or a glossary.Glossary), `beam` and `decode` (DecodeConfig fields by
-        name) apply to this call only."""
+        `glossary` (a file, a glossary.Glossary, or [source, target] pairs), `beam` and `decode`
+        (DecodeConfig fields by name) apply to this call only."""
         if beam is not None:
             decode["beam_size"] = beam
         moved = {"device", "precision", "engine", "shortlist"} & set(decode)
@@ -126,45 +123,10 @@ class Translator:
             check_options(config, _keyword_overrides(decode))
             translator = dataclasses.replace(self, config=config)
         if glossary is not None:
-            if not isinstance(glossary, glossaries.Glossary):
-                cfg = apply_overrides(translator.config, [f"glossary.path={glossary}"])
-                glossary = load_glossary(cfg)
-            translator = dataclasses.replace(translator, glossary=glossary)
+            found = glossary_of(glossary, translator.config)
+            translator = dataclasses.replace(translator, glossary=found)
             check_glossary(translator)
         return translate_text(translator, list(lines), prefix)
-
-
-def load_glossary(cfg: Config) -> glossaries.Glossary | None:
-    """The glossary glossary.path names (None for none), checked against the model's languages:
-    a CSV's language columns must name its pair."""
-    settings = cfg.glossary
-    if not settings.path:
-        return None
-    pair = (cfg.data.src_lang, cfg.decode.target_lang or cfg.data.tgt_lang)
-    return glossaries.load(settings.path, settings.case_sensitive, settings.max_source_words, pair)
-
-
-def check_glossary(translator: Translator) -> None:
-    """Refuse, in one line, a glossary with decoding that cannot obey it."""
-    cfg = translator.config
-    mode = cfg.glossary.mode
-    if translator.glossary is None:
-        return
-    if mode in ("hint", "auto") and not hints.trained_with_hints(cfg):
-        raise TmtError(f"glossary.mode={mode}: the model was not trained with term hints"
-                       " (data.terms); use glossary.mode=strict or check")  # fmt: skip
-    if mode not in ("strict", "auto"):
-        return
-    if cfg.decode.sampling != "none":
-        raise TmtError(f"glossary.mode={mode}: not while sampling (decode.sampling="
-                       f"{cfg.decode.sampling}); use glossary.mode=check or hint")  # fmt: skip
-    if translator.engine is not None and translator.model is None:
-        raise TmtError(
-            f"glossary.mode={mode} with decode.engine=ctranslate2 ({translator.origin}): the lines"
-            " that need constrained decoding are decoded by tmt's engine, from the tmt model:"
-            " load the model (not only its CTranslate2 export) with the glossary (--glossary,"
-            " glossary.path, Translator.load(glossary=...)), or use glossary.mode=check"
-        )
 
 
 def _default_mode(translator: Translator, overrides: Sequence[str | tuple[str, str]]) -> Translator:

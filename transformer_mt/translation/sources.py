@@ -1,0 +1,82 @@
+"""Each line as the model reads it, and how long its output may be: subword ids (cut to the
+model's positions with a warning), a multi-target model's language token, §6.1's output limit, and
+the longer limit that leaves a constrained search room for its terms.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from transformer_mt.data.tokenizer import language_token_id
+from transformer_mt.network.automaton import Terms
+
+logger = logging.getLogger(__name__)
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def source_ids(translator: Any, lines: Sequence[str], what: str = "line") -> list[list[int]]:
+    """The subword ids of each line as the model reads it: lone surrogates (possible in Python
+    strings, never in UTF-8, fatal to sentencepiece) replaced, a multi-target model's language
+    token first (decode.target_lang), and cut to the model's positions (source tokens + EOS, or a
+    target prefix + EOS, must fit them) with a warning. A prefix (`what`) is target text."""
+    limit = max_positions(translator) - 1
+    side = "target" if what == "prefix" else "source"
+    texts = [_SURROGATES.sub("\ufffd", line) for line in lines]
+    ids = translator.tokenizer.encode(texts, side=side)
+    code = language_token(translator) if side == "source" else None
+    if code is not None:  # an empty line stays empty: it is not translated
+        ids = [[code, *seq] if seq else seq for seq in ids]
+    for i, seq in enumerate(ids):
+        if len(seq) > limit:
+            logger.warning(
+                "%s %d: %d tokens, truncated to %d (model.max_positions)", what, i + 1, len(seq),
+                limit,
+            )  # fmt: skip
+            ids[i] = seq[:limit]
+    return ids
+
+
+def language_token(translator: Any) -> int | None:
+    """The id of >>xxx<< for decode.target_lang xxx (None when unset), refused in one line when
+    the model has no such token: only multi-target Marian models read one."""
+    lang = translator.config.decode.target_lang
+    return language_token_id(translator.tokenizer, lang) if lang else None
+
+
+def max_positions(translator: Any) -> int:
+    """The position table's size: an ensemble's smallest (its architectures may differ)."""
+    return min([translator.config.model.max_positions,
+                *(m.cfg.max_positions for m in translator.ensemble)])  # fmt: skip
+
+
+def output_limits(
+    translator: Any,
+    sources: Sequence[Sequence[int]],
+    prefixes: Sequence[Sequence[int]] = (),
+) -> list[int]:
+    """§6.1: the maximum output length (the EOS included) of each source, a · |x| + b, at least
+    its target prefix and the EOS, within the position table."""
+    decode, positions = translator.config.decode, max_positions(translator)
+    given = [len(p) for p in prefixes] or [0] * len(sources)
+    return [
+        min(max(int(decode.max_len_a * len(x) + decode.max_len_b), size + 1), positions)
+        for x, size in zip(sources, given, strict=True)
+    ]
+
+
+def constrained_limits(
+    translator: Any,
+    sources: Sequence[Sequence[int]],
+    prefixes: Sequence[Sequence[int]],
+    terms: Sequence[Terms],
+) -> list[int]:
+    """output_limits lengthened by every term's longest alternative (room for the terms on top
+    of what the sentence would take), within the position table."""
+    positions = max_positions(translator)
+    return [min(limit + sum(max(map(len, alternatives)) for alternatives in line), positions)
+            for limit, line in zip(output_limits(translator, sources, prefixes), terms,
+                                   strict=True)]  # fmt: skip
