@@ -3,7 +3,7 @@
 # it with the date, the card and this command).
 #
 #   bash scripts/bench_gpu.sh                 # results and logs in runs/bench_gpu
-#   STEPS=1000 bash scripts/bench_gpu.sh      # the goal's first 1,000 updates (default 600)
+#   STEPS=1000 bash scripts/bench_gpu.sh      # the goal's first 1,000 updates (default 500)
 #
 # Parts, each under its own time limit so that the whole ends within 8 minutes (a part that runs
 # out shows its exit status 124 in the table, and its log says how far it got):
@@ -31,7 +31,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/bench_gpu}
 PY=${PY:-python3}
-STEPS=${STEPS:-600}
+STEPS=${STEPS:-500}
 WARM=${WARM:-200}
 LINES=${LINES:-10000}
 mkdir -p "$OUT"
@@ -59,13 +59,13 @@ part() {
 # configs/base.yaml (en→de, as WMT14 there) on the bundled corpus instead of WMT14:
 BASE=(--config base --set data.source=multi30k --set data.train=train --set data.valid=val
       --set data.test=test_2016_flickr --set data.num_proc=4)
-part tests 60 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
-part train 130 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
+part tests 90 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+part train 110 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
   --systems tmt,hf_marian --cold-steps "$STEPS" --warm-steps "$WARM" --warmup 0 --rounds 1
 tail -1 "$OUT/train.log" > "$OUT/train.json"
-part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
-part e2e 150 $PY scripts/bench_gpu.py e2e --out "$OUT"
-part decode 60 $PY scripts/bench_gpu.py decode --out "$OUT" --model "$OUT/multi30k" \
+part attention 40 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
+part e2e 140 $PY scripts/bench_gpu.py e2e --out "$OUT"
+part decode 75 $PY scripts/bench_gpu.py decode --out "$OUT" --model "$OUT/multi30k" \
   --lines "$LINES"
-part resume 30 $PY scripts/bench_gpu.py resume --out "$OUT"
+part resume 25 $PY scripts/bench_gpu.py resume --out "$OUT"
 $PY scripts/bench_gpu.py table "$OUT" | tee "$OUT/table.txt"
