@@ -34,9 +34,11 @@ class Server:
     """`tmt serve` in a child process on port 0; its log collected, stopped at the end."""
 
     def __init__(self, model: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.scratch = None
         if not any(arg.startswith("serve.glossary_dir=") for arg in args):
             # One server holds a glossary directory: each test server a directory of its own.
-            args = (*args, "--set", f"serve.glossary_dir={tempfile.mkdtemp(prefix='tmt-g-')}")
+            self.scratch = tempfile.mkdtemp(prefix="tmt-glossaries-")
+            args = (*args, "--set", f"serve.glossary_dir={self.scratch}")
         command = ["serve", "-m", str(model), "--port", "0", *args]
         self.process = cli_processes.popen(
             command, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
@@ -68,6 +70,9 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait(10)
+        finally:
+            if self.scratch:
+                shutil.rmtree(self.scratch, ignore_errors=True)
 
     def batches(self) -> float:
         """Decoding calls so far (the count of the batch-size histogram)."""
