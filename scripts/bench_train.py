@@ -65,7 +65,7 @@ def load_batches(config: str, overrides: list[str], n: int, device: str):
     batches, epoch = [], 0
     while len(batches) < n:
         for positions in sampler.epoch_batches(epoch)[: n - len(batches)]:
-            pad_to = sampler.batch_shape(epoch, positions) if shapes else (0, 0)
+            pad_to = sampler.batch_shape(epoch, positions)
             batches.append(data.train.batch(positions, data.tokenizer, epoch=epoch, pad_to=pad_to))
         epoch += 1
     return cfg, data.tokenizer, batches

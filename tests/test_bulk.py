@@ -154,6 +154,23 @@ def test_a_resume_with_another_model_or_options_is_refused(
     assert result.exit_code == 0 and "(0 translated before)" in result.stderr
 
 
+def test_a_new_job_clears_its_directory_but_not_what_a_link_there_points_to(
+    trained_run: Path, big_input: Path, tmp_path: Path
+) -> None:
+    out, mine = tmp_path / "out.txt", tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("the user's")
+    job = tmp_path / f"out.txt{bulk.JOB_SUFFIX}"
+    job.mkdir()
+    (job / "00000000.txt").write_text("a chunk of no job\n")  # no job.json: not a job's
+    (job / "linked").symlink_to(mine, target_is_directory=True)
+    result = runner.invoke(app, translate_args(trained_run, big_input, out))
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes().count(b"\n") == 47 and b"a chunk of no job" not in out.read_bytes()
+    assert sorted(p.name for p in job.iterdir()) == [".lock", "done.json"]
+    assert (mine / "keep.txt").read_text() == "the user's"
+
+
 def test_bad_outputs_and_inputs_are_one_line(
     trained_run: Path, big_input: Path, tmp_path: Path
 ) -> None:

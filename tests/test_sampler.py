@@ -272,6 +272,9 @@ def test_bucketed_batches_keep_every_promise_of_the_sampler(
     for batch in sampler.epoch_batches(1):
         rows, s, t = len(batch), padded_src[batch].max(), padded_tgt[batch].max()
         assert rows * max(s, t) <= max_tokens or rows <= 2  # _merge_singles' one exception
+        assert sampler.batch_shape(1, batch) == (s, t)  # what collate pads it to
+    exact = TokenBucketSampler(src, tgt, max_tokens, seed)  # no buckets: each batch its longest
+    assert all(exact.batch_shape(1, b) == (0, 0) for b in exact.epoch_batches(1))
     again = ranks(1)
     assert all(
         [x.tolist() for x in a] == [y.tolist() for y in b]

@@ -328,6 +328,18 @@ class Lock:
         self.fd = None
 
 
+def clear_directory(directory: Path, keep: Collection[str] = ()) -> None:
+    """Every entry of `directory` removed but those named in `keep` (a link as a link: what it
+    points to stays)."""
+    for entry in directory.iterdir():
+        if entry.name in keep:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def foreign_entries(directory: Path, ours: Collection[str]) -> list[str]:
     """The entries of `directory` that are not among `ours` (what tmt wrote there, as its own
     record lists it): what --overwrite must never delete."""

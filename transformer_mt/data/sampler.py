@@ -196,7 +196,11 @@ class TokenBucketSampler:
         return {(len(b), int(src[b].max()), int(tgt[b].max())) for b in batches}
 
     def batch_shape(self, epoch: int, batch: np.ndarray) -> tuple[int, int]:
-        """The (source, target) lengths `batch` of `epoch` is padded to, eos and bos included."""
+        """The (source, target) lengths `batch` of `epoch` is padded to at least, eos and bos
+        included (collate's pad_to): its bucket's with data.bucketing; (0, 0) without, so that
+        the batch pads to its longest sequence, whatever a BPE-dropout draw made it."""
+        if self.shapes is None:
+            return 0, 0
         src, tgt = self.padded_lengths(epoch)
         return int(src[batch].max()), int(tgt[batch].max())
 

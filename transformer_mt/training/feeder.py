@@ -68,7 +68,7 @@ class Feeder:
         """The padded batches of `group`, on the host."""
         made = []
         for positions in group:
-            pad_to = self.sampler.batch_shape(epoch, positions) if self.sampler.shapes else (0, 0)
+            pad_to = self.sampler.batch_shape(epoch, positions)
             made.append(self.data.train.batch(
                 positions, self.data.tokenizer, self.sampling, epoch, self.start, pad_to
             ))  # fmt: skip
@@ -95,7 +95,7 @@ def valid_batches(data: PreparedData, cfg: Config, info: DistInfo) -> list[Batch
     )  # fmt: skip
     start, made = cfg.model.decoder_start, []
     for positions in sampler.epoch_batches(0):
-        pad_to = sampler.batch_shape(0, positions) if shapes else (0, 0)
+        pad_to = sampler.batch_shape(0, positions)
         batch = data.valid.batch(positions, data.tokenizer, start=start, pad_to=pad_to)
         made.append(batch.to(info.device))
     return made

@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,9 +120,7 @@ def _finish(plan: Plan, output_path: str) -> None:
     """The output is complete: the job's chunks go, its record of what it wrote stays
     (common/finished.py: the same command again then says it is done)."""
     job_dir = Path(plan.job_dir)
-    for entry in job_dir.iterdir():
-        if entry.name != run.LOCK_FILE:
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    files.clear_directory(job_dir, keep=[run.LOCK_FILE])
     outputs = [Path(output_path), *([Path(plan.report)] if plan.report else [])]
     finished.mark_done(job_dir, plan.identity, outputs)
 
@@ -220,11 +217,8 @@ def _take(
     lock.acquire()
     try:
         files.remove_leftovers(job_dir, [f"*{files.TEMP_SUFFIX}"])
-        if new:  # nothing of another job may pass for a chunk
-            finished.forget(job_dir)
-            for entry in job_dir.iterdir():
-                if entry != lock.path:
-                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        if new:  # nothing of another job (its chunks, its done.json) may pass for this one's
+            files.clear_directory(job_dir, keep=[lock.path.name])
             files.atomic_write(job_dir / JOB_FILE, json.dumps(identity, indent=1).encode())
     except OSError as err:
         raise TmtError(

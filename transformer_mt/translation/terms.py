@@ -95,8 +95,7 @@ def build(cfg: Config, output: Path, model: str | None = None, overwrite: bool =
         text = header + "".join(f"{s}\t{' | '.join(t)}\t{n}\n" for s, t, n in entries)
         files.atomic_write(output, text.encode("utf-8"))
         # The dictionary is whole: the chunks go, the record of what was made stays.
-        for entry in work.iterdir():
-            entry.unlink() if entry.is_file() else shutil.rmtree(entry, ignore_errors=True)
+        files.clear_directory(work)
         finished.mark_done(work, identity, [output])
     return {"output": str(output), "done": False, "entries": len(entries), "pairs": pairs,
             "aligner": aligner.name, "resumed_chunks": resumed,
