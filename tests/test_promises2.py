@@ -90,7 +90,10 @@ def test_an_unreadable_job_file_is_one_line(
     out = tmp_path / "out.txt"
     job = tmp_path / f"out.txt{bulk.JOB_SUFFIX}"
     job.mkdir()
-    for content in ('["job.json"]', "[1, 2]", "nul\0l", "{" * 100_000):
+    wrong_types = ['{"decode": 7, "input_sha256": []}', '{"format": 1}',  # fields of another type
+                   '{"format": 1, "input": "x", "input_sha256": "0", "model_sha256": "0",'
+                   ' "decode": {}, "glossary": "g"}']  # fmt: skip
+    for content in ('["job.json"]', "[1, 2]", "nul\0l", "{" * 100_000, *wrong_types):
         (job / "job.json").write_text(content)
         result = runner.invoke(app, job_args(trained_run, lines_in, out))
         assert result.exit_code == 2, result.output

@@ -51,15 +51,28 @@ def read_job(job_dir: Path) -> dict[str, Any] | None:
         found = json.loads(files.read_plain(path, limit=1 << 20))
     except (OSError, ValueError, RecursionError):
         found = None
-    if not isinstance(found, dict):
+    if not _well_formed(found):
         return {"job.json": "unreadable"}
-    if isinstance(found.get("decode"), dict):
-        # A decoding option that an earlier tmt did not have meant its default then (engine).
-        defaults = {
-            k: v for k, v in to_dict(Config())["decode"].items() if k not in NOT_IN_IDENTITY
-        }
-        found["decode"] = defaults | found["decode"]
+    # A decoding option that an earlier tmt did not have meant its default then (engine).
+    defaults = {k: v for k, v in to_dict(Config())["decode"].items() if k not in NOT_IN_IDENTITY}
+    found["decode"] = defaults | found["decode"]
     return found
+
+
+# The fields of job.json, each with its type: every tmt wrote the first five; the rest only
+# for a job that has one (a prefix, a glossary, a report).
+_FIELDS = {"format": int, "input": str, "input_sha256": str, "model_sha256": str, "decode": dict}
+_OPTIONAL = {"prefix_sha256": str, "glossary": dict, "glossary_report": bool}
+
+
+def _well_formed(found: Any) -> bool:
+    """Whether `found` reads as a job.json tmt writes: a field missing or of another type (a
+    damaged file, or one tmt did not write) is no job's, refused as unreadable."""
+    if not isinstance(found, dict):
+        return False
+    if not all(isinstance(found.get(key), kind) for key, kind in _FIELDS.items()):
+        return False
+    return all(isinstance(found[key], kind) for key, kind in _OPTIONAL.items() if key in found)
 
 
 def difference(previous: dict[str, Any], identity: dict[str, Any]) -> str:
