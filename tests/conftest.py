@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import random
+import shutil
 import signal
 import tempfile
 from pathlib import Path
 
 # Before anything imports datasets: no hub access, and caches inside a throwaway directory.
 _SCRATCH = Path(tempfile.mkdtemp(prefix="tmt-tests-"))
+# Removed when this process ends (each xdist worker has its own scratch); in a forked child the
+# inherited handler does nothing.
+_OWNER = os.getpid()
+atexit.register(lambda: os.getpid() == _OWNER and shutil.rmtree(_SCRATCH, ignore_errors=True))
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = str(_SCRATCH / "hf")

@@ -3,6 +3,7 @@ tmt translate's, dynamic batching, limits and bad input, the API key, a drain on
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import os
 import re
@@ -61,6 +62,7 @@ class Server:
             self.stop()
             raise AssertionError("the server did not start:\n" + "".join(self.log))
         self.client = httpx.Client(base_url=self.url, timeout=60)
+        atexit.register(self.stop)  # a test that fails before its stop leaves no server running
 
     def stop(self) -> int:
         if self.process.poll() is None:
