@@ -337,6 +337,76 @@ def test_bf16_autocast_trains_on_cpu(train_cfg: Config, tmp_path: Path) -> None:
     assert all(t.dtype == torch.float32 for t in saved.state_dict.values())  # weights stay fp32
 
 
+def test_a_bf16_update_casts_each_weight_once_and_computes_what_a_cast_per_micro_batch_does(
+    train_cfg: Config,
+) -> None:
+    """Autocast keeps its weight copies for the whole update (step.py): with update_freq 3 each
+    weight is cast to bf16 once, where a region per micro-batch cast it three times; the loss
+    sums and gradients are those of a region per micro-batch, bit for bit (the shared embedding's
+    to float32's rounding). The exception to once: cross-attention's stacked in_proj, used as
+    two slices (W^Q; W^K and W^V), which are views, and autocast keeps copies of whole
+    parameters only: two casts each micro-batch."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from transformer_mt.data.batches import prepare_data
+    from transformer_mt.network.model import Transformer
+    from transformer_mt.training import step
+    from transformer_mt.training.feeder import Feeder
+    from transformer_mt.training.loss import Objective
+
+    cfg = dataclasses.replace(train_cfg, model=dataclasses.replace(train_cfg.model, dropout=0.0))
+    cfg = with_train(cfg, update_freq=3, precision="bf16")
+    data = prepare_data(cfg)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    feeder = Feeder(cfg, data, None, info)
+    micro = feeder.micro_batches(0, 0, feeder.group(0, 0))
+    feeder.close()
+    assert len(micro) == 3
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, data.tokenizer.vocab_size, data.tokenizer.pad_id)
+    # By storage: a slice of a parameter counts as the parameter.
+    weights = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    objective = Objective(cfg.optim.label_smoothing)
+    tokens = sum(b.n_tokens for b in micro)
+
+    _TO_COPY = torch.ops.aten._to_copy.default
+
+    class WeightCasts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: collections.Counter[str] = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            storage = args[0].untyped_storage().data_ptr() if func is _TO_COPY else None
+            if storage in weights:
+                self.counts[weights[storage]] += 1
+            return func(*args, **(kwargs or {}))
+
+    with WeightCasts() as casts:
+        together, oom = step._accumulate(model, micro, scaler, objective, info, tokens, 1, "bf16")
+    assert not oom and casts.counts  # the linear layers' weights and biases
+    sliced = {name for name in casts.counts if ".cross_attn.in_proj." in name}
+    assert sliced and all(casts.counts[name] == 2 * len(micro) for name in sliced), casts.counts
+    assert all(casts.counts[name] == 1 for name in casts.counts.keys() - sliced), casts.counts
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    apart = torch.zeros(2, dtype=torch.float64)
+    for batch in micro:  # a region each
+        apart += step._accumulate(model, [batch], scaler, objective, info, tokens, 1, "bf16")[0]
+    assert torch.equal(apart, together)
+    for name, p in model.named_parameters():
+        if name != "embedding.weight":
+            assert torch.equal(p.grad, grads[name]), name
+    # The shared embedding's gradient adds its three uses (two lookups, the output projection's
+    # cast) in the order autograd runs them; the kept cast, made in the first micro-batch, runs
+    # later in the others: equal to float32's rounding (7e-9 of 0.2 here).
+    torch.testing.assert_close(model.embedding.weight.grad, grads["embedding.weight"],
+                               rtol=1e-5, atol=1e-7)  # fmt: skip
+
+
 @pytest.mark.slow
 def test_torch_compile_trains_the_same_model(train_cfg: Config, tmp_path: Path) -> None:
     cfg = with_train(

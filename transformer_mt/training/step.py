@@ -138,39 +138,62 @@ def _accumulate(
     sums_of_rank = torch.zeros(2, dtype=torch.float64, device=info.device)
     oom = False
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    autocast = {"dtype": autocast_dtype, "enabled": autocast_dtype is not None}
-    for i, batch in enumerate(micro):
-        last = i == len(micro) - 1
-        no_sync = model.no_sync() if info.distributed and not last else contextlib.nullcontext()
-        try:
-            with no_sync:
-                with torch.autocast(info.device.type, **autocast):
-                    poison = fault_point("loss", attempt) if i == 0 else None
-                    # The logits, or the last states for the fused loss to project.
-                    out = model(batch.src, batch.tgt_in, project=objective.wants_logits)
-                    sums = objective(out, batch.tgt_out, batch.pad_id)
-                    loss = sums.loss * (info.world_size / global_tokens)
-                    if poison == "nan":
-                        loss = loss * float("nan")
-                scaler.scale(loss).backward()
-        except (torch.OutOfMemoryError, RuntimeError) as err:
-            if not distributed.is_out_of_memory(err):
-                raise
-            oom = True
-            out = sums = loss = None
-            logger.warning(
-                "out of memory on a batch of %s source, %s target tokens",
-                tuple(batch.src.shape), tuple(batch.tgt_out.shape),
-            )  # fmt: skip
-            if info.device.type == "cuda":
-                torch.cuda.empty_cache()
-            if last and info.distributed:  # the other ranks wait in this backward's all-reduce
-                with torch.autocast(info.device.type, **autocast):
-                    out = model(batch.src[:1, :1], batch.tgt_in[:1, :1])
-                scaler.scale(out.float().sum() * 0.0).backward()  # joins it; the update is skipped
-            continue
-        sums_of_rank += torch.stack([sums.loss.detach().double(), sums.nll.double()])
+    # One autocast region for the whole update: autocast keeps each weight's low-precision copy
+    # until its outermost region ends, so a weight is cast once an update, not once a micro-
+    # batch. The backward passes run with autocast off, as PyTorch advises, in a nested region
+    # that keeps those copies.
+    with torch.autocast(info.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        for i, batch in enumerate(micro):
+            oom |= _forward_backward(model, batch, scaler, objective, info, global_tokens,
+                                     attempt if i == 0 else None, i == len(micro) - 1,
+                                     sums_of_rank)  # fmt: skip
     return sums_of_rank, oom
+
+
+def _forward_backward(
+    model: torch.nn.Module,
+    batch: Batch,
+    scaler: torch.amp.GradScaler,
+    objective: Objective,
+    info: DistInfo,
+    global_tokens: int,
+    attempt: int | None,
+    last: bool,
+    sums_of_rank: torch.Tensor,
+) -> bool:
+    """One micro-batch's forward (in the caller's autocast region) and backward, its loss and
+    NLL sums added to `sums_of_rank`; whether it ran out of memory. `attempt`: the update's
+    attempt at its first micro-batch (its fault point), else None."""
+    device = info.device.type
+    no_sync = model.no_sync() if info.distributed and not last else contextlib.nullcontext()
+    try:
+        with no_sync:
+            poison = fault_point("loss", attempt) if attempt is not None else None
+            # The logits, or the last states for the fused loss to project.
+            out = model(batch.src, batch.tgt_in, project=objective.wants_logits)
+            sums = objective(out, batch.tgt_out, batch.pad_id)
+            loss = sums.loss * (info.world_size / global_tokens)
+            if poison == "nan":
+                loss = loss * float("nan")
+            with torch.autocast(device, enabled=False):
+                scaler.scale(loss).backward()
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not distributed.is_out_of_memory(err):
+            raise
+        out = sums = loss = None
+        logger.warning(
+            "out of memory on a batch of %s source, %s target tokens",
+            tuple(batch.src.shape), tuple(batch.tgt_out.shape),
+        )  # fmt: skip
+        if info.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if last and info.distributed:  # the other ranks wait in this backward's all-reduce
+            out = model(batch.src[:1, :1], batch.tgt_in[:1, :1])
+            with torch.autocast(device, enabled=False):
+                scaler.scale(out.float().sum() * 0.0).backward()  # joins it; the update is skipped
+        return True
+    sums_of_rank += torch.stack([sums.loss.detach().double(), sums.nll.double()])
+    return False
 
 
 def _apply(
