@@ -32,8 +32,9 @@ INTRO = """# Configuration reference
 
 One frozen config tree with the paper's names and defaults: dataclass defaults, then the YAML file
 (`-c base`, `-c big`, `-c tiny` or a path; `configs/` holds the presets), then each
-`--set section.key=value`. An unknown key is an error that lists the valid ones, a value outside
-its range an error that names the key. The resolved config is saved as `OUT_DIR/config.yaml`
+`--set section.key=value`. An unknown key is an error that lists the valid ones, a key given
+twice in the file an error that names its line, a value outside its range an error that names
+the key. The resolved config is saved as `OUT_DIR/config.yaml`
 and inside every checkpoint. Departures from the paper are named as such below.
 
 Ranges: `[a, b]` includes both ends, `(a, b)` excludes them.

@@ -153,6 +153,30 @@ def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    ("text", "line", "key"),
+    [
+        ("model:\n  d_model: 256\nmodel:\n  d_ff: 1024\n", 3, "model"),
+        ("model:\n  d_model: 256\n  dropout: 0.2\n  d_model: 512\n", 4, "d_model"),
+    ],
+)
+def test_a_key_given_twice_is_refused_naming_its_line(
+    tmp_path: Path, text: str, line: int, key: str
+) -> None:
+    """PyYAML keeps the second silently: one of the two settings would be lost without a word."""
+    path = write(tmp_path, text)
+    with pytest.raises(TmtError, match=rf"{path}:{line}: invalid YAML: '{key}' is given twice"):
+        load_config(path)
+
+
+def test_keys_written_over_a_merged_mapping_replace_its_keys(tmp_path: Path) -> None:
+    """YAML's merge key is not a key given twice: what follows it replaces what it merged."""
+    anchored = "x: &m {d_model: 256, dropout: 0.2}\nmodel:\n  <<: *m\n  d_model: 64\n"
+    from transformer_mt.config import _read_yaml
+
+    assert _read_yaml(write(tmp_path, anchored))["model"] == {"d_model": 64, "dropout": 0.2}
+
+
 def test_missing_config_lists_presets() -> None:
     with pytest.raises(
         TmtError, match="no such file or preset .*base, big, multi30k, multi30k-gpu, student, tiny"
