@@ -1,6 +1,6 @@
 """Keep the promises, round 5 (issue 61): models in linked stores, an OPUS-MT checkpoint whose two
 vocabularies place their specials apart, a drain cut short, and a finished file job run again;
-each case with a test that failed before its fix (docs/reliability.md, P61-P70). The glossary
+each case with a test that failed before its fix (docs/reliability.md, P61-P68). The glossary
 cases of the round are tests/test_glossary.py's and tests/test_constraints.py's."""
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ Exit codes:
     1    a distributed job lost a rank (any other exit 1 with a traceback is a bug)
     2    bad input: config, data, checkpoint, command-line option
     3    training diverged (train.nonfinite_patience consecutive non-finite updates)
-    4    the run directory has no room, or a write to it failed (disk full, quota, I/O)
+    4    no room: a write found the disk full, a quota, a file-size limit or an I/O error
     130  stopped by SIGINT, after saving the last completed step
     143  stopped by SIGTERM, after saving the last completed step
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -25,11 +26,22 @@ LOST_RANK = 1
 BAD_INPUT = 2
 DIVERGED = 3
 NO_ROOM = 4
+# The errors of a write that found no room: disk full, quota, file size, I/O (exit NO_ROOM).
+NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
 # Runs stopped by a signal exit like a shell would report them: 128 + the signal number.
 SIGNAL_EXIT = {"sigterm": 128 + signal.SIGTERM, "sigint": 128 + signal.SIGINT}
 # A signalled run that reaches no step boundary within this time exits unsaved; torchrun sends
 # SIGKILL 30 s after SIGTERM, so this leaves room for the last save and a clean exit.
 SIGNAL_GRACE_S = 25.0
+
+
+def write_failed(err: BaseException) -> tuple[str, int]:
+    """Why a write failed, in words, and its exit code: NO_ROOM where the disk had no room
+    (NO_ROOM_ERRNOS, or torch's writer's RuntimeError, which says no more), BAD_INPUT where the
+    place was the user's choice to fix: a file on the way, no permission, a read-only disk."""
+    if not isinstance(err, OSError):
+        return first_line(err), NO_ROOM
+    return err.strerror or first_line(err), NO_ROOM if err.errno in NO_ROOM_ERRNOS else BAD_INPUT
 
 
 def first_line(err: BaseException) -> str:

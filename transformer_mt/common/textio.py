@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import gzip
 import io
 import logging
@@ -34,11 +33,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from transformer_mt.common import files
-from transformer_mt.common.exits import NO_ROOM, TmtError
+from transformer_mt.common.exits import NO_ROOM, NO_ROOM_ERRNOS, TmtError
 
 logger = logging.getLogger(__name__)
 
-WRITE_FAILED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+WRITE_FAILED = NO_ROOM_ERRNOS
 STDIO = "-"  # an input or output that is stdin or stdout
 _BOM = b"\xef\xbb\xbf"
 
@@ -283,7 +282,9 @@ def managed_by_tmt(path: Path) -> str | None:
 
 def check_directory(path: Path, key: str) -> None:
     """Refuse a directory that config key `key` names for tmt to write into (a run, a cache)
-    when it is a checkpoint or lies where tmt manages files."""
+    when it is a checkpoint or lies where tmt manages files, or is not a directory."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise TmtError(f"{key}={path}: exists and is not a directory; choose another directory")
     managed = managed_by_tmt(path)
     if (Path(path) / files.MANIFEST_FILE).exists():
         managed = "a checkpoint directory"

@@ -73,14 +73,18 @@ class PreparedData:
 def prepare_data(cfg: Config, tokenizer: Tokenizer | None = None) -> PreparedData:
     """Read, tokenize (training the joint model unless one is given), encode, filter the splits."""
     cache = cache_root(cfg.data)
-    textio.check_directory(cache, "data.cache_dir" if cfg.data.cache_dir else "the data cache")
+    # What the user sets to move it: TMT_CACHE where that chose it, else data.cache_dir.
+    from_environment = not cfg.data.cache_dir and os.environ.get("TMT_CACHE")
+    textio.check_directory(cache, "TMT_CACHE" if from_environment else "data.cache_dir")
     try:
         return _prepare(cfg, tokenizer, cache)
     except OSError as err:  # reading errors are TmtErrors already: this is the cache's disk
+        reason, code = exits.write_failed(err)
+        fix = "free some space or set" if code == exits.NO_ROOM else "set"
         raise TmtError(
-            f"{cache}: cannot write the data cache ({err.strerror or err}); free some space or"
-            " set data.cache_dir to another disk",
-            exit_code=exits.NO_ROOM,
+            f"{cache}: cannot write the data cache ({reason}); {fix} data.cache_dir to another"
+            " directory",
+            exit_code=code,
         ) from None
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from transformer_mt.common import exits, files, textio
-from transformer_mt.common.exits import TmtError, first_line
+from transformer_mt.common.exits import TmtError
 from transformer_mt.network.shortlist import FILE_NAME as SHORTLIST_FILE
 from transformer_mt.runs import checkpoint, run
 from transformer_mt.runs.checkpoint import HIGHER_IS_BETTER, Checkpoint
@@ -215,10 +215,10 @@ def write(mean: Checkpoint, output: Path) -> Checkpoint:
             tokenizer_bytes=mean.tokenizer_bytes, info=info,
         )  # fmt: skip
     except (OSError, RuntimeError) as err:  # disk full, quota, I/O (torch: RuntimeError)
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
+        reason, code = exits.write_failed(err)
         raise TmtError(
             f"{output}: writing the averaged model failed ({reason}); nothing was left there",
-            exit_code=exits.NO_ROOM,
+            exit_code=code,
         ) from None
     if shortlist is not None:
         table, model_sha256 = shortlist

@@ -79,10 +79,9 @@ class MetricsLog:
             try:
                 self.handle = open(run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
             except OSError as err:
-                raise TmtError(
-                    f"{run_dir / METRICS_FILE}: cannot write ({err.strerror or err})",
-                    exit_code=exits.NO_ROOM,
-                ) from None
+                reason, code = exits.write_failed(err)
+                raise TmtError(f"{run_dir / METRICS_FILE}: cannot write ({reason})",
+                               exit_code=code) from None  # fmt: skip
         self.bar = tqdm(
             total=max_steps or None, initial=step, disable=not info.is_main or None,
             unit="step", dynamic_ncols=True, file=sys.stderr,
@@ -150,10 +149,11 @@ class MetricsLog:
             self.handle.write(json.dumps(record) + "\n")
             self.handle.flush()
         except OSError as err:
+            reason, code = exits.write_failed(err)
             raise TmtError(
-                f"{self.handle.name}: cannot write ({err.strerror or err}); the checkpoints"
-                " written so far are intact",
-                exit_code=exits.NO_ROOM,
+                f"{self.handle.name}: cannot write ({reason}); the checkpoints written so far"
+                " are intact",
+                exit_code=code,
             ) from None
 
     def window(self) -> dict[str, Any]:

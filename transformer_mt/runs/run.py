@@ -83,13 +83,14 @@ def start(
     Refuses to start without room for checkpoints: a new one is written beside the last, so twice
     a checkpoint's size must be free. Metrics past `step` are dropped (those steps are trained
     again), unless the run is `finished`: it trains nothing, and its log stays as it is."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TmtError(f"train.out_dir={run_dir}: exists and is not a directory")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=run_dir).close()
     except OSError as err:
-        raise TmtError(
-            f"{run_dir}: cannot write there ({err.strerror or err})", exit_code=exits.NO_ROOM
-        ) from None
+        reason, code = exits.write_failed(err)
+        raise TmtError(f"{run_dir}: cannot write there ({reason})", exit_code=code) from None
     sweep(run_dir)
     free = shutil.disk_usage(run_dir).free
     if free < 2 * checkpoint_bytes:
@@ -104,9 +105,9 @@ def start(
         if not finished:
             metrics.trim(run_dir, step)
     except OSError as err:
+        reason, code = exits.write_failed(err)
         raise TmtError(
-            f"{run_dir}: cannot write the run's files ({err.strerror or err})",
-            exit_code=exits.NO_ROOM,
+            f"{run_dir}: cannot write the run's files ({reason})", exit_code=code
         ) from None
 
 
@@ -150,9 +151,9 @@ class RunLock:
                 mentions=self.mentions,
             ) from None
         except OSError as err:
+            reason, code = exits.write_failed(err)
             raise TmtError(
-                f"{self.path.parent}: cannot write there ({err.strerror or err})",
-                exit_code=exits.NO_ROOM,
+                f"{self.path.parent}: cannot write there ({reason})", exit_code=code
             ) from None
         if not self.lock.locked:  # a filesystem without locks: train, but say so
             logger.warning("%s: cannot lock; make sure no other trainer uses it", self.path)
@@ -331,12 +332,11 @@ def save(
         if is_best:
             set_best(run_dir, path)
     except (OSError, RuntimeError) as err:  # disk full, quota, I/O (torch: RuntimeError)
-        strerror = err.strerror if isinstance(err, OSError) else None
-        reason = strerror or str(err).strip().splitlines()[0]
+        reason, code = exits.write_failed(err)
         raise TmtError(
             f"saving checkpoint step {step} failed ({reason}); nothing was left under"
             " its name and the checkpoints before it are intact",
-            exit_code=exits.NO_ROOM,
+            exit_code=code,
         ) from None
     prune(
         run_dir, cfg.train.keep_last, protect={path, *protect},

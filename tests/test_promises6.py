@@ -1,0 +1,69 @@
+"""Keep the promises, round 6 (an outside probe, 2026-11-27): a place to write that is not one.
+A file where a run or cache directory belongs, or on the way to one, is the user's to fix: one
+line naming the setting, exit 2 (bad input). Exit 4 stays for a disk without room (full, quota,
+file size, I/O): it said "free some space" for a cache that was a file."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import cli_processes
+import pytest
+
+from transformer_mt.common import exits
+
+
+def one_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("tmt: error")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def train(tmp_path: Path, *sets: str, env: dict[str, str] | None = None):
+    args = ["train", "-c", "tiny", "--set", "train.max_steps=1"]
+    for item in (f"train.out_dir={tmp_path / 'run'}", *sets):
+        args += ["--set", item]
+    return cli_processes.run(args, env={**os.environ, **(env or {})}, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("train.out_dir", "train.out_dir={file}: exists and is not a directory"),
+        ("train.out_dir=under", "{file}/run: cannot write there (Not a directory)"),
+        ("data.cache_dir", "data.cache_dir={file}: exists and is not a directory"),
+        ("TMT_CACHE", "TMT_CACHE={file}: exists and is not a directory"),
+    ],
+)
+def test_a_file_where_a_directory_belongs_is_bad_input_naming_the_setting(
+    tmp_path: Path, where: str, message: str
+) -> None:
+    file = tmp_path / "notes.txt"
+    file.write_text("the user's\n")
+    if where == "TMT_CACHE":
+        result = train(tmp_path, env={"TMT_CACHE": str(file)})
+    elif where == "train.out_dir=under":
+        result = train(tmp_path, f"train.out_dir={file / 'run'}")
+    else:
+        result = train(tmp_path, f"{where}={file}")
+    assert result.returncode == exits.BAD_INPUT
+    assert message.format(file=file) in one_line(result)
+    assert file.read_text() == "the user's\n"
+
+
+def test_a_write_that_failed_exits_4_only_when_the_disk_had_no_room() -> None:
+    for number in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+        assert exits.write_failed(OSError(number, os.strerror(number))) == (
+            os.strerror(number), exits.NO_ROOM,
+        )  # fmt: skip
+    for number in (errno.EACCES, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST):
+        assert exits.write_failed(OSError(number, os.strerror(number))) == (
+            os.strerror(number), exits.BAD_INPUT,
+        )  # fmt: skip
+    # torch's checkpoint writer says no more than this: a failed write, taken as no room.
+    failed = RuntimeError("[enforce fail at inline_container.cc] file write failed\nmore")
+    assert exits.write_failed(failed) == ("[enforce fail at inline_container.cc] file write failed",
+                                          exits.NO_ROOM)  # fmt: skip
