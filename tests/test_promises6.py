@@ -1,4 +1,6 @@
-"""Keep the promises, round 6 (an outside probe, 2026-11-27): a place to write that is not one.
+"""Keep the promises, round 6 (an outside probe, 2026-11-27; docs/reliability.md, P69-P71): a
+place to write that is not one, and a mistake on the command line.
+
 A file where a run or cache directory belongs, or on the way to one, is the user's to fix: one
 line naming the setting, exit 2 (bad input). Exit 4 stays for a disk without room (full, quota,
 file size, I/O): it said "free some space" for a cache that was a file."""
@@ -67,3 +69,24 @@ def test_a_write_that_failed_exits_4_only_when_the_disk_had_no_room() -> None:
     failed = RuntimeError("[enforce fail at inline_container.cc] file write failed\nmore")
     assert exits.write_failed(failed) == ("[enforce fail at inline_container.cc] file write failed",
                                           exits.NO_ROOM)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["translate", "--beam", "abc"], "Invalid value for '--beam'"),
+        (["translate", "--bogus"], "No such option: --bogus"),
+        (["bogus"], "No such command 'bogus'"),
+        (["--bogus"], "No such option: --bogus"),
+        (["export", "-m", "a", "-m", "b"], "--model/-m given more than once"),
+        (["evaluate", "--hyp"], "Option '--hyp' requires an argument"),
+    ],
+)
+def test_a_mistake_on_the_command_line_is_one_line(args: list[str], message: str) -> None:
+    """As every other error of tmt: one line, exit 2. Click drew a box of five lines under a
+    usage line and a hint."""
+    result = cli_processes.run(args, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    line = one_line(result)
+    assert message in line and line.endswith(" --help"), line

@@ -30,6 +30,7 @@ from transformer_mt.common.exits import TmtError
 from transformer_mt.config import apply_overrides, load_config
 
 app = typer.Typer(
+    cls=flags.Commands,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

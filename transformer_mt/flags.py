@@ -6,11 +6,17 @@ Typer reads them from the annotations; typer is the only import, so `tmt --help`
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
+
+try:  # Typer 0.2x parses with its own copy of click
+    from typer._click.exceptions import UsageError
+except ImportError:  # earlier Typers use click itself
+    from click.exceptions import UsageError
 
 from transformer_mt.common.exits import TmtError
 
@@ -294,19 +300,49 @@ CleanOutput = Annotated[
 ]
 
 
+def _usage_error(err: UsageError, ctx: Any) -> NoReturn:
+    """A mistake on the command line as every other error of tmt: one line on stderr and exit 2
+    (click draws a box around it, under the usage line and a hint)."""
+    message = err.format_message().rstrip(".")
+    typer.echo(f"tmt: error: {message}; see {ctx.command_path} --help", err=True)
+    sys.exit(err.exit_code)
+
+
 class OnceCommand(TyperCommand):
     """A command whose single-valued options may be given once: a second -m to `tmt export`
-    would otherwise silently replace the first (click keeps the last value)."""
+    would otherwise silently replace the first (click keeps the last value). Its usage errors
+    (an unknown option, a value of another type) are one line."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        if not ctx.resilient_parsing:
-            _, _, order = self.make_parser(ctx).parse_args(args=list(args))
-            for param in set(order):
-                # Options only (arguments have no is_flag); a flag twice says one thing twice.
-                once = not getattr(param, "multiple", True) and not getattr(param, "is_flag", True)
-                if once and order.count(param) > 1:
-                    ctx.fail(f"{'/'.join(param.opts)} given more than once: give it once")
-        return super().parse_args(ctx, args)
+        try:
+            if not ctx.resilient_parsing:
+                _, _, order = self.make_parser(ctx).parse_args(args=list(args))
+                for param in set(order):
+                    # Options only (arguments have no is_flag); a flag twice says one thing twice.
+                    once = not getattr(param, "multiple", True)
+                    if once and not getattr(param, "is_flag", True) and order.count(param) > 1:
+                        ctx.fail(f"{'/'.join(param.opts)} given more than once: give it once")
+            return super().parse_args(ctx, args)
+        except UsageError as err:
+            if ctx.resilient_parsing:
+                raise
+            _usage_error(err, ctx)
+
+
+class Commands(TyperGroup):
+    """tmt's commands: an unknown one, or an unknown option before it, is one line too."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except UsageError as err:
+            _usage_error(err, ctx)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        try:
+            return super().resolve_command(ctx, args)
+        except UsageError as err:
+            _usage_error(err, ctx)
 
 
 T = TypeVar("T")

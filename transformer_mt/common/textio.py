@@ -283,13 +283,14 @@ def managed_by_tmt(path: Path) -> str | None:
 def check_directory(path: Path, key: str) -> None:
     """Refuse a directory that config key `key` names for tmt to write into (a run, a cache)
     when it is a checkpoint or lies where tmt manages files, or is not a directory."""
+    named = f"{key} {path}" if key.startswith("-") else f"{key}={path}"  # a flag or a setting
     if Path(path).exists() and not Path(path).is_dir():
-        raise TmtError(f"{key}={path}: exists and is not a directory; choose another directory")
+        raise TmtError(f"{named}: exists and is not a directory; choose another directory")
     managed = managed_by_tmt(path)
     if (Path(path) / files.MANIFEST_FILE).exists():
         managed = "a checkpoint directory"
     if managed:
-        raise TmtError(f"{key}={path}: {managed}; choose another directory")
+        raise TmtError(f"{named}: {managed}; choose another directory")
 
 
 @contextlib.contextmanager
