@@ -152,6 +152,20 @@ def test_missing_files_name_what_was_tried(tmp_path: Path) -> None:
         )
 
 
+def test_a_side_that_is_there_but_no_file_says_what_it_is(tmp_path: Path) -> None:
+    """It said "neither X.de nor X.de.gz exists" of a link to a device, a FIFO and a directory."""
+    import os
+
+    (tmp_path / "dev.de").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.de")
+    (tmp_path / "dir.de").mkdir()
+    kinds = {"dev": "a device", "fifo": r"a FIFO \(a named pipe\)", "dir": "a directory"}
+    for name, kind in kinds.items():
+        (tmp_path / f"{name}.en").write_text("a\n")
+        with pytest.raises(TmtError, match=rf"^data.train: {tmp_path}/{name}.de: is {kind},"):
+            corpus.open_split(DataConfig(source="files", train=str(tmp_path / name)), "data.train")
+
+
 def test_corrupt_gzip_is_reported(tmp_path: Path) -> None:
     good = gzip.compress(b"a\nb\nc\n" * 1000)
     (tmp_path / "z.de.gz").write_bytes(good[: len(good) // 2])

@@ -289,8 +289,11 @@ def _prefixed_file(prefix: str, lang: str, key: str) -> Path:
         if candidate.is_file():
             return candidate
     for candidate in candidates:
-        if candidate.is_dir():
-            raise TmtError(f"{key}: {candidate}: is a directory, expected a text file")
+        if candidate.exists():  # there, but a directory, a FIFO or a device: say which
+            try:
+                textio.regular_file(candidate, key)
+            except TmtError as err:
+                raise TmtError(f"{key}: {err.message}") from None
     raise TmtError(f"{key}: neither {prefix}.{lang} nor {prefix}.{lang}.gz exists")
 
 
