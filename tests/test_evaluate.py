@@ -132,6 +132,72 @@ def test_comparison_from_the_command_line(tmp_path: Path) -> None:
         assert "Traceback" not in result.output
 
 
+def test_several_references_score_as_sacrebleu_scores_them() -> None:
+    """Each stream a reference of every sentence: sacreBLEU's multi-reference BLEU, chrF and TER,
+    its figures and its signature (nrefs:2)."""
+    from sacrebleu.metrics import BLEU, CHRF, TER
+
+    first = ["The cat sat on the mat today.", "A dog runs in the green park."]
+    second = ["A cat was sitting on the mat today.", "The dog is running in a green park."]
+    hyps = ["A cat sat on the mat today.", "A dog runs in a green park."]
+    both = evaluate.score(hyps, [first, second])
+    for name, metric in {"bleu": BLEU(), "chrf": CHRF(), "ter": TER()}.items():
+        assert both[name] == round(metric.corpus_score(hyps, [first, second]).score, 2), name
+    assert both["signature"].startswith("nrefs:2|") and both["ter_signature"].startswith("nrefs:2")
+    one = evaluate.score(hyps, first)
+    assert one["signature"].startswith("nrefs:1|") and both["bleu"] > one["bleu"]
+    assert evaluate.score(hyps, [first]) == one  # a list of one stream is that stream
+    assert evaluate.score(second, [first, second])["bleu"] == 100.0  # each line matches one
+    with pytest.raises(TmtError, match="2 hypotheses but 1 references"):
+        evaluate.score(hyps, [first, second[:1]])
+
+
+def test_several_references_from_the_command_line(trained_run: Path, tmp_path: Path) -> None:
+    """--ref given once per reference: hypothesis files, a comparison and a model's output."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from transformer_mt.cli import app
+
+    f = compare_files(tmp_path)
+    other = tmp_path / "other.txt"
+    other.write_text("".join(line.replace("man", "person") + "\n" for line in
+                             textio.read_text_file(f["ref"], "ref")))  # fmt: skip
+    refs = ["--ref", str(f["ref"]), "--ref", str(other)]
+    hyps = textio.read_text_file(f["good"], "hyp")
+    streams = [textio.read_text_file(f["ref"], "ref"), textio.read_text_file(other, "ref")]
+    result = CliRunner().invoke(app, ["evaluate", "--hyp", str(f["good"]), *refs, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {**evaluate.score(hyps, streams), "model": None}
+    compared = CliRunner().invoke(app, ["evaluate", "--hyp", str(f["good"]), "--hyp",
+                                        str(f["bad"]), *refs, "--json"])  # fmt: skip
+    assert compared.exit_code == 0, compared.output
+    assert json.loads(compared.stdout)["signatures"]["bleu"].startswith("nrefs:2|")
+    # A model's translations of -i against both references.
+    sources, references = corpus.read_split(translator(trained_run).config.data, "data.valid")
+    (tmp_path / "src").write_text("".join(line + "\n" for line in sources))
+    (tmp_path / "r1").write_text("".join(line + "\n" for line in references))
+    (tmp_path / "r2").write_text("".join(line.upper() + "\n" for line in references))
+    model = ["-m", str(trained_run / "checkpoints" / "step_00000030"), "--beam", "1"]
+    scored = CliRunner().invoke(app, ["evaluate", *model, "-i", str(tmp_path / "src"), "--ref",
+                                      str(tmp_path / "r1"), "--ref", str(tmp_path / "r2"),
+                                      "--json"])  # fmt: skip
+    assert scored.exit_code == 0, scored.output
+    report = json.loads(scored.stdout)
+    hypotheses = translate.translate_text(translator(trained_run, "decode.beam_size=1"), sources)
+    upper = [line.upper() for line in references]
+    assert report["bleu"] == evaluate.score(hypotheses, [references, upper])["bleu"]
+    assert report["signature"].startswith("nrefs:2|")
+    # Reference files of other lengths: one line naming the file.
+    short = tmp_path / "short.txt"
+    short.write_text("one line\n")
+    result = CliRunner().invoke(app, ["evaluate", "--hyp", str(f["good"]), "--ref", str(f["ref"]),
+                                      "--ref", str(short)])  # fmt: skip
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"--ref {short}: 1 lines, but {f['ref']} has 40" in result.stderr
+
+
 def test_count_mismatch_is_an_error() -> None:
     with pytest.raises(TmtError, match="3 hypotheses but 2 references"):
         evaluate.score(["a", "b", "c"], ["a", "b"])

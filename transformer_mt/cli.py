@@ -221,7 +221,7 @@ def evaluate(
                    "--device": device, "--precision": precision, "--engine": engine,
                    "--target-lang": target_lang, "--shortlist": shortlist,
                    "--glossary-mode": glossary_mode}  # fmt: skip
-    lib.check_arguments(bool(hyp), bool(model or old_model), input_ is not None, ref is not None,
+    lib.check_arguments(bool(hyp), bool(model or old_model), input_ is not None, bool(ref),
                         split is not None, translating, glossary is not None)  # fmt: skip
     split = split or "test"
     if hyp and len(hyp) > 1:  # several systems: compared by sacreBLEU's paired tests
@@ -334,7 +334,7 @@ def shortlist(
     model: flags.Model = None,
     output: flags.ShortlistOutput = None,
     input_: flags.SourceFile = None,
-    ref: flags.Ref = None,
+    ref: flags.TargetFile = None,
     marian: flags.Marian = None,
     first: flags.First = 100,
     best: flags.BestPieces = 100,

@@ -250,7 +250,17 @@ SourceFile = Annotated[
     Path | None,
     typer.Option("--input", "-i", help="Source file to translate instead of a split."),
 ]
-Ref = Annotated[Path | None, typer.Option("--ref", help="Reference file instead of the split's.")]
+TargetFile = Annotated[
+    Path | None, typer.Option("--ref", help="The target side of -i: its translations, a line each.")
+]
+Ref = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--ref",
+        help="Reference file instead of the split's. Several: one reference each (multi-reference"
+        " BLEU, chrF and TER, as sacreBLEU scores them).",
+    ),
+]
 Quantization = Annotated[
     str | None,
     typer.Option("--quantization", help="ctranslate2 only: int8, int8_float16 or float16."),

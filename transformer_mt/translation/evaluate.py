@@ -25,17 +25,29 @@ from transformer_mt.data.tokenizer import Tokenizer
 from transformer_mt.network.model import Transformer
 from transformer_mt.translation.translate import Translator, load_glossary, translate_text
 
+# A test set's references: one line per hypothesis, or several such streams (one reference
+# each, as sacreBLEU takes them: multi-reference BLEU, chrF and TER).
+References = Sequence[str] | Sequence[Sequence[str]]
+
+
+def streams(references: References) -> list[list[str]]:
+    """The reference streams of `references`: one stream, or several."""
+    if references and not isinstance(references[0], str):
+        return [list(stream) for stream in references]
+    return [list(references)]
+
 
 def score(
-    hypotheses: Sequence[str], references: Sequence[str], all_metrics: bool = True
+    hypotheses: Sequence[str], references: References, all_metrics: bool = True
 ) -> dict[str, Any]:
-    """sacreBLEU (cased, 13a tokenization), chrF and lowercased BLEU of detokenized text; with
-    all_metrics also chrF++ (word bigrams too) and TER (sacreBLEU's tercom: lowercased, lower
-    is better; the slow one, so training's validation leaves both out)."""
+    """sacreBLEU (cased, 13a tokenization), chrF and lowercased BLEU of detokenized text, against
+    one reference or several; with all_metrics also chrF++ (word bigrams too) and TER
+    (sacreBLEU's tercom: lowercased, lower is better; the slow one, so training's validation
+    leaves both out)."""
     from sacrebleu.metrics import BLEU, CHRF, TER
 
-    _check_counts(hypotheses, references)
-    refs = [list(references)]
+    refs = streams(references)
+    _check_counts(hypotheses, refs)
     metrics = {"bleu": BLEU(), "chrf": CHRF(), "bleu_lc": BLEU(lowercase=True)}
     if all_metrics:
         metrics |= {"chrfpp": CHRF(word_order=2), "ter": TER()}
@@ -53,10 +65,11 @@ _SIGNATURES = {"bleu": "signature", "chrf": "chrf_signature", "chrfpp": "chrfpp_
                "ter": "ter_signature"}  # fmt: skip
 
 
-def _check_counts(hypotheses: Sequence[str], references: Sequence[str], name: str = "") -> None:
-    if len(hypotheses) != len(references):
+def _check_counts(hypotheses: Sequence[str], refs: list[list[str]], name: str = "") -> None:
+    if any(len(hypotheses) != len(stream) for stream in refs):
+        count = next(len(stream) for stream in refs if len(stream) != len(hypotheses))
         raise TmtError(
-            f"{name + ': ' if name else ''}{len(hypotheses)} hypotheses but {len(references)}"
+            f"{name + ': ' if name else ''}{len(hypotheses)} hypotheses but {count}"
             " references: the counts must match"
         )
     if not hypotheses:
@@ -93,7 +106,7 @@ _COMPARED = {"BLEU": "bleu", "chrF2": "chrf", "TER": "ter"}
 
 def compare(
     systems: Sequence[tuple[str, Sequence[str]]],
-    references: Sequence[str] | None,
+    references: References | None,
     split: str = "test",
     cfg: Config | None = None,
 ) -> dict[str, Any]:
@@ -102,7 +115,7 @@ def compare(
     interval, and a p-value) and approximate randomization (10,000 trials: a p-value). Both test
     the null hypothesis that the system and the baseline score the same (two-sided: the absolute
     difference). sacreBLEU's fixed seed (SACREBLEU_SEED, 12345) makes the figures repeatable.
-    Without `references`, those of the config's `split`."""
+    Against one reference or several; without `references`, those of the config's `split`."""
     from sacrebleu.metrics import BLEU, CHRF, TER
     from sacrebleu.significance import PairedTest
 
@@ -112,11 +125,11 @@ def compare(
         if cfg is None:
             raise TmtError("a comparison needs references: a reference file or a config's split")
         references = corpus.read_split(cfg.data, f"data.{split}")[1]
+    refs = streams(references)
     for name, hypotheses in systems:
-        _check_counts(hypotheses, references, name)
+        _check_counts(hypotheses, refs, name)
     named = [(name, list(hypotheses)) for name, hypotheses in systems]
     logging.getLogger("sacrebleu").setLevel(logging.WARNING)  # its progress, line by line
-    refs = [list(references)]
     results: dict[str, Any] = {}
     for test in ("bs", "ar"):
         metrics = {"BLEU": BLEU(), "chrF2": CHRF(), "TER": TER()}
@@ -125,7 +138,7 @@ def compare(
         results[test] = (signatures, scores)
     (bs_signatures, bootstrap), (_, randomization) = results["bs"], results["ar"]
     rows = []
-    tested = len(references) >= MIN_TEST_SENTENCES
+    tested = len(refs[0]) >= MIN_TEST_SENTENCES
     for i, (name, hypotheses) in enumerate(named):
         # sacreBLEU gives an output identical to the baseline's the smallest p-value (no
         # resample differs, and its test counts only larger differences): no test is reported.
@@ -143,7 +156,7 @@ def compare(
         rows.append(row)
     return {
         "systems": rows,
-        "sentences": len(references),
+        "sentences": len(refs[0]),
         "tested": tested,
         "signatures": {_COMPARED[m]: str(sig) for m, sig in bs_signatures.items()},
         "randomization_trials": 10_000,
@@ -263,24 +276,35 @@ def check_split(split: str) -> None:
 
 
 def read_files(
-    sources: Path | None, references: Path | None, hypotheses: Path | None
-) -> tuple[list[str] | None, list[str] | None, list[str] | None]:
-    """tmt evaluate's -i, --ref and --hyp files, each read whole (None where not given)."""
+    sources: Path | None, references: Sequence[Path] | None, hypotheses: Path | None
+) -> tuple[list[str] | None, list[list[str]] | None, list[str] | None]:
+    """tmt evaluate's -i, --ref (one file per reference) and --hyp files, each read whole (None
+    where not given)."""
     return (
         textio.read_text_file(sources, "input") if sources else None,
-        textio.read_text_file(references, "ref") if references else None,
+        read_references(references) if references else None,
         textio.read_text_file(hypotheses, "hyp") if hypotheses else None,
     )
 
 
+def read_references(paths: Sequence[Path]) -> list[list[str]]:
+    """--ref files, a stream each: as many lines in each (a line per sentence of the test set)."""
+    refs = [textio.read_text_file(path, "ref") for path in paths]
+    for path, stream in zip(paths[1:], refs[1:], strict=True):
+        if len(stream) != len(refs[0]):
+            raise TmtError(f"{path}: {len(stream)} lines, but {paths[0]} has {len(refs[0])}:"
+                           " each reference file has a line per sentence", param="ref")  # fmt: skip
+    return refs
+
+
 def compare_files(
-    hyps: Sequence[Path], ref: Path | None, split: str, cfg: Config
+    hyps: Sequence[Path], refs: Sequence[Path] | None, split: str, cfg: Config
 ) -> dict[str, Any]:
     """tmt evaluate --hyp A --hyp B ...: sacreBLEU's paired tests against the first."""
     check_split(split)
     return compare(
         [(str(path), textio.read_text_file(path, "hyp")) for path in hyps],
-        textio.read_text_file(ref, "ref") if ref else None, split=split, cfg=cfg,
+        read_references(refs) if refs else None, split=split, cfg=cfg,
     )  # fmt: skip
 
 
@@ -295,14 +319,14 @@ def evaluate(
     translator: Translator | None,
     split: str | None = None,
     sources: Sequence[str] | None = None,
-    references: Sequence[str] | None = None,
+    references: References | None = None,
     hypotheses: Sequence[str] | None = None,
     cfg: Config | None = None,
     glossary: glossaries.Glossary | None = None,
 ) -> dict[str, Any]:
     """Score `hypotheses`, or the translator's output for `sources` or a config split, against the
-    references. Returns score()'s figures plus where the text came from; with a glossary, term
-    use over the sources' matched entries (glossary.term_use)."""
+    references (one or several). Returns score()'s figures plus where the text came from; with a
+    glossary, term use over the sources' matched entries (glossary.term_use)."""
     if split is not None:
         check_split(split)
     if references is None:
@@ -320,10 +344,9 @@ def evaluate(
             raise TmtError(
                 "evaluate needs hypotheses: a checkpoint to translate with or a hypothesis file"
             )
-        if len(sources) != len(references):
-            raise TmtError(
-                f"{len(sources)} source lines but {len(references)} references: counts must match"
-            )
+        count = len(streams(references)[0])
+        if len(sources) != count:
+            raise TmtError(f"{len(sources)} source lines but {count} references: counts must match")
         hypotheses = translate_text(translator, sources)
     report = {**score(hypotheses, references), "model": translator.origin if translator else None}
     if glossary is not None:
