@@ -1,5 +1,5 @@
-"""Keep the promises, round 6 (an outside probe, 2026-11-27; docs/reliability.md, P69-P71): a
-place to write that is not one, and a mistake on the command line.
+"""Keep the promises, round 6 (an outside probe, 2026-11-27; docs/reliability.md, P69-P72): a
+place to write that is not one, a mistake on the command line, and an export's stray lines.
 
 A file where a run or cache directory belongs, or on the way to one, is the user's to fix: one
 line naming the setting, exit 2 (bad input). Exit 4 stays for a disk without room (full, quota,
@@ -90,3 +90,16 @@ def test_a_mistake_on_the_command_line_is_one_line(args: list[str], message: str
     assert result.stderr.count("\n") == 1, result.stderr
     line = one_line(result)
     assert message in line and line.endswith(" --help"), line
+
+
+def test_an_export_says_tmts_lines_only(trained_run: Path, tmp_path: Path) -> None:
+    """With torchao installed (the int8 extra, in dev), importing transformers' models printed
+    "Failed to load .../torchao/_C_mxfp8...so", "Detected no triton" and torch's pytree notes,
+    and the parity check two progress bars of transformers'."""
+    result = cli_processes.run(["export", "-m", str(trained_run), "--format", "huggingface", "-o",
+                                str(tmp_path / "hf")], timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    theirs = [line for line in result.stderr.splitlines() if not line.startswith("tmt:")]
+    assert theirs == [], result.stderr
+    # torchao's went through tmt's own log handler: "tmt: Failed to load ...".
+    assert "torchao" not in result.stderr and "triton" not in result.stderr.lower(), result.stderr

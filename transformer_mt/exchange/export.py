@@ -306,14 +306,20 @@ def _huggingface(
     expected: list[list[int]],
     quantization: str | None,
 ) -> dict[str, Any]:
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
+    transformers = huggingface.transformers_module()
     hf_model, architecture = huggingface.model(translator)
-    hf_model.save_pretrained(str(staging))
-    huggingface.save_tokenizer(translator, staging)
-    # The parity check reads the directory back exactly as a user would.
-    loaded = AutoModelForSeq2SeqLM.from_pretrained(str(staging)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(staging))
+    # Its progress bars of writing and reading back a model of one file say nothing here.
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        hf_model.save_pretrained(str(staging))
+        huggingface.save_tokenizer(translator, staging)
+        # The parity check reads the directory back exactly as a user would.
+        loaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(staging)).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(staging))
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     found = _hf_greedy(loaded, tokenizer, translator, lines)
     _parity(expected, found, lines, "huggingface", translator)
     readme = recipes.huggingface_readme(

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -29,10 +31,29 @@ from transformer_mt.translation.translate import Translator
 logger = logging.getLogger(__name__)
 
 
+def transformers_module() -> ModuleType:
+    """transformers, with the model classes tmt uses loaded, minus what loading them prints:
+    with torchao installed (the int8 extra) transformers imports it, and it logs the GPU kernels
+    it cannot load on this machine, that it found no Triton, and torch's notes on its enums,
+    none of which is the user's news."""
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import transformers
+
+            # Their modules load lazily, on first use: now, while it is quiet.
+            transformers.MarianMTModel, transformers.PegasusForConditionalGeneration  # noqa: B018
+            transformers.AutoModelForSeq2SeqLM  # noqa: B018
+    finally:
+        logging.disable(logging.NOTSET)
+    return transformers
+
+
 def model(translator: Translator) -> tuple[Any, str]:
     """tmt's weights in MarianMTModel (post-norm) or PegasusForConditionalGeneration (pre-norm),
     with the model dimension relabelled from tmt's interleaved sinusoids to their [sin | cos]."""
-    import transformers
+    transformers = transformers_module()
 
     m, tok, cfg = translator.config.model, translator.tokenizer, translator.config
     start = tok.start_id(m.decoder_start)
@@ -272,7 +293,7 @@ def save_tokenizer(translator: Translator, directory: Path) -> None:
     if tok.kind == "sentencepiece":
         tokenizer(translator).save_pretrained(str(directory))
         return
-    import transformers
+    transformers = transformers_module()
 
     data, settings = translator.config.data, tok.settings
     with tempfile.TemporaryDirectory() as scratch:  # MarianTokenizer reads files by name
@@ -299,7 +320,8 @@ def tokenizer(translator: Translator) -> Any:
     its whitespace rules and byte fallback, and </s> appended to every source."""
     from sentencepiece import sentencepiece_model_pb2
     from tokenizers import AddedToken, decoders, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast = transformers_module().PreTrainedTokenizerFast
 
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(translator.tokenizer.model_bytes)
