@@ -95,7 +95,8 @@ def run_hf(model, translator, lines, beam: int, early_stopping: bool | str = Fal
         generated = model.generate(
             input_ids=src, attention_mask=(src != tok.pad_id).long(),
             num_beams=beam, do_sample=False, early_stopping=early_stopping,
-            length_penalty=translator.config.decode.length_penalty, max_new_tokens=width + 50,
+            length_penalty=translator.config.decode.length_penalty,
+            max_new_tokens=min(width + 50, translator.config.model.max_positions),  # its table
             bad_words_ids=[[tok.pad_id], [tok.bos_id]],
         )  # fmt: skip
         for i, row in zip(batch, generated.tolist(), strict=True):

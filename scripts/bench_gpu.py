@@ -188,7 +188,10 @@ def decode(args: argparse.Namespace) -> dict:
     )
     hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(export).to(args.device).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(export)
-    max_new = int(decode_cfg.max_len_a * 128 + decode_cfg.max_len_b)
+    # tmt's output limit of each line (a·|x| + b within the position table), its batch's largest:
+    # a fixed a·128 + b ran past Marian's 128 positions on a line the model never ends.
+    limits = translate.output_limits(translator, translate.source_ids(translator, sources))
+    limit_of = dict(zip(sources, limits, strict=True))
 
     @torch.inference_mode()
     def generate(lines: list[str]) -> list[str]:
@@ -201,7 +204,7 @@ def decode(args: argparse.Namespace) -> dict:
                 **batch.to(args.device),
                 num_beams=decode_cfg.beam_size,
                 length_penalty=decode_cfg.length_penalty,
-                max_new_tokens=max_new,
+                max_new_tokens=max(limit_of[lines[i]] for i in chosen),
                 do_sample=False,
             )
             for i, text in zip(
