@@ -103,3 +103,9 @@ def test_an_export_says_tmts_lines_only(trained_run: Path, tmp_path: Path) -> No
     assert theirs == [], result.stderr
     # torchao's went through tmt's own log handler: "tmt: Failed to load ...".
     assert "torchao" not in result.stderr and "triton" not in result.stderr.lower(), result.stderr
+
+
+def test_tmt_alone_shows_the_help_and_no_error_line() -> None:
+    result = cli_processes.run([], timeout=60)
+    assert "Usage: tmt" in result.stdout and "train" in result.stdout
+    assert "error" not in result.stderr, result.stderr

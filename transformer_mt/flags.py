@@ -312,7 +312,10 @@ CleanOutput = Annotated[
 
 def _usage_error(err: UsageError, ctx: Any) -> NoReturn:
     """A mistake on the command line as every other error of tmt: one line on stderr and exit 2
-    (click draws a box around it, under the usage line and a hint)."""
+    (click draws a box around it, under the usage line and a hint). `tmt` alone is no mistake:
+    click shows the help (click 8.2 through this exception, earlier ones without it)."""
+    if type(err).__name__ == "NoArgsIsHelpError":
+        raise err
     message = err.format_message().rstrip(".")
     typer.echo(f"tmt: error: {message}; see {ctx.command_path} --help", err=True)
     sys.exit(err.exit_code)
