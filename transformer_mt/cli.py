@@ -459,4 +459,4 @@ def main() -> None:
     from transformer_mt.common.allocator import keep_freed_memory
 
     keep_freed_memory()  # before torch is imported and allocates
-    app()
+    app(prog_name="tmt")  # also as `python -m transformer_mt` (torchrun), not "__main__.py"
