@@ -300,6 +300,18 @@ def _refusals() -> dict[str, tuple]:
     def ids(d: Path) -> None:  # another id than the tokenizer's is taken (M2); none at all not
         _edit_config(d, eos_token_id=100_000)
 
+    # Sizes past what the weights hold: refused before anything of that size is made. (A
+    # d_model of 10^7 made tmt compute a 41 GB position table, 10^6 decoder layers a shape-only
+    # model for minutes; smaller here, to fail fast where the check is missing.)
+    def wide(d: Path) -> None:
+        _edit_config(d, d_model=100_000)
+
+    def deep(d: Path) -> None:
+        _edit_config(d, decoder_layers=20_000)
+
+    def long(d: Path) -> None:  # no weights hold the table: the range bounds it
+        _edit_config(d, max_position_embeddings=10**8)
+
     return {
         "t5": (t5, "model_type 't5' (T5ForConditionalGeneration) is not a MarianMTModel"),
         "bart": (bart, "model_type 'bart' (BartForConditionalGeneration) is not a MarianMTModel"),
@@ -311,6 +323,9 @@ def _refusals() -> dict[str, tuple]:
         "pickle with code": (pickle_code, "refused: holds more than tensors"),
         "pickle of text": (pickle_text, "refused: not a mapping of names to tensors"),
         "special ids": (ids, "eos_token_id=100000, outside the decoder's vocabulary of"),
+        "d_model past the weights": (wide, "weights do not fit its config's model"),
+        "layers past the weights": (deep, "weights do not fit its config's model"),
+        "positions past the range": (long, "model.max_positions = 100000000: expected in [2,"),
     }
 
 

@@ -136,8 +136,10 @@ class ModelConfig:
     n_decoder_layers: Count = 6  # §3.1 N, decoder stack depth
     dropout: Fraction = 0.1  # §5.4 P_drop on sublayer outputs and embedding+position sums
     attention_dropout: Fraction = 0.0  # departure (fairseq/t2t): dropout on attention weights
-    # Rows of the sinusoidal table (§3.5): the longest sequence, specials included.
-    max_positions: Annotated[int, Interval(2)] = 1024
+    # Rows of the sinusoidal table (§3.5): the longest sequence, specials included. At most
+    # 65,536 (peers' longest are in the thousands): the table is built whole, so a foreign
+    # config's 10^8 would take gigabytes before its weights are read.
+    max_positions: Annotated[int, Interval(2, 65_536)] = 1024
     pre_norm: bool = False  # departure: LayerNorm before each sublayer (+ final norms)
     # How attention is computed (not part of the model: any value runs any model): "auto" lets
     # tmt choose for the device (network/kernels.py attention_kernels), or one of

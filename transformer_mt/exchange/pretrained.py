@@ -78,6 +78,7 @@ def _import(
     )
     cfg, generation = marian_config.tmt_config(source, hf_config, tokenizer, src_lang, tgt_lang)
     weights, weight_files = _read_weights(source)
+    checkpoint.check_size(cfg, tokenizer, weights, source)  # config.json's sizes, checked first
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # shapes only
         shapes = {k: tuple(t.shape) for k, t in _model(cfg, tokenizer).state_dict().items()}
     state = huggingface.from_transformers(weights, cfg.model, shapes, str(source))

@@ -73,9 +73,14 @@ class Embedding(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, max_positions: int, dropout: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
-        self.register_buffer(
-            "positions", sinusoidal_positions(max_positions, d_model), persistent=False
+        # A shape-only model (on the meta device: an import's check of a foreign config) gets a
+        # table of no values: computed, a config's d_model of 10^7 took 41 GB before any check.
+        positions = (
+            torch.empty(max_positions, d_model)
+            if self.weight.is_meta
+            else sinusoidal_positions(max_positions, d_model)
         )
+        self.register_buffer("positions", positions, persistent=False)
         self.scale = math.sqrt(d_model)
         self.dropout = Dropout(dropout)
 

@@ -228,7 +228,7 @@ def read(
             state_dict=weights, sources=sources,
         )  # fmt: skip
     tokenizer = load_tokenizer(spm, origin=f"{path / MODEL_FILE} tokenizer")
-    what, nbytes = _check_size(cfg, tokenizer, weights, path / MODEL_FILE)
+    what, nbytes = check_size(cfg, tokenizer, weights, path / MODEL_FILE)
     # The random initialisation of the build is overwritten by the weights; it draws from a
     # forked generator, so reading a checkpoint never moves the caller's random streams.
     with torch.random.fork_rng(devices=[]), distributed.allocating(what, nbytes, _CPU):
@@ -247,12 +247,13 @@ def read(
 _CPU = torch.device("cpu")
 
 
-def _check_size(
-    cfg: Config, tokenizer: Tokenizer, weights: dict[str, torch.Tensor], where: Path
+def check_size(
+    cfg: Config, tokenizer: Any, weights: dict[str, torch.Tensor], where: Path
 ) -> tuple[str, int]:
     """Before the model is built: refuse weights that hold fewer values than the model their
-    config describes (a small file must not make tmt allocate a large model), and a model this
-    machine has no room for. What is built, and the bytes it takes."""
+    config describes (a small file must not make tmt allocate a large model, nor build a shape-
+    only one of a million layers), and a model this machine has no room for. What is built, and
+    the bytes it takes."""
     expected = parameter_count(cfg.model, tokenizer.vocab_size, tokenizer.source_vocab_size)
     storages = {t.untyped_storage().data_ptr(): t for t in weights.values()}  # tied: one storage
     held = sum(t.untyped_storage().nbytes() // t.element_size() for t in storages.values())
