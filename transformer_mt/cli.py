@@ -68,12 +68,10 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except OSError as err:  # what the library did not name itself: still one line
             if os.environ.get("TMT_DEBUG") or isinstance(err, BrokenPipeError):
                 raise
-            from transformer_mt.common.textio import WRITE_FAILED
-
             where = f"{err.filename}: " if err.filename else ""
-            full = err.errno in WRITE_FAILED
-            typer.echo(f"tmt: error: {where}{err.strerror or err}", err=True)
-            raise typer.Exit(exits.NO_ROOM if full else exits.BAD_INPUT) from None
+            reason, code = exits.write_failed(err)
+            typer.echo(f"tmt: error: {where}{reason}", err=True)
+            raise typer.Exit(code) from None
 
     return run
 

@@ -13,7 +13,6 @@
   when asked (overwrite).
 - `OutputLock`: one writer per output: a second command writing the same output is refused while
   the first runs.
-- `WRITE_FAILED`: the errors of a write that found no room (disk full, quota, file size, I/O).
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from transformer_mt.common.exits import NO_ROOM, NO_ROOM_ERRNOS, TmtError
 
 logger = logging.getLogger(__name__)
 
-WRITE_FAILED = NO_ROOM_ERRNOS
 STDIO = "-"  # an input or output that is stdin or stdout
 _BOM = b"\xef\xbb\xbf"
 
@@ -326,7 +324,7 @@ def open_output(path: str, param: str = "output") -> Iterator[TextIO]:
             if not direct:
                 text.detach()  # flushes; the atomic file fsyncs and renames it into place
     except OSError as err:  # a full disk, a quota, an I/O error: the old content is kept
-        if err.errno not in WRITE_FAILED:
+        if err.errno not in NO_ROOM_ERRNOS:
             raise
         raise TmtError(
             f"{path}: cannot write ({err.strerror or err})", exit_code=NO_ROOM, param=param

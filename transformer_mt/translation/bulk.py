@@ -125,11 +125,6 @@ def _finish(plan: Plan, output_path: str) -> None:
     finished.mark_done(job_dir, plan.identity, outputs)
 
 
-def _exit_code(err: OSError) -> int:
-    """A write that found no room exits NO_ROOM; any other failed write is bad input."""
-    return exits.NO_ROOM if err.errno in textio.WRITE_FAILED else exits.BAD_INPUT
-
-
 def _agree(info: DistInfo, make_plan: Any) -> Plan:
     """Rank 0 plans; every rank gets the plan, or the same one-line refusal."""
     found: list[Any] = [None]
@@ -221,9 +216,10 @@ def _take(
             files.clear_directory(job_dir, keep=[lock.path.name])
             files.atomic_write(job_dir / JOB_FILE, json.dumps(identity, indent=1).encode())
     except OSError as err:
+        reason, code = exits.write_failed(err)
         raise TmtError(
-            f"{output_path}: cannot write in {job_dir.parent} ({err.strerror or err})",
-            exit_code=_exit_code(err),
+            f"{output_path}: cannot write in {job_dir.parent} ({reason})",
+            exit_code=code,
             param="output",
         ) from None
 
@@ -402,10 +398,11 @@ def _translate_chunks(
             try:
                 _commit(plan.job_dir, chunk, text, sum(r.count("\n") for r in rows), report_text)
             except OSError as err:
+                reason, code = exits.write_failed(err)
                 raise TmtError(
-                    f"{plan.job_dir}: cannot commit chunk {chunk} ({err.strerror or err});"
-                    " the chunks before it are kept: run the same command again to finish",
-                    exit_code=_exit_code(err),
+                    f"{plan.job_dir}: cannot commit chunk {chunk} ({reason}); the chunks before"
+                    " it are kept: run the same command again to finish",
+                    exit_code=code,
                 ) from None
             bar.update(len(lines))
             faults.fault_point("chunk", chunk + 1)
@@ -466,10 +463,11 @@ def _assemble(plan: Plan, translator: Translator, input_path: str, output_path: 
                 if report_sink is not None:
                     report_sink.write(report)
     except OSError as err:
+        reason, code = exits.write_failed(err)
         raise TmtError(
-            f"{output_path}: cannot write ({err.strerror or err}); the translated chunks are kept"
-            f" in {job_dir}: run the same command again",
-            exit_code=_exit_code(err),
+            f"{output_path}: cannot write ({reason}); the translated chunks are kept in"
+            f" {job_dir}: run the same command again",
+            exit_code=code,
             param="output",
         ) from None
     logger.debug("assembled %s in %.2f s", output_path, time.perf_counter() - start)
