@@ -39,6 +39,21 @@ def test_help_lists_commands() -> None:
     assert "--dry-run" in result.output and "--set" in result.output
 
 
+def test_the_command_list_gives_each_command_one_unbroken_description() -> None:
+    """Rich kept a docstring's source line breaks in `tmt --help`, so evaluate's sentence stopped
+    at "of a model or a" and went on under it; on a wide terminal each one is a line."""
+    env = {**os.environ, "COLUMNS": "400"}
+    out = subprocess.run(
+        [sys.executable, "-m", "transformer_mt", "--help"],
+        capture_output=True, text=True, check=True, cwd=REPO, env=env,
+    )  # fmt: skip
+    rows = [line.strip("│ ") for line in out.stdout.splitlines() if line.startswith("│ ")]
+    commands = [row.split()[0] for row in rows if not row.startswith("--")]
+    assert len(commands) >= 12 and commands[:3] == ["train", "translate", "evaluate"], rows
+    evaluate = next(row for row in rows if row.startswith("evaluate"))
+    assert "of a model or a hypothesis file; with several --hyp" in evaluate
+
+
 def test_help_is_instant_no_heavy_imports() -> None:
     code = "import sys, transformer_mt.cli; print(sorted(m for m in ('torch', 'datasets', 'sentencepiece') if m in sys.modules))"
     out = subprocess.run(

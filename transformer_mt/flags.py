@@ -6,6 +6,7 @@ Typer reads them from the annotations; typer is the only import, so `tmt --help`
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -325,6 +326,15 @@ class OnceCommand(TyperCommand):
     """A command whose single-valued options may be given once: a second -m to `tmt export`
     would otherwise silently replace the first (click keeps the last value). Its usage errors
     (an unknown option, a value of another type) are one line."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # `tmt --help` lists each command by its docstring's first paragraph. Rich help keeps that
+        # paragraph's source line breaks, so a sentence broke off mid-way in the list; given as
+        # one line, rich wraps it to the terminal.
+        if self.short_help is None and self.help:
+            first = inspect.cleandoc(self.help).split("\n\n")[0]
+            self.short_help = " ".join(first.split())
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         try:
