@@ -525,7 +525,8 @@ def _relations(cfg: Config) -> list[tuple[bool, str]]:
     return [
         (
             cfg.model.d_model % cfg.model.n_heads == 0,
-            "model.d_model must be divisible by model.n_heads",
+            f"model.d_model must be divisible by model.n_heads ({cfg.model.d_model} and"
+            f" {cfg.model.n_heads})",
         ),
         (
             cfg.data.src_lang != cfg.data.tgt_lang,
@@ -534,11 +535,13 @@ def _relations(cfg: Config) -> list[tuple[bool, str]]:
         # A pair that passes the length filter must fit a batch and the positions (+1: eos).
         (
             not cfg.data.max_tokens or cfg.data.max_len + 1 <= cfg.data.max_tokens,
-            "data.max_len + 1 must be <= data.max_tokens",
+            f"data.max_len + 1 must be <= data.max_tokens ({cfg.data.max_len} + 1 and"
+            f" {cfg.data.max_tokens})",
         ),
         (
             cfg.data.max_len + 1 <= cfg.model.max_positions,
-            "data.max_len + 1 must be <= model.max_positions",
+            f"data.max_len + 1 must be <= model.max_positions ({cfg.data.max_len} + 1 and"
+            f" {cfg.model.max_positions})",
         ),
         (
             cfg.train.max_steps > 0 or cfg.train.max_epochs > 0 or cfg.train.max_minutes > 0,
@@ -557,11 +560,13 @@ def _relations(cfg: Config) -> list[tuple[bool, str]]:
         ),
         (  # sampling draws nbest samples; beam_size is not used
             cfg.decode.nbest <= cfg.decode.beam_size or cfg.decode.sampling != "none",
-            "decode.nbest must be <= decode.beam_size (or sample: decode.sampling)",
+            f"decode.nbest must be <= decode.beam_size ({cfg.decode.nbest} and"
+            f" {cfg.decode.beam_size}; or sample: decode.sampling)",
         ),
         (
             cfg.distill.nbest <= cfg.distill.beam_size,
-            "distill.nbest must be <= distill.beam_size",
+            f"distill.nbest must be <= distill.beam_size ({cfg.distill.nbest} and"
+            f" {cfg.distill.beam_size})",
         ),
         (
             not cfg.data.terms.annotate or bool(cfg.data.terms.dictionary),
