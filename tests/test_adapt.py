@@ -26,6 +26,7 @@ from transformer_mt.network.model import Transformer
 from transformer_mt.runs import averaging, checkpoint, run
 from transformer_mt.training.optim import noam_lr
 from transformer_mt.training.train import _build, train
+from transformer_mt.translation import translate
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 
@@ -333,6 +334,9 @@ def test_average_best_n_picks_the_n_best_by_the_metric(
         averaging.best_of(run_dir, 4, "val_bleu")
     with pytest.raises(TmtError, match="by bleu: expected one of val_bleu"):
         averaging.best_of(run_dir, 1, "bleu")
+    for count in ({"last": 0}, {"best": 0}):  # every command that decodes shares the rule
+        with pytest.raises(TmtError, match=" 0: expected a number of checkpoints >= 1"):
+            translate.load_translator(run_dir, **count)
 
     best = tmt(
         "average", "-m", str(run_dir), "--best", "2", "--by", "val_bleu", "-o", str(tmp_path / "a"),
@@ -348,7 +352,10 @@ def test_average_best_n_picks_the_n_best_by_the_metric(
         assert torch.allclose(tensor, (parts[0][name] + parts[1][name]) / 2)
     for args, message in [
         (["--best", "9", "--last", "1"], "--last and --best: choose one"),
-        (["--best", "-2"], "--best: expected a number of checkpoints >= 1"),
+        (["--best", "-2"], "--best -2: expected a number of checkpoints >= 1"),
+        # 0 read as "not asked", and the run's best checkpoint was taken without a word
+        (["--best", "0"], "--best 0: expected a number of checkpoints >= 1"),
+        (["--last", "0"], "--last 0: expected a number of checkpoints >= 1"),
         (["--by", "val_bleu"], "--by ranks the checkpoints of --best N"),
     ]:
         refused = tmt("average", "-m", str(run_dir), *args, "-o", str(tmp_path / "e"))
@@ -410,6 +417,9 @@ def test_plot_overlays_runs_into_a_png_with_every_curve(tmp_path: Path) -> None:
     )
     with pytest.raises(TmtError, match=r"out.jpg: the plot is written as .png, .svg, .pdf"):
         plot.draw_curves(runs, tmp_path / "out.jpg")
+    with pytest.raises(TmtError, match="missing: no such directory; name a run directory"):
+        plot.draw_curves([tmp_path / "missing"], tmp_path / "x.png")
+    (tmp_path / "missing").mkdir()
     with pytest.raises(TmtError, match="no metrics.jsonl"):
         plot.draw_curves([tmp_path / "missing"], tmp_path / "x.png")
     (tmp_path / "garbage").mkdir()

@@ -218,7 +218,7 @@ def test_end_to_end_train_average_translate_evaluate(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["translate", "-m", "/nonexistent"], "not a checkpoint"),
+        (["translate", "-m", "/nonexistent"], "/nonexistent: no such file or directory"),
         (["average", "-m", "/nonexistent", "--last", "2", "-o", "x"], "not a run directory"),
         (["evaluate", "--split", "dev"], "--split 'dev': expected test, valid or train"),
     ],

@@ -126,6 +126,9 @@ def test_comparison_from_the_command_line(tmp_path: Path) -> None:
          "-m: not with --hyp, whose lines are scored as they are"),
         (["--hyp", str(f["good"]), "--hyp", str(tmp_path / "nope.txt"), "--ref", str(f["ref"])],
          "no such file"),
+        # a decoding option is refused with --hyp whatever its value: 0 was taken as not given
+        (["--hyp", str(f["good"]), "--ref", str(f["ref"]), "--last", "0", "--beam", "0"],
+         "--last, --beam: not with --hyp"),
     ]:  # fmt: skip
         result = CliRunner().invoke(app, ["evaluate", *bad_args])
         assert result.exit_code == 2 and message in result.stderr, result.output

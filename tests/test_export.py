@@ -177,7 +177,7 @@ def test_export_refuses_an_occupied_output_and_a_missing_model(
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
     result = runner.invoke(app, ["export", "-m", str(tmp_path / "nowhere"), "--format",
                                  "ctranslate2", "-o", str(tmp_path / "out")])  # fmt: skip
-    assert result.exit_code == 2 and "not a checkpoint" in result.stderr
+    assert result.exit_code == 2 and "nowhere: no such file or directory" in result.stderr
 
 
 def test_a_missing_extra_is_named(

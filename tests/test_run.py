@@ -74,8 +74,11 @@ def test_load_model_takes_a_checkpoint_or_a_run(tmp_path: Path, save) -> None:
     assert run.load_model(tmp_path).path == first  # ... its best when it has one
     (first / "model.pt").write_bytes(b"broken")
     assert run.load_model(tmp_path).path == second  # a broken best: the newest that reads
+    (tmp_path / "elsewhere").mkdir()
     with pytest.raises(TmtError, match="not a checkpoint .* nor a run directory"):
         run.load_model(tmp_path / "elsewhere")
+    with pytest.raises(TmtError, match="nowhere: no such file or directory"):
+        run.load_model(tmp_path / "nowhere")
 
 
 # --- each checkpoint file is opened (read, hashed, verified) once per command -------------------

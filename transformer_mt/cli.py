@@ -82,8 +82,8 @@ def _echo(result: dict[str, Any], as_json: bool, text: str) -> None:
 
 
 def _load(
-    models: list[Path], weights: str | None, overrides: list[str], last: int, best: int,
-    by: str | None, keep_model: bool = False,
+    models: list[Path], weights: str | None, overrides: list[str], last: int | None,
+    best: int | None, by: str | None, keep_model: bool = False,
 ) -> Any:  # fmt: skip
     """The model, average or ensemble the command decodes (translate.load_ensemble)."""
     from transformer_mt.network import ensemble
@@ -146,12 +146,12 @@ def translate(
     glossary: flags.GlossaryFile = None,
     glossary_mode: flags.GlossaryMode = None,
     glossary_report: flags.GlossaryReport = None,
-    last: flags.Last = 0,
-    best: flags.Best = 0,
+    last: flags.Last = None,
+    best: flags.Best = None,
     by: flags.By = None,
     set_: flags.Overrides = None,
     old_model: flags.OldModel = None,
-    old_last: flags.OldLast = 0,
+    old_last: flags.OldLast = None,
 ) -> None:
     """Translate raw text, one output line per input line (other options: --set decode.KEY=V).
 
@@ -200,13 +200,13 @@ def evaluate(
     shortlist: flags.ShortlistFlag = None,
     glossary: flags.GlossaryFile = None,
     glossary_mode: flags.GlossaryMode = None,
-    last: flags.Last = 0,
-    best: flags.Best = 0,
+    last: flags.Last = None,
+    best: flags.Best = None,
     by: flags.By = None,
     set_: flags.Overrides = None,
     old_model: flags.OldModel = None,
     old_input: flags.OldInput = None,
-    old_last: flags.OldLast = 0,
+    old_last: flags.OldLast = None,
 ) -> None:
     """sacreBLEU (with signature), chrF, chrF++, TER and lowercased BLEU of a model or a
     hypothesis file; with several --hyp, paired significance tests against the first; with
@@ -214,10 +214,10 @@ def evaluate(
     from transformer_mt.translation import evaluate as lib
 
     input_ = flags.renamed(input_, old_input, "--input", "--src")
-    translating = {"--weights": weights, "--last": last or old_last, "--best": best, "--by": by,
-                   "--beam": beam, "--lenpen": lenpen, "--max-tokens": max_tokens,
-                   "--device": device, "--precision": precision, "--engine": engine,
-                   "--target-lang": target_lang, "--shortlist": shortlist,
+    translating = {"--weights": weights, "--last": last if last is not None else old_last,
+                   "--best": best, "--by": by, "--beam": beam, "--lenpen": lenpen,
+                   "--max-tokens": max_tokens, "--device": device, "--precision": precision,
+                   "--engine": engine, "--target-lang": target_lang, "--shortlist": shortlist,
                    "--glossary-mode": glossary_mode}  # fmt: skip
     lib.check_arguments(bool(hyp), bool(model or old_model), input_ is not None, bool(ref),
                         split is not None, translating, glossary is not None)  # fmt: skip
@@ -253,8 +253,8 @@ def export(
     quantization: flags.Quantization = None,
     check_lines: flags.CheckLines = None,
     overwrite: flags.Overwrite = False,
-    last: flags.Last = 0,
-    best: flags.Best = 0,
+    last: flags.Last = None,
+    best: flags.Best = None,
     by: flags.By = None,
     shortlist: flags.ExportShortlist = None,
     as_json: flags.AsJson = False,
@@ -378,8 +378,8 @@ def distill(
 def average(
     output: flags.Output,
     models: flags.Models = None,
-    last: flags.RunLast = 0,
-    best: flags.RunBest = 0,
+    last: flags.RunLast = None,
+    best: flags.RunBest = None,
     by: flags.By = None,
     overwrite: flags.Overwrite = False,
     as_json: flags.AsJson = False,
@@ -430,8 +430,8 @@ def serve(
     engine: flags.Engine = None,
     shortlist: flags.ShortlistFlag = None,
     target_lang: flags.TargetLang = None,
-    last: flags.Last = 0,
-    best: flags.Best = 0,
+    last: flags.Last = None,
+    best: flags.Best = None,
     by: flags.By = None,
     set_: flags.Overrides = None,
 ) -> None:

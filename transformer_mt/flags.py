@@ -71,9 +71,11 @@ Models = Annotated[
 OldModel = Annotated[Path | None, typer.Option("--checkpoint", hidden=True)]
 OldModels = Annotated[list[Path] | None, typer.Argument(hidden=True, metavar="MODELS")]
 Last = Annotated[
-    int, typer.Option("--last", help="Average the newest N checkpoints of the run (§6.1).")
+    int | None, typer.Option("--last", help="Average the newest N checkpoints of the run (§6.1).")
 ]
-Best = Annotated[int, typer.Option("--best", help="Average the N best checkpoints of the run.")]
+Best = Annotated[
+    int | None, typer.Option("--best", help="Average the N best checkpoints of the run.")
+]
 By = Annotated[
     str | None,
     typer.Option(
@@ -82,7 +84,7 @@ By = Annotated[
         " when the run measured it, else val_loss).",
     ),
 ]
-OldLast = Annotated[int, typer.Option("--average-last", hidden=True)]
+OldLast = Annotated[int | None, typer.Option("--average-last", hidden=True)]
 Hyps = Annotated[
     list[Path] | None,
     typer.Option(
@@ -279,10 +281,10 @@ Annotate = Annotated[
     typer.Option("--annotate", help="Keep every pair; PREFIX.reason says why each would go."),
 ]
 RunLast = Annotated[
-    int, typer.Option("--last", help="With a run directory: its newest N checkpoints.")
+    int | None, typer.Option("--last", help="With a run directory: its newest N checkpoints.")
 ]
 RunBest = Annotated[
-    int, typer.Option("--best", help="With a run directory: its N best checkpoints (--by).")
+    int | None, typer.Option("--best", help="With a run directory: its N best checkpoints (--by).")
 ]
 RunDirs = Annotated[
     list[Path] | None,

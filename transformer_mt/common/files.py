@@ -31,7 +31,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -326,6 +326,27 @@ class Lock:
                 os.ftruncate(self.fd, 0)  # a clean end leaves no holder behind
         os.close(self.fd)  # releases the flock
         self.fd = None
+
+
+def make_directories(directory: Path) -> list[Path]:
+    """`directory` and its missing parents made; those it made, outermost first, so that a command
+    that then fails takes them away again (remove_made): a refusal leaves no trace."""
+    directory = Path(directory)
+    missing = [path for path in (*reversed(directory.parents), directory) if not path.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def remove_made(made: Sequence[Path]) -> None:
+    """The directories make_directories made, innermost first, as long as each is empty: what
+    anyone put in one since keeps it and those above it."""
+    for path in reversed(made):
+        try:
+            path.rmdir()
+        except FileNotFoundError:  # gone already
+            continue
+        except OSError:  # not empty: it and those above it stay
+            return
 
 
 def clear_directory(directory: Path, keep: Collection[str] = ()) -> None:

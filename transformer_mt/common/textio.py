@@ -234,6 +234,7 @@ class OutputLock:
         path = Path(os.path.abspath(str(output)))
         self.output, self.param, self.own = output, param, own
         self.lock = files.Lock(path.parent / f".{path.name}.lock", remove=True)
+        self.made: list[Path] = []  # directories made to hold the output
 
     def __enter__(self) -> OutputLock:
         check_path(self.output, self.param)
@@ -241,7 +242,7 @@ class OutputLock:
         if managed:  # refused before the lock's file touches a directory tmt manages
             raise TmtError(f"{self.output}: {managed}; choose another output", param=self.param)
         try:
-            self.lock.path.parent.mkdir(parents=True, exist_ok=True)
+            self.made = files.make_directories(self.lock.path.parent)
             self.lock.acquire()
         except files.Busy as err:
             raise TmtError(
@@ -250,12 +251,15 @@ class OutputLock:
                 param=self.param,
             ) from None
         except OSError as err:
+            files.remove_made(self.made)
             raise TmtError(f"{self.output}: cannot write there ({err.strerror or err})",
                            param=self.param) from None  # fmt: skip
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, error: type[BaseException] | None, *exc: object) -> None:
         self.lock.release()
+        if error is not None:  # a refused or failed command leaves no directory it made empty
+            files.remove_made(self.made)
 
 
 def _same_path(a: Path, b: Path) -> bool:

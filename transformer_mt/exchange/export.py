@@ -58,8 +58,8 @@ def export(
     quantization: str | None = None,
     check_lines: int | None = None,
     overwrite: bool = False,
-    last: int = 0,
-    best: int = 0,
+    last: int | None = None,
+    best: int | None = None,
     by: str | None = None,
     shortlist: str | None = None,
 ) -> dict[str, Any]:
@@ -94,7 +94,8 @@ def export(
 
 def _export(
     model: str | Path, fmt: str, output: Path, quantization: str | None, check_lines: int,
-    overwrite: bool, last: int, best: int, by: str | None, shortlist: str | None = None,
+    overwrite: bool, last: int | None, best: int | None, by: str | None,
+    shortlist: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     _check_destination(output, model, overwrite)
     builder = _require(fmt)

@@ -36,19 +36,25 @@ logger = logging.getLogger(__name__)
 
 
 def choose(
-    models: Sequence[str | Path], last: int = 0, best: int = 0, by: str | None = None
+    models: Sequence[str | Path],
+    last: int | None = None,
+    best: int | None = None,
+    by: str | None = None,
 ) -> Checkpoint | None:
     """The average that `last` (a run's newest N) or `best` (its N best by `by`) asks for, of the
     one run directory in `models`; None when neither is asked for (the models are used as named).
-    The rules every command that takes a model shares."""
+    The rules every command that takes a model shares; 0 is no number of checkpoints (it read as
+    not asked, so `--last 0` decoded the run's best checkpoint without a word)."""
     for name, count in (("last", last), ("best", best)):
-        if count < 0:
-            raise TmtError(f"{{{name}}}: expected a number of checkpoints >= 1", mentions=[name])
-    if last and best:
+        if count is not None and count < 1:
+            raise TmtError(
+                f"{{{name}}} {count}: expected a number of checkpoints >= 1", mentions=[name]
+            )
+    if last is not None and best is not None:
         raise TmtError("{last} and {best}: choose one", mentions=["last", "best"])
-    if by and not best:
+    if by and best is None:
         raise TmtError("{by} ranks the checkpoints of {best} N", mentions=["by", "best"])
-    if not (last or best):
+    if last is None and best is None:
         return None
     if len(models) != 1:
         raise TmtError(
@@ -56,7 +62,7 @@ def choose(
             mentions=["last" if last else "best"],
         )
     run_dir = Path(models[0])
-    return newest(run_dir, last) if last else best_of(run_dir, best, by)
+    return newest(run_dir, last) if last is not None else best_of(run_dir, best or 0, by)
 
 
 def newest(run_dir: Path, n: int, allow_fewer: bool = False) -> Checkpoint:
@@ -237,8 +243,8 @@ def write(mean: Checkpoint, output: Path) -> Checkpoint:
 def average_into(
     models: Sequence[str | Path],
     output: Path,
-    last: int = 0,
-    best: int = 0,
+    last: int | None = None,
+    best: int | None = None,
     by: str | None = None,
     overwrite: bool = False,
 ) -> dict[str, Any]:

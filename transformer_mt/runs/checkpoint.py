@@ -311,10 +311,20 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def not_a_directory(path: Path) -> str:
+    """Why `path`, named as a model, is no checkpoint directory: it is missing, or a file (say,
+    the model.pt inside one)."""
+    if not path.exists():
+        return "no such file or directory"
+    return "a file; a checkpoint is a directory (with manifest.json), as a run directory is"
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest of a checkpoint directory, checked: a format version this tmt reads, a step,
     and SHA-256 digests for model.pt (and train_state.pt), no other file."""
     file = path / MANIFEST_FILE
+    if not path.is_dir():
+        raise TmtError(f"{path}: {not_a_directory(path)}")
     try:
         manifest = json.loads(_read_plain(file, _MANIFEST_LIMIT))
     except FileNotFoundError:

@@ -35,12 +35,21 @@ class NoMatplotlib(TmtError):
     """matplotlib is an optional extra: training goes on without curves, `tmt plot` says so."""
 
 
+def check_run_dir(run_dir: Path) -> Path:
+    """The metrics file of `run_dir`, or why `run_dir` is no run to plot."""
+    if not run_dir.is_dir():
+        what = "a file" if run_dir.exists() else "no such directory"
+        raise TmtError(f"{run_dir}: {what}; name a run directory (train.out_dir)")
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise TmtError(f"{run_dir}: no {METRICS_FILE} (not a tmt run directory, or not started)")
+    return path
+
+
 def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Each metric's (step, value) points from a run's metrics.jsonl, in step order. Lines that
     do not read (a torn last line after a kill) are skipped."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        raise TmtError(f"{run_dir}: no {METRICS_FILE} (not a tmt run directory, or not started)")
+    path = check_run_dir(Path(run_dir))
     points: dict[str, list[tuple[int, float]]] = {}
     try:
         lines = [line for line in read_log(path) if line]
@@ -69,6 +78,8 @@ def plot(
     replaced only with `overwrite`, and never a run's own files (textio.check_output)."""
     if not run_dirs:
         raise TmtError("no run directories to plot: name them with {model}", mentions=["model"])
+    for run_dir in run_dirs:  # before the output's lock makes a directory named as a run
+        check_run_dir(Path(run_dir))
     own = output is None and len(run_dirs) == 1
     if output is None:
         output = run_dirs[0] / RUN_CURVES if own else Path(RUN_CURVES)

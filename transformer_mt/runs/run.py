@@ -137,12 +137,11 @@ class RunLock:
         self.hint, self.mentions = hint, mentions  # what else the refused user can do
         self.lock = files.Lock(self.path)
         self.fd: int | None = None
-        self.created = False  # the directory was made for the lock: gone again if left empty
+        self.made: list[Path] = []  # directories made for the lock: gone again if left empty
 
     def acquire(self) -> None:
         try:
-            self.created = not self.path.parent.exists()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.made = files.make_directories(self.path.parent)
             self.lock.acquire()
         except files.Busy as err:
             raise TmtError(
@@ -151,6 +150,7 @@ class RunLock:
                 mentions=self.mentions,
             ) from None
         except OSError as err:
+            files.remove_made(self.made)
             reason, code = exits.write_failed(err)
             raise TmtError(
                 f"{self.path.parent}: cannot write there ({reason})", exit_code=code
@@ -183,10 +183,10 @@ class RunLock:
             self.fd = None
             # A run refused before its first file (a config the data cannot serve) leaves no
             # directory behind that it made only to hold its lock.
-            if self.created and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:
+            if self.made and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:
                 with contextlib.suppress(OSError):
                     self.path.unlink()
-                    self.path.parent.rmdir()
+                    files.remove_made(self.made)
 
 
 # --- resume ------------------------------------------------------------------------------------
@@ -441,6 +441,8 @@ def load_model(path: Path) -> Checkpoint:
     finished with: its average (OUT_DIR/average), else its best checkpoint, else its newest that
     reads. Says which it took."""
     path = Path(path)
+    if not path.is_dir():
+        raise TmtError(f"{path}: {checkpoint.not_a_directory(path)}")
     if (path / checkpoint.MANIFEST_FILE).is_file():
         return checkpoint.read(path)
     if not (path / CHECKPOINTS).is_dir():

@@ -245,7 +245,7 @@ def check_arguments(
     command line spells it) that the way chosen would not read is refused, never ignored (a
     score reported for a model that did not make it, references of another input). With a
     glossary, -i gives --hyp's sources (whose terms are matched)."""
-    given = [name for name, value in translating.items() if value not in (None, 0)]
+    given = [name for name, value in translating.items() if value is not None]
     source_ok = glossary  # term use reads the sources the hypotheses translate
     if hyp and (model or (input_ and not source_ok) or given):
         names = ", ".join([*(["-m"] if model else []),

@@ -167,8 +167,8 @@ def _override(overrides: Sequence[str | tuple[str, str]], key: str) -> str | Non
 def load_translator(
     path: str | Path,
     overrides: Sequence[str | tuple[str, str]] = (),
-    last: int = 0,
-    best: int = 0,
+    last: int | None = None,
+    best: int | None = None,
     by: str | None = None,
     keep_model: bool = False,
 ) -> Translator:
@@ -177,7 +177,7 @@ def load_translator(
     `last` or `best` N, the average of the run's newest N or N best by `by` (averaging.choose).
     With decode.engine=ctranslate2, `path` may also be a CTranslate2 export of tmt; a model is
     decoded through the export kept beside it (made on first use: _ctranslate2_cache)."""
-    if not (last or best) and ct2.is_export(Path(path)):
+    if last is None and best is None and ct2.is_export(Path(path)):
         return _load_export(Path(path), overrides)
     saved = averaging.choose([path], last, best, by)
     if saved is not None:
@@ -226,8 +226,8 @@ def load_ensemble(
     paths: Sequence[str | Path],
     overrides: Sequence[str | tuple[str, str]] = (),
     weights: Sequence[float] | None = None,
-    last: int = 0,
-    best: int = 0,
+    last: int | None = None,
+    best: int | None = None,
     by: str | None = None,
     keep_model: bool = False,
 ) -> Translator:
