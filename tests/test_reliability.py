@@ -568,8 +568,12 @@ def test_resume_with_another_tokenizer_or_architecture_is_refused_before_compute
 ) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(straight, run_dir, symlinks=True)
-    for change in (["tokenizer.vocab_size=80"], ["model.n_heads=4"], ["model.pre_norm=true"]):
-        with pytest.raises(TmtError, match="differ from"):
+    for change, named in [
+        (["tokenizer.vocab_size=80"], "tokenizer.vocab_size 64 -> 80"),
+        (["model.n_heads=4"], "model.n_heads 2 -> 4"),
+        (["model.pre_norm=true"], "model.pre_norm False -> True"),
+    ]:  # each named with the run's value and the one given
+        with pytest.raises(TmtError, match=f"holds a run of another model \\({named}; its"):
             train(
                 apply_overrides(with_train(train_cfg, out_dir=str(run_dir), max_steps=10), change)
             )

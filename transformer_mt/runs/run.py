@@ -205,10 +205,16 @@ def resume(run_dir: Path, cfg: Config) -> Checkpoint | None:
         saved.config, saved.tokenizer_bytes, cfg, saved.tokenizer_bytes
     )
     if differ:
+        old, new = to_dict(saved.config), to_dict(cfg)
+        named = [  # with both values, so a user sees which to give back
+            f"{key} {old[section][name]} -> {new[section][name]}"
+            if (section := key.partition(".")[0]) in old and (name := key.partition(".")[2])
+            else key
+            for key in differ
+        ]
         raise TmtError(
-            f"{cfg.train.out_dir}: holds a run with other settings"
-            f" ({', '.join(differ)} differ from {saved.path});"
-            " use a new train.out_dir or the saved values"
+            f"{cfg.train.out_dir}: holds a run of another model ({', '.join(named)}; its"
+            f" checkpoint {saved.path.name}); use a new train.out_dir or the saved values"
         )
     changed = drift(saved.config, cfg)
     if changed and cfg.train.resume != "force":
