@@ -1,4 +1,4 @@
-"""Keep the promises, round 7 (an outside probe, 2026-11-27; docs/reliability.md, P75-P78): what
+"""Keep the promises, round 7 (an outside probe, 2026-11-27; docs/reliability.md, P75-P79): what
 a command leaves behind when it is refused, and what its error names.
 
 A command refused for bad input (a model that is not there, a corpus that is not there) ends
@@ -88,3 +88,24 @@ def test_a_model_that_is_a_file_is_named_as_one(tmp_path: Path) -> None:
                  ["average", "-m", str(model_pt), "-m", str(model_pt), "-o", str(tmp_path / "a")]):  # fmt: skip
         line = refusal(args)
         assert f"{model_pt}: a file; a checkpoint is a directory (with manifest.json)" in line
+
+
+@pytest.mark.parametrize(
+    ("key", "env", "what"),
+    [
+        ("", None, "empty"),
+        ("two words", None, "not printable ASCII without spaces"),
+        ("clé", None, "not printable ASCII without spaces"),
+        (None, "", "empty"),  # TMT_API_KEY=$SECRET with SECRET unset: click read it as no key
+        (None, "line\nbreak", "not printable ASCII without spaces"),
+    ],
+)
+def test_a_key_no_client_can_send_is_refused_not_served_openly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str | None, env: str | None, what: str
+) -> None:
+    if env is not None:
+        monkeypatch.setenv("TMT_API_KEY", env)
+    args = ["serve", "-m", str(tmp_path / "model")] + ([] if key is None else ["--api-key", key])
+    line = refusal(args)
+    assert f"--api-key (or TMT_API_KEY): the key is {what};" in line
+    assert (key or env or "\0") not in line.removeprefix("tmt: error: --api-key")  # never echoed

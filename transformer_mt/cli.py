@@ -442,6 +442,7 @@ def serve(
         raise TmtError(f"tmt serve needs the serve extra ({err.name} is missing): pip install"
                        " 'transformer_mt[serve]'") from None  # fmt: skip
 
+    key = flags.api_key(api_key)
     overrides = flags.flag_overrides(
         set_, beam=beam, lenpen=lenpen, max_tokens=max_tokens, device=device, precision=precision,
         engine=engine, host=host, port=port, target_lang=target_lang, shortlist=shortlist,
@@ -450,7 +451,7 @@ def serve(
     translator = _load(
         flags.given_models(model, None), weights, overrides, last, best, by, keep_model=True
     )
-    lib.serve(translator, overrides, api_key=api_key or "")
+    lib.serve(translator, overrides, api_key=key)
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ Typer reads them from the annotations; typer is the only import, so `tmt --help`
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -302,7 +303,11 @@ Host = Annotated[str | None, typer.Option(help="Address to bind (serve.host).")]
 Port = Annotated[int | None, typer.Option(help="Port (serve.port; 0: any free).")]
 ApiKey = Annotated[
     str | None,
-    typer.Option(envvar="TMT_API_KEY", help="Require Authorization: Bearer KEY (not /health)."),
+    typer.Option(
+        envvar="TMT_API_KEY",
+        help="Require Authorization: Bearer KEY (not /health); printable ASCII without"
+        " spaces (an empty one is refused).",
+    ),
 ]
 OldInput = Annotated[Path | None, typer.Option("--src", hidden=True)]
 CleanOutput = Annotated[
@@ -385,6 +390,23 @@ def renamed(new: T, old: T, new_name: str, old_name: str) -> T:
         err=True,
     )
     return old
+
+
+def api_key(given: str | None) -> str:
+    """The server's key, from --api-key or TMT_API_KEY ("": none asked for). One given empty, or
+    with a character an `Authorization: Bearer` header cannot carry (a space, a line break,
+    non-ASCII), is refused: it would serve openly, or behind a key no client can send. So is a
+    TMT_API_KEY set empty, which click reads as unset (`TMT_API_KEY=$SECRET` with SECRET unset
+    would have served without a key)."""
+    if given is None and os.environ.get("TMT_API_KEY") == "":
+        given = ""
+    if given is None:
+        return ""
+    if not given or not all(33 <= ord(c) < 127 for c in given):
+        what = "empty" if not given else "not printable ASCII without spaces"
+        raise TmtError(f"--api-key (or TMT_API_KEY): the key is {what}; give one a header can"
+                       " carry, or leave it out to serve without a key")  # fmt: skip
+    return given
 
 
 def given_models(new: list[Path] | None, old: Path | None) -> list[Path]:
