@@ -1,4 +1,4 @@
-"""Keep the promises, round 7 (an outside probe, 2026-11-27; docs/reliability.md, P75-P79): what
+"""Keep the promises, round 7 (an outside probe, 2026-11-27; docs/reliability.md, P75-P81): what
 a command leaves behind when it is refused, and what its error names.
 
 A command refused for bad input (a model that is not there, a corpus that is not there) ends
@@ -109,3 +109,26 @@ def test_a_key_no_client_can_send_is_refused_not_served_openly(
     line = refusal(args)
     assert f"--api-key (or TMT_API_KEY): the key is {what};" in line
     assert (key or env or "\0") not in line.removeprefix("tmt: error: --api-key")  # never echoed
+
+
+def test_a_config_nested_past_the_recursion_limit_is_one_line(tmp_path: Path) -> None:
+    """PyYAML recurses per level: 50,000 brackets were a RecursionError traceback. Every other
+    parse of what tmt reads is held to the same by test_code_rules (a rule over the source)."""
+    deep = "[" * 50_000 + "]" * 50_000
+    config = tmp_path / "deep.yaml"
+    config.write_text(f"data:\n  train: {deep}\n")
+    assert f"{config}: invalid YAML: nested too deeply to read" in refusal(
+        ["train", "-c", str(config), "--dry-run"]
+    )
+    for key in ("data.train", "model.d_model"):  # taken as text, refused as a value
+        line = refusal(["train", "-c", "tiny", "--set", f"{key}={deep}", "--dry-run"])
+        assert key in line and "[[[[" in line, line[:300]
+
+
+def test_a_bad_value_is_shown_at_a_glance(tmp_path: Path) -> None:
+    """An error quoted the whole value: a list of 10^5 items was a line of 500 KB."""
+    config = tmp_path / "long.yaml"
+    config.write_text("data:\n  src_field: [" + ", ".join(["x"] * 100_000) + "]\n")
+    line = refusal(["train", "-c", str(config), "--dry-run"])
+    assert line.endswith("data.src_field = ['x', 'x', 'x', 'x', 'x', 'x', ...]: expected a string"
+                         " (quote it in YAML)") and len(line) < 300  # fmt: skip

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import reprlib
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -521,7 +522,9 @@ class Config:
 
 
 def _relations(cfg: Config) -> list[tuple[bool, str]]:
-    """(holds, what to do when it does not) of each rule between fields of different sections."""
+    """(holds, what to do when it does not) of each rule between fields of different sections.
+
+    Longer than 60 lines: one entry per rule, read as a table."""
     return [
         (
             cfg.model.d_model % cfg.model.n_heads == 0,
@@ -650,7 +653,7 @@ def apply_overrides(cfg: Config, overrides: Sequence[str | tuple[str, str]]) -> 
         section, key, value = _parse_override(item)
         if section not in tree:
             raise _error(
-                f"{typed}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
+                f"{typed}: unknown section {_shown(section)}; valid sections: {', '.join(SECTIONS)}"
             )
         _set(tree[section], key, value)
         overridden[f"{section}.{key}"] = typed
@@ -667,13 +670,13 @@ def config_from_dict(
     unknown = sorted(set(tree) - set(SECTIONS))
     if unknown:
         raise _error(
-            f"{origin}: unknown section {unknown[0]!r}; valid sections: {', '.join(SECTIONS)}"
+            f"{origin}: unknown section {_shown(unknown[0])}; valid sections: {', '.join(SECTIONS)}"
         )
     sections = {}
     for name, cls in _SECTION_TYPES.items():
         values = tree.get(name) or {}
         if not isinstance(values, Mapping):
-            raise _error(f"{origin}: section {name!r} must be a mapping of key: value")
+            raise _error(f"{origin}: section {_shown(name)} must be a mapping of key: value")
         sections[name] = _section(cls, values, name, origin, origins or {})
     return Config(**sections)
 
@@ -734,6 +737,15 @@ class _Text(str):
     """An override's value: kept as typed for str fields, parsed as YAML for every other type."""
 
 
+# A value an error shows is cut to a glance: a list of 10^5 items, or an alias-built one of 9^8, is
+# not printed whole (reprlib never walks what it does not show).
+def _shown(value: Any) -> str:
+    shown = reprlib.Repr()  # keyword arguments: Python 3.12 on
+    shown.maxlevel, shown.maxlist, shown.maxtuple, shown.maxdict = 2, 6, 6, 6
+    shown.maxstring = shown.maxother = 80
+    return shown.repr(value)
+
+
 def _error(message: str) -> TmtError:
     """A config error. It names an override by the loader's parameter, "{overrides} KEY=VALUE":
     the command line writes it as its flag, --set."""
@@ -780,6 +792,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise _error(f"{path}{where}: invalid YAML: {problem}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise _error(f"{path}: cannot read: {err}") from None
+    except RecursionError:  # [[[[... a config holds nothing nested that deep
+        raise _error(f"{path}: invalid YAML: nested too deeply to read") from None
     if tree is None:
         return {}
     if not isinstance(tree, dict):
@@ -799,7 +813,7 @@ def _field_problem(values: Any, prefix: str) -> str | None:
             continue
         problem = _out_of_range(value, hints[f.name])
         if problem:
-            return f"{key} = {value!r}: expected {problem}"
+            return f"{key} = {_shown(value)}: expected {problem}"
     return None
 
 
@@ -808,13 +822,13 @@ def _coerce_corpora(value: Any, key: str, origin: str) -> str | Corpora:
     or a bare split)."""
     if isinstance(value, _Text):
         parsed = None
-        with contextlib.suppress(yaml.YAMLError):
+        with contextlib.suppress(yaml.YAMLError, RecursionError):
             parsed = yaml.safe_load(value) if value.lstrip().startswith("[") else None
         value = parsed if isinstance(parsed, list) else str(value)
     if isinstance(value, str | Corpus):
         return value if isinstance(value, str) else (value,)
     if not isinstance(value, list | tuple):
-        raise _error(f"{origin}: {key} = {value!r}: expected {TrainSplits()}")
+        raise _error(f"{origin}: {key} = {_shown(value)}: expected {TrainSplits()}")
     valid = [f.name for f in dataclasses.fields(Corpus)]
     hints = typing.get_type_hints(Corpus, include_extras=True)
     corpora = []
@@ -846,21 +860,22 @@ def _coerce(value: Any, kind: Any, key: str, origin: str) -> Any:
     if typing.get_origin(kind) is Annotated and typing.get_args(kind)[0] == str | Corpora:
         coerced = _coerce_corpora(value, key, origin)
         if coerced not in TrainSplits():
-            raise _error(f"{origin}: {key} = {coerced!r}: expected {TrainSplits()}")
+            raise _error(f"{origin}: {key} = {_shown(coerced)}: expected {TrainSplits()}")
         return coerced
     if typing.get_origin(kind) is Annotated:
         base = typing.get_args(kind)[0]
         coerced = _coerce(value, base, key, origin)
         problem = _out_of_range(coerced, kind)
         if problem:
-            raise _error(f"{origin}: {key} = {coerced!r}: expected {problem}")
+            raise _error(f"{origin}: {key} = {_shown(coerced)}: expected {problem}")
         return coerced
     if isinstance(value, _Text):
         if kind is str:
             return str(value)
-        with contextlib.suppress(yaml.YAMLError):  # unparsable text is reported as a bad value
+        # unparsable text (or nested past Python's recursion limit) is reported as a bad value
+        with contextlib.suppress(yaml.YAMLError, RecursionError):
             value = yaml.safe_load(value) if value != "" else ""
-    bad = _error(f"{origin}: {key} = {value!r}: expected {_type_name(kind)}")
+    bad = _error(f"{origin}: {key} = {_shown(value)}: expected {_type_name(kind)}")
     if typing.get_origin(kind) is Literal:
         if isinstance(value, bool) and "on" in typing.get_args(kind):
             value = "on" if value else "off"  # YAML 1.1 reads a bare on/off (and true) as a bool
@@ -888,7 +903,7 @@ def _coerce(value: Any, kind: Any, key: str, origin: str) -> Any:
     if kind is str:
         if isinstance(value, bool) or not isinstance(value, str | int | float):
             # YAML 1.1 reads bare yes/no/on/off as booleans: the user must quote them.
-            raise _error(f"{origin}: {key} = {value!r}: expected a string (quote it in YAML)")
+            raise _error(f"{origin}: {key} = {_shown(value)}: expected a string (quote it in YAML)")
         return str(value)
     raise TypeError(f"unsupported config field type {kind!r} for {key}")  # a bug in this module
 

@@ -203,7 +203,7 @@ def recover_together(root: Path) -> None:
             continue
         try:
             entries = json.loads(read_plain(journal, limit=1 << 20))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue  # not a journal tmt wrote whole: left alone
         _undo(root, entries, int(pid))
 

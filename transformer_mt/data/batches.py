@@ -323,7 +323,7 @@ def _encoded_table(
     if final.exists() or final.is_symlink():  # renamed into place whole: complete, unless altered
         try:
             return _read_entry(final)
-        except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as err:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, pa.ArrowException) as err:
             logger.warning("data cache entry %s damaged (%s): rebuilding it", final, err)
             if final.is_dir() and not final.is_symlink():
                 shutil.rmtree(final, ignore_errors=True)

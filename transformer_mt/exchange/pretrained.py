@@ -149,7 +149,7 @@ def _marian_spec(path: Path) -> dict[str, Any]:
                 return {}
             text = archive["special:model.yml"].tobytes().rstrip(b"\0").decode("utf-8")
         spec = yaml.safe_load(text)
-    except (OSError, ValueError, UnicodeDecodeError, yaml.YAMLError) as err:
+    except (OSError, ValueError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as err:
         raise TmtError(f"{path}: not a Marian model ({first_line(err)[:160]})") from None
     return spec if isinstance(spec, dict) else {}
 

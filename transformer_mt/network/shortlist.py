@@ -239,7 +239,8 @@ def load(path: Path, fingerprint: str, source_vocab: int, target_vocab: int) -> 
         header = json.loads(arrays.pop("header").tobytes().decode("utf-8"))
     except FileNotFoundError:
         raise TmtError(f"{path}: no such shortlist: make one with tmt shortlist -m MODEL") from None
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as e:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError,
+            RecursionError) as e:  # fmt: skip
         raise TmtError(f"{path}: not a readable tmt shortlist ({type(e).__name__})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TmtError(f"{path}: not a tmt shortlist")

@@ -249,7 +249,7 @@ def _open_work(work: Path, identity: dict[str, Any], overwrite: bool) -> None:
     if state.exists():
         try:
             found = json.loads(files.read_plain(state, limit=1 << 20))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             found = None
         if found != identity:
             if not overwrite:
@@ -287,7 +287,7 @@ def _read_chunk(work: Path, number: int) -> dict[str, Any] | None:
         if not isinstance(counted, dict) or {"pairs", "words"} - set(counted):
             raise ValueError("not a chunk's counts")
         return counted
-    except (OSError, ValueError, UnicodeDecodeError) as err:
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as err:
         logger.warning("%s: %s; counting the chunk again", path, err)
         return None
 
