@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import json
 import os
 import re
 import shutil
@@ -344,6 +345,14 @@ def test_slow_headers_a_refused_body_and_probes_get_their_answer(
         # Slowloris (P27): headers begun and never finished get a 408 and the connection ends.
         answer = raw_exchange(server.url, b"POST /v1/translate HTTP/1.1\r\nHost: x\r\n")
         assert answer.startswith(b"HTTP/1.1 408") and b"serve.header_seconds" in answer
+        # Headers past h11's 16 KiB, or a request line it cannot read: a 400 in JSON, as every
+        # answer (uvicorn's own was text/plain "Invalid HTTP request received.").
+        for request in (b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nX-Big: " + b"x" * 65536,
+                        b"NOT HTTP AT ALL\r\n\r\n"):  # fmt: skip
+            answer = raw_exchange(server.url, request)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, answer
+            assert "malformed, or its headers over 16 KiB" in json.loads(body)["error"]
         # A client that sends its whole body before it reads gets the 413, not a reset (P28).
         body = b"q=" + b"a" * 3_000_000
         request = (b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/"

@@ -294,6 +294,9 @@ def _add_errors(app: FastAPI) -> None:
 # --- running it --------------------------------------------------------------------------------
 
 
+HEADER_BYTES = 16 * 1024  # a request's line and headers: h11's default, named
+
+
 def _http_protocol(header_seconds: float) -> type:
     """uvicorn's HTTP/1.1 (h11) with the bound it lacks: a request's headers have
     `header_seconds` to come whole from their first byte (or from the connection's start), else
@@ -324,23 +327,29 @@ def _http_protocol(header_seconds: float) -> type:
                 self.headers_timer.cancel()
                 self.headers_timer = None
 
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot read (headers past its 16 KiB, a bad request line): uvicorn
+            answered in text/plain; every answer of this server is JSON."""
+            self._answer(b"400 Bad Request", f"{msg.rstrip('.')} (malformed, or its headers"
+                         f" over {HEADER_BYTES // 1024} KiB)")  # fmt: skip
+
+        def _answer(self, status: bytes, error: str) -> None:
+            """`status` with {"error": error}, then the connection closed."""
+            body = json.dumps({"error": error}).encode()
+            self.transport.write(
+                b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+                + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body
+            )  # fmt: skip
+            self.transport.close()
+
         def headers_late(self) -> None:
             self.headers_timer = None
             if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
                 return
             if self.conn.trailing_data[0]:  # headers begun, never finished: say why
-                body = json.dumps(
-                    {
-                        "error": "the request headers did not come whole within"
-                        f" serve.header_seconds ({header_seconds:g} s)"
-                    }
-                )
-                self.transport.write(
-                    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                    + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
-                    + body.encode()
-                )  # fmt: skip
                 logger.info("a request's headers did not come within %g s: closed", header_seconds)
+                self._answer(b"408 Request Timeout", "the request headers did not come whole"
+                             f" within serve.header_seconds ({header_seconds:g} s)")  # fmt: skip
             self.transport.close()
 
     return HeaderTimeout
@@ -404,7 +413,7 @@ def _run(translator: Translator, cfg: ServeConfig, api_key: str, store: Glossary
     app = create_app(translator, cfg, api_key, decoder_thread=False, store=store)
     config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="on",
-        http=_http_protocol(cfg.header_seconds),
+        http=_http_protocol(cfg.header_seconds), h11_max_incomplete_event_size=HEADER_BYTES,
         timeout_graceful_shutdown=max(1, math.ceil(cfg.drain_seconds)),
     )  # fmt: skip
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
