@@ -380,6 +380,11 @@ def test_presets_are_the_shipped_files() -> None:
     shipped = presets()
     assert set(shipped) == {f.stem for f in (REPO / "configs").glob("*.yaml")}
     assert load_config("base") == load_config(REPO / "configs" / "base.yaml")
+    # -c's help lists them all (it had missed multi30k-gpu, added after it was written)
+    from transformer_mt import flags
+
+    listed = typing.get_args(flags.ConfigOption)[1].help.split(": ", 1)[1].rstrip(".")
+    assert sorted(listed.split(", ")) == sorted(shipped)
 
 
 def test_paper_models_in_base_and_big() -> None:

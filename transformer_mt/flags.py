@@ -27,7 +27,7 @@ ConfigOption = Annotated[
     typer.Option(
         "--config",
         "-c",
-        help="A YAML file or a shipped preset: tiny, multi30k, student, base, big.",
+        help="A YAML file or a shipped preset: tiny, multi30k, multi30k-gpu, student, base, big.",
     ),
 ]
 Overrides = Annotated[
