@@ -199,6 +199,14 @@ def test_several_references_from_the_command_line(trained_run: Path, tmp_path: P
                                       "--ref", str(short)])  # fmt: skip
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert f"--ref {short}: 1 lines, but {f['ref']} has 40" in result.stderr
+    # A split the model's config names that is not on this machine (a model trained elsewhere):
+    # what else to do, in the command's flags.
+    result = CliRunner().invoke(app, ["evaluate", *model, "--split", "test", "--set",
+                                      f"data.test={tmp_path / 'elsewhere'}"])  # fmt: skip
+    assert result.exit_code == 2 and result.stderr.strip().endswith(
+        "exists: the model's config names it; score other text with --input SOURCES --ref"
+        " REFERENCES"
+    ), result.stderr
 
 
 def test_count_mismatch_is_an_error() -> None:

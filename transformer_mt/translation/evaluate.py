@@ -315,6 +315,21 @@ def glossary_of(translator: Translator | None, cfg: Config) -> glossaries.Glossa
     return load_glossary(cfg)
 
 
+def _model_split(config: Config, split: str, of_model: bool) -> tuple[list[str], list[str]]:
+    """A split's sources and references; one the model's config names that is not on this
+    machine (the model was trained elsewhere, or from another directory) says what else to do."""
+    try:
+        return corpus.read_split(config.data, f"data.{split}")
+    except TmtError as err:
+        if not of_model:
+            raise
+        raise TmtError(
+            f"{err.message}: the model's config names it; score other text with {{input}} SOURCES"
+            " {ref} REFERENCES",
+            err.exit_code, err.param, (*err.mentions, "input", "ref"),
+        ) from None
+
+
 def evaluate(
     translator: Translator | None,
     split: str | None = None,
@@ -335,7 +350,7 @@ def evaluate(
             raise TmtError(
                 "evaluate needs references: a split of the checkpoint's config or a reference file"
             )
-        split_sources, references = corpus.read_split(config.data, f"data.{split}")
+        split_sources, references = _model_split(config, split, translator is not None)
         sources = sources if sources is not None else split_sources
     elif sources is None and glossary is not None and split is not None and cfg is not None:
         sources = corpus.read_split(cfg.data, f"data.{split}")[0]  # --hyp and --ref: the split's
