@@ -182,6 +182,17 @@ def test_python_api_translates_as_the_command_does(trained_run: Path) -> None:
         translator.translate(["x"], device="cuda")
     with pytest.raises(TmtError, match="decode.beam_size = 0: expected >= 1"):
         translator.translate(["x"], beam=0)
+    # One string is one line, its translation a string (as DeepL's translate_text): it was read
+    # as a list of characters, each translated.
+    assert translator.translate(SOURCES[0], beam=2) == out[0]
+    assert translator.translate(SOURCES[0], prefix="") == translator.translate([SOURCES[0]])[0]
+    assert translator.translate(iter(SOURCES[:2]), beam=2) == out[:2]  # any iterable of lines
+    for lines, message in [(None, "lines: expected a list of strings, got NoneType"),
+                           ([SOURCES[0], 7], "lines\\[1\\]: expected a string, got int")]:  # fmt: skip
+        with pytest.raises(TypeError, match=message):
+            translator.translate(lines)
+    with pytest.raises(TypeError, match="prefix: expected a list of strings, got int"):
+        translator.translate([SOURCES[0]], prefix=3)
 
 
 def test_the_python_examples_of_the_readme_and_the_manual_run(

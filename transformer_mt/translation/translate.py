@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,16 +102,22 @@ class Translator:
 
     def translate(
         self,
-        lines: Sequence[str],
+        lines: Sequence[str] | str,
         beam: int | None = None,
-        prefix: Sequence[str] | None = None,
+        prefix: Sequence[str] | str | None = None,
         glossary: glossaries.Glossary | str | Path | Sequence[Sequence[str]] | None = None,
         **decode: Any,
-    ) -> list[str]:
-        """The best translation of each line, in order (one per line; "" for an empty line);
-        `prefix`: a target prefix for each line ("" for none) that its translation starts with;
-        `glossary` (a file, a glossary.Glossary, or [source, target] pairs), `beam` and `decode`
-        (DecodeConfig fields by name) apply to this call only."""
+    ) -> list[str] | str:
+        """The best translation of each line, in order (one per line; "" for an empty line); of
+        one string, its translation (as DeepL's translate_text: a string was taken as a list of
+        characters); `prefix`: a target prefix for each line ("" for none) that its translation
+        starts with; `glossary` (a file, a glossary.Glossary, or [source, target] pairs), `beam`
+        and `decode` (DecodeConfig fields by name) apply to this call only."""
+        if isinstance(lines, str):
+            one = [prefix] if isinstance(prefix, str) else prefix
+            return self.translate([lines], beam, one, glossary, **decode)[0]
+        lines = _strings(lines, "lines")
+        prefix = None if prefix is None else _strings(prefix, "prefix")
         if beam is not None:
             decode["beam_size"] = beam
         moved = {"device", "precision", "engine", "shortlist"} & set(decode)
@@ -126,7 +132,18 @@ class Translator:
             found = glossary_of(glossary, translator.config)
             translator = dataclasses.replace(translator, glossary=found)
             check_glossary(translator)
-        return translate_text(translator, list(lines), prefix)
+        return translate_text(translator, lines, prefix)
+
+
+def _strings(values: Any, name: str) -> list[str]:
+    """`values` as a list of strings, or a TypeError naming the first that is not one."""
+    if isinstance(values, str) or not isinstance(values, Iterable):
+        raise TypeError(f"{name}: expected a list of strings, got {type(values).__name__}")
+    values = list(values)
+    for index, value in enumerate(values):
+        if not isinstance(value, str):
+            raise TypeError(f"{name}[{index}]: expected a string, got {type(value).__name__}")
+    return values
 
 
 def _default_mode(translator: Translator, overrides: Sequence[str | tuple[str, str]]) -> Translator:
