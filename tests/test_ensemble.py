@@ -90,6 +90,8 @@ def test_the_ensemble_is_one_model_for_jobs_and_the_api(trained_run: Path) -> No
     paths = [step(trained_run, 10), step(trained_run, 30)]
     pair = translate.Translator.load(paths, weights=[1, 3])
     assert pair.weights == (0.25, 0.75) and "ensemble of" in pair.origin
+    # the weights as --weights writes them
+    assert translate.Translator.load(paths, weights="1,3").weights == pair.weights
     assert pair.parameters == 2 * translate.load_translator(paths[0]).parameters
     assert len(pair.translate(SOURCES[:3])) == 3
     # A job's identity: every model and its weight, in order.

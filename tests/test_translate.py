@@ -193,6 +193,8 @@ def test_python_api_translates_as_the_command_does(trained_run: Path) -> None:
             translator.translate(lines)
     with pytest.raises(TypeError, match="prefix: expected a list of strings, got int"):
         translator.translate([SOURCES[0]], prefix=3)
+    with pytest.raises(TypeError, match="path: expected a path or a list of paths, got NoneType"):
+        Translator.load(None)
 
 
 def test_the_python_examples_of_the_readme_and_the_manual_run(

@@ -326,7 +326,9 @@ def _model_split(config: Config, split: str, of_model: bool) -> tuple[list[str],
         raise TmtError(
             f"{err.message}: the model's config names it; score other text with {{input}} SOURCES"
             " {ref} REFERENCES",
-            err.exit_code, err.param, (*err.mentions, "input", "ref"),
+            err.exit_code,
+            err.param,
+            (*err.mentions, "input", "ref"),
         ) from None
 
 

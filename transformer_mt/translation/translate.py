@@ -94,7 +94,11 @@ class Translator:
         or CSV glossary every translation obeys; `decode` sets DecodeConfig fields by name
         (beam_size=5, ...)."""
         settings = {**decode, "device": device, "precision": precision, "engine": engine}
+        if not isinstance(path, str | Path | Iterable):
+            raise TypeError(f"path: expected a path or a list of paths, got {type(path).__name__}")
         paths = [path] if isinstance(path, str | Path) else list(path)
+        if isinstance(weights, str):  # the command line's form, 0.6,0.4
+            weights = ensemble.parse_weights(weights)
         overrides = _keyword_overrides(settings)
         if glossary is not None:
             overrides.append((f"glossary.path={glossary}", f"glossary={str(glossary)!r}"))
