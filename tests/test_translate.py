@@ -15,7 +15,7 @@ from conftest import reverse_pairs
 from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, apply_overrides
 from transformer_mt.runs import checkpoint, run
-from transformer_mt.translation import decoding, streams, translate
+from transformer_mt.translation import decoding, sources, streams, translate
 
 SOURCES = [s for s, _ in reverse_pairs(12, seed=7)]
 
@@ -81,6 +81,34 @@ def test_over_long_lines_are_truncated_with_a_warning(
         out = translate.translate_text(t, [SOURCES[1], long_line])
     assert len(out) == 2
     assert any("line 2" in r.message and "truncated to 127" in r.message for r in caplog.records)
+
+
+def test_a_line_far_past_the_positions_is_read_from_its_head_with_the_same_tokens(
+    trained_run: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only a line's first max_positions - 1 tokens are read, so only a head of it is encoded
+    (a line of 2 * 10^8 characters took 9 GB and 40 s): those tokens equal the whole line's,
+    whatever lies at the cut: words, long runs of whitespace or of what the normalisation
+    removes (which make the head grow), one word with no space at all."""
+    t = translator(trained_run)
+    limit = sources.max_positions(t) - 1
+    words = " ".join(SOURCES * 200)  # ~ 50k characters: far past the head of 12k
+    lines = [
+        words,
+        "ein" + " " * 50_000 + words,  # whitespace the normalisation folds into one space
+        "ein " + "\u200b" * 50_000 + " " + words,  # zero-width spaces, removed
+        "Donaudampfschifffahrt" * 2_000,  # one word, cut inside it
+        "ein\t\t" * 10_000 + words,  # tabs
+        SOURCES[0],
+    ]
+    with caplog.at_level(logging.WARNING):
+        heads = sources.source_ids(t, lines)
+    whole = [seq[:limit] for seq in t.tokenizer.encode(lines, side="source")]
+    assert heads == whole
+    warned = [r.message for r in caplog.records if "truncated to" in r.message]
+    assert len(warned) == 5 and f"line 1: {len(words)} characters, truncated to {limit} tokens" in (
+        warned[0]
+    )  # fmt: skip
 
 
 def test_stream_keeps_lines_one_to_one(trained_run: Path) -> None:
