@@ -71,6 +71,42 @@ def test_filters_are_counted_per_filter(tmp_path: Path, tiny_cfg: Config) -> Non
     assert counts.invalid_utf8 == counts.replaced == 0
 
 
+def test_a_line_past_what_any_model_reads_is_encoded_from_its_head_and_dropped(
+    tmp_path: Path, tiny_cfg: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A side past READ_TOKENS (65,536: no model reads more) is encoded from a head that long:
+    data.max_len drops it all the same (a 50 MB line took 2.6 GB to be encoded whole). Here
+    READ_TOKENS is 60, so the heads are short and the rest of the corpus is as it was."""
+    from transformer_mt.data import batches
+
+    good = reverse_pairs(30, seed=5)
+    giant = " ".join(["kalo"] * 20_000)
+    prefix = write_parallel(tmp_path / "train", [*good, (giant, "kalo"), ("kalo", giant)])
+    cfg = with_data(tiny_cfg, train=str(prefix), max_len=40, max_len_ratio=3.0)
+    whole = prepare_data(cfg)
+    monkeypatch.setattr(batches, "READ_TOKENS", 60)
+    lengths = []  # what the encoder made of each side
+    encode = batches.encode_heads
+
+    def spy(*args):
+        found = encode(*args)
+        lengths.extend(len(ids) for ids in found[0])
+        return found
+
+    monkeypatch.setattr(batches, "encode_heads", spy)
+    cfg = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, cache_dir=str(tmp_path / "c"))
+    )
+    headed = prepare_data(cfg)
+    for prepared in (whole, headed):
+        counts = prepared.counts["data.train"]
+        assert (counts.read, counts.too_long, counts.kept) == (32, 2, 30)
+    assert max(lengths) < 20_000 and sorted(lengths)[-2] > 60  # the giants: heads of 60 and more
+    kept = range(len(whole.train))
+    for a, b in zip(headed.train.ids(kept), whole.train.ids(kept), strict=True):
+        assert [x.tolist() for x in a] == [x.tolist() for x in b]
+
+
 def test_encoding_policies_are_counted(tmp_path: Path, tiny_cfg: Config) -> None:
     prefix = write_parallel(tmp_path / "train", reverse_pairs(30, seed=5))
     Path(f"{prefix}.de").write_bytes(Path(f"{prefix}.de").read_bytes().replace(b"ka", b"k\xff", 1))

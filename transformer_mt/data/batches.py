@@ -31,7 +31,13 @@ from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, DataConfig
 from transformer_mt.data import corpus, filters, hints
 from transformer_mt.data.sampler import ShapeBuckets, TokenBucketSampler
-from transformer_mt.data.tokenizer import Tokenizer, language_token_id, load_or_train_tokenizer
+from transformer_mt.data.tokenizer import (
+    READ_TOKENS,
+    Tokenizer,
+    encode_heads,
+    language_token_id,
+    load_or_train_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -297,12 +303,14 @@ class _Encoder:
         src = [text or "" for text in batch["src"]]
         tgt = [text or "" for text in batch["tgt"]]
         invalid = batch.get("invalid") or [False] * len(src)
-        src_ids = self.tokenizer.encode(src)
+        # A line past READ_TOKENS is encoded from a head that long and more: data.max_len drops
+        # it all the same, and a 50 MB line took 2.6 GB to be encoded whole.
+        src_ids = encode_heads(self.tokenizer, src, "source", READ_TOKENS)[0]
         if self.tag_ids is not None:  # an empty source stays empty: the filter drops it
             src_ids = [self.tag_ids + ids if ids else ids for ids in src_ids]
         return {
             "src_ids": src_ids,
-            "tgt_ids": self.tokenizer.encode(tgt, side="target"),
+            "tgt_ids": encode_heads(self.tokenizer, tgt, "target", READ_TOKENS)[0],
             "invalid": invalid,
         }
 

@@ -54,6 +54,45 @@ def load(model_bytes: bytes, origin: str = "tokenizer") -> Tokenizer | MarianTok
     return Tokenizer(model_bytes, origin)
 
 
+# A piece of a vocabulary is at most 16 characters (sentencepiece's max_sentencepiece_length) and
+# takes at least one, so a line's first `limit` tokens lie in its first 16 · limit characters,
+# whitespace aside. A longer line is encoded from a head of 64 characters a position, cut at a
+# space (where sentencepiece's segmentation starts afresh), doubled while it gives fewer than
+# limit + _HEAD_TOKENS tokens (whitespace and marks the normalisation removes): a line of 2 * 10^8
+# characters took 9 GB and 40 s to be encoded whole, for its first 127 tokens (a training corpus
+# reads heads of READ_TOKENS: a line past any data.max_len is dropped whatever its length).
+READ_TOKENS = 65_536  # model.max_positions at most: a longer line is never trained on
+_HEAD_CHARS = 64
+_HEAD_TOKENS = 64  # tokens past the limit that a head must give (those by its cut may differ)
+_SPACE_BEFORE_END = re.compile(r"\s\S*\Z")
+
+
+def encode_heads(
+    tokenizer: Any, texts: list[str], side: str, limit: int
+) -> tuple[list[list[int]], list[bool]]:
+    """The ids of each text, or of a head of it that holds its first `limit` tokens and more (those
+    the whole text's first); and whether each is the whole text's."""
+    size = _HEAD_CHARS * (limit + _HEAD_TOKENS)
+    ids = tokenizer.encode([_head(text, size) for text in texts], side=side)
+    whole = [len(text) <= size for text in texts]
+    for i, text in enumerate(texts):
+        grown = size
+        while not whole[i] and len(ids[i]) < limit + _HEAD_TOKENS:
+            grown *= 2
+            ids[i] = tokenizer.encode([_head(text, grown)], side=side)[0]
+            whole[i] = len(text) <= grown
+    return ids, whole
+
+
+def _head(text: str, size: int) -> str:
+    """`text`'s first `size` characters, cut back to its last whitespace in their second half."""
+    if len(text) <= size:
+        return text
+    head = text[:size]
+    space = _SPACE_BEFORE_END.search(head, size // 2)
+    return head[: space.start()] if space else head
+
+
 def language_token_id(tokenizer: Tokenizer | MarianTokenizer, lang: str) -> int:
     """The id of >>lang<<, the token a multi-target model reads first (decode.target_lang),
     the language named in any form (de finds >>deu<<: languages.py), refused in one line naming

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from transformer_mt.data.tokenizer import language_token_id
+from transformer_mt.data.tokenizer import encode_heads, language_token_id
 from transformer_mt.network.automaton import Terms
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def source_ids(translator: Any, lines: Sequence[str], what: str = "line") -> lis
     limit = max_positions(translator) - 1
     side = "target" if what == "prefix" else "source"
     texts = [_SURROGATES.sub("\ufffd", line) for line in lines]
-    ids, whole = _encode_heads(translator.tokenizer, texts, side, limit)
+    ids, whole = encode_heads(translator.tokenizer, texts, side, limit)
     code = language_token(translator) if side == "source" else None
     if code is not None:  # an empty line stays empty: it is not translated
         ids = [[code, *seq] if seq else seq for seq in ids]
@@ -37,43 +37,6 @@ def source_ids(translator: Any, lines: Sequence[str], what: str = "line") -> lis
                            read, limit)  # fmt: skip
             ids[i] = seq[:limit]
     return ids
-
-
-# A piece of a vocabulary is at most 16 characters (sentencepiece's max_sentencepiece_length) and
-# takes at least one, so a line's first `limit` tokens lie in its first 16 · limit characters,
-# whitespace aside. A longer line is encoded from a head of 64 characters a position, cut at a
-# space (where sentencepiece's segmentation starts afresh), doubled while it gives fewer than
-# limit + _HEAD_TOKENS tokens (whitespace and marks the normalisation removes): a line of 2 * 10^8
-# characters took 9 GB and 40 s to be encoded whole, for its first 127 tokens.
-_HEAD_CHARS = 64
-_HEAD_TOKENS = 64  # tokens past the limit that a head must give (those by its cut may differ)
-_SPACE_BEFORE_END = re.compile(r"\s\S*\Z")
-
-
-def _encode_heads(
-    tokenizer: Any, texts: list[str], side: str, limit: int
-) -> tuple[list[list[int]], list[bool]]:
-    """The ids of each text, or of a head of it that holds its first `limit` tokens and more; and
-    whether each is the whole text's."""
-    size = _HEAD_CHARS * (limit + _HEAD_TOKENS)
-    ids = tokenizer.encode([_head(text, size) for text in texts], side=side)
-    whole = [len(text) <= size for text in texts]
-    for i, text in enumerate(texts):
-        grown = size
-        while not whole[i] and len(ids[i]) < limit + _HEAD_TOKENS:
-            grown *= 2
-            ids[i] = tokenizer.encode([_head(text, grown)], side=side)[0]
-            whole[i] = len(text) <= grown
-    return ids, whole
-
-
-def _head(text: str, size: int) -> str:
-    """`text`'s first `size` characters, cut back to its last whitespace in their second half."""
-    if len(text) <= size:
-        return text
-    head = text[:size]
-    space = _SPACE_BEFORE_END.search(head, size // 2)
-    return head[: space.start()] if space else head
 
 
 def language_token(translator: Any) -> int | None:
