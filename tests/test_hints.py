@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from transformer_mt.cli import app
 from transformer_mt.common.exits import TmtError
-from transformer_mt.config import Config, apply_overrides
+from transformer_mt.config import Config, apply_overrides, load_config
 from transformer_mt.data import glossary as glossaries
 from transformer_mt.data import hints
 from transformer_mt.data.batches import prepare_data
@@ -456,6 +456,28 @@ def test_terms_with_eflomal_finds_the_lexicon(terms_cfg: Config, tmp_path: Path)
     with pytest.raises(TmtError, match="a dictionary tmt terms made from other terms;"):
         terms.build(other, out)
     assert not terms.build(other, out, overwrite=True)["done"]
+
+
+def test_a_pair_with_a_side_past_align_words_is_not_aligned_nor_read() -> None:
+    """A side of more than ALIGN_WORDS words (a file without line breaks) leaves its pair out of
+    the alignment, and its words out of the counts; past 64 characters a word it is not even
+    split into words (a 50 MB line took 24 s and 2.3 GB)."""
+    seen: list[int] = []
+
+    class Recorder:  # aligns each word with the word at its position
+        def align(self, source: list[list[str]], target: list[list[str]]) -> list[set]:
+            seen.extend(len(s) for s in source)
+            return [{(i, i) for i in range(min(len(s), len(t)))} for s, t in zip(source, target)]
+
+    cfg = load_config("tiny")
+    many = " ".join(["Hund"] * (terms.ALIGN_WORDS + 1))
+    huge = "Hund " * (64 * terms.ALIGN_WORDS)
+    chunk = [("Haus", "house"), (many, "dog"), ("Katze", huge), ("Baum", "tree")]
+    counted = terms._count(chunk, Recorder(), cfg)
+    assert seen == [1, 1]  # Haus and Baum
+    assert counted["pairs"] == [["Baum", "tree", 1], ["Haus", "house", 1]]
+    assert counted["words"] == [{"Haus": 1, "Katze": 1, "Baum": 1},
+                                {"house": 1, "dog": 1, "tree": 1}]  # fmt: skip
 
 
 def test_terms_resumes_after_a_kill(terms_cfg: Config, tmp_path: Path) -> None:

@@ -160,6 +160,19 @@ def test_without_eflomal_ibm_model_1_aligns_and_says_so(monkeypatch: pytest.Monk
         shortlist.build(pairs, 40, 40, never=(), first=1, best=1, min_prob=0.0, aligner="eflomal")
 
 
+def test_a_pair_with_a_side_past_align_tokens_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line with no breaks is no sentence to align: its pair is left out of the counts (a
+    50 MB line took 27.6 s and 4.2 GB, against 15.4 s and 0.3 GB without it)."""
+    pairs = [([5, 10 + i % 7], [6, 20 + i % 7]) for i in range(70)]
+    giant = ([11] * (shortlist.ALIGN_TOKENS + 1), [21, 22])
+    base, _ = shortlist.build(pairs, 40, 40, never=(0, 1), first=1, best=2, min_prob=0.0,
+                              aligner="ibm1")  # fmt: skip
+    with_giant, _ = shortlist.build([*pairs, giant, giant[::-1]], 40, 40, never=(0, 1), first=1,
+                                    best=2, min_prob=0.0, aligner="ibm1")  # fmt: skip
+    for name in ("frequent", "offsets", "targets"):
+        assert getattr(with_giant, name).tolist() == getattr(base, name).tolist()
+
+
 def test_marian_lex_s2t_is_read_and_bad_lines_named(multi30k_run: Path, tmp_path: Path) -> None:
     t = translate.load_translator(multi30k_run)
     tok = t.tokenizer

@@ -37,6 +37,9 @@ from transformer_mt.data import aligner as aligner_module
 
 FILE_NAME = "shortlist.npz"  # in the model's directory: what decode.shortlist=auto reads
 FORMAT, VERSION = "tmt-shortlist", 1
+# A side of more tokens is no sentence to align (a file without line breaks, a page of markup): its
+# pair is left out, as clean-corpus-n leaves it out before fast_align.
+ALIGN_TOKENS = 1024
 IBM1_ITERATIONS = 5
 
 
@@ -75,10 +78,11 @@ def build(
     min_prob: float,
     aligner: str = "auto",
 ) -> tuple[Shortlist, dict[str, Any]]:
-    """A shortlist from (source ids, target ids) pairs; `never` are ids no output may be (pad,
-    bos, tags). aligner: "eflomal", "ibm1", or "auto" (eflomal where it installs)."""
+    """A shortlist from (source ids, target ids) pairs (of at most ALIGN_TOKENS a side); `never`
+    are ids no output may be (pad, bos, tags). aligner: "eflomal", "ibm1", or "auto" (eflomal
+    where it installs)."""
     start = time.monotonic()
-    pairs = [(s, t) for s, t in pairs if s and t]
+    pairs = [(s, t) for s, t in pairs if 0 < len(s) <= ALIGN_TOKENS and 0 < len(t) <= ALIGN_TOKENS]
     if not pairs:
         raise TmtError("no sentence pairs to build a shortlist from")
     links, name = _align(pairs, aligner)

@@ -11,7 +11,9 @@ from typing import Any
 from transformer_mt.common import textio
 from transformer_mt.common.exits import TmtError
 from transformer_mt.data import corpus
+from transformer_mt.data.tokenizer import encode_heads
 from transformer_mt.network.shortlist import (
+    ALIGN_TOKENS,
     FILE_NAME,
     Shortlist,
     build,
@@ -65,7 +67,8 @@ def make(
             report: dict[str, Any] = {"aligner": table.header["aligner"], "pairs": 0}
         else:
             sources, target_ids, what = _pairs(translator, source_file, reference_file)
-            source_ids = tok.encode(sources, side="source")
+            # heads only: a side past ALIGN_TOKENS is left out whatever its length
+            source_ids = encode_heads(tok, sources, "source", ALIGN_TOKENS)[0]
             table, report = build(zip(source_ids, target_ids, strict=True),
                                   tok.source_vocab_size, tok.vocab_size, tok.never_output, first,
                                   best, min_prob, aligner)  # fmt: skip
@@ -86,7 +89,7 @@ def _pairs(
         corpora = corpus.open_training(translator.config.data)
         pairs = [p for split in corpora for block in split.pairs(20_000, as_trained=True)
                  for p in block]  # fmt: skip
-        targets = tok.encode([t for _, t in pairs], side="target")
+        targets = encode_heads(tok, [t for _, t in pairs], "target", ALIGN_TOKENS)[0]
         return [s for s, _ in pairs], targets, "data.train"
     sources = textio.read_text_file(source_file, "input")
     if reference_file is None:  # the model's own translations: what it would output
@@ -97,7 +100,8 @@ def _pairs(
     if len(targets) != len(sources):
         raise TmtError(f"{reference_file}: {len(targets)} lines for {len(sources)} sources in"
                        f" {source_file}")  # fmt: skip
-    return sources, tok.encode(targets, side="target"), f"{source_file} and {reference_file}"
+    ids = encode_heads(tok, targets, "target", ALIGN_TOKENS)[0]
+    return sources, ids, f"{source_file} and {reference_file}"
 
 
 def apply_greedy(translator: Any) -> Any:
