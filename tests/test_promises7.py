@@ -1,4 +1,4 @@
-"""Keep the promises, round 7 (an outside probe, 2026-11-27; docs/reliability.md, P75-P84): what
+"""Keep the promises, round 7 (an outside probe, 2026-11-27; docs/reliability.md, P75-P85): what
 a command leaves behind when it is refused, and what its error names.
 
 A command refused for bad input (a model that is not there, a corpus that is not there) ends

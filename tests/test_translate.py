@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import shutil
@@ -109,6 +110,31 @@ def test_a_line_far_past_the_positions_is_read_from_its_head_with_the_same_token
     assert len(warned) == 5 and f"line 1: {len(words)} characters, truncated to {limit} tokens" in (
         warned[0]
     )  # fmt: skip
+
+
+def test_a_line_far_past_the_positions_is_matched_and_reported_on_what_the_model_reads(
+    trained_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A glossary matched a giant line whole: 4 * 10^7 matches of one entry ran past 300 s and
+    16 GB. Such a line is read as its head of 1,024 characters a position, cut at a space."""
+    t = translator(trained_run)
+    size = sources._READ_CHARS * (sources.max_positions(t) + 64)
+    giant = ("Katze " * 99 + "Hund ") * (size // 500 + 20)  # a match every 100 words
+    with caplog.at_level(logging.WARNING):
+        cut = sources.readable(t, [SOURCES[0], giant], first_line=7)
+    assert cut[0] == SOURCES[0] and giant.startswith(cut[1]) and size - 5 <= len(cut[1]) <= size
+    assert not cut[1].endswith(" ")  # a whole word last
+    assert f"line 9: {len(giant)} characters, read as its first {len(cut[1])}" in caplog.text
+    assert sources.readable(t, SOURCES[:3]) == SOURCES[:3]  # lines of a sentence: as they are
+    glossary = tmp_path / "g.tsv"
+    glossary.write_text("Hund\tdog\n")
+    checked = translate.load_ensemble(
+        [trained_run], [f"glossary.path={glossary}", "glossary.mode=check"]
+    )
+    rows = streams.output_and_report(checked, [SOURCES[0], giant], 0, None)
+    report = json.loads(rows[1][1])
+    matched = len(report["terms"])  # the head's matches only
+    assert matched == cut[1].split().count("Hund") < giant.split().count("Hund")
 
 
 def test_stream_keeps_lines_one_to_one(trained_run: Path) -> None:

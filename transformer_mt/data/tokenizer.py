@@ -73,18 +73,18 @@ def encode_heads(
     """The ids of each text, or of a head of it that holds its first `limit` tokens and more (those
     the whole text's first); and whether each is the whole text's."""
     size = _HEAD_CHARS * (limit + _HEAD_TOKENS)
-    ids = tokenizer.encode([_head(text, size) for text in texts], side=side)
+    ids = tokenizer.encode([head(text, size) for text in texts], side=side)
     whole = [len(text) <= size for text in texts]
     for i, text in enumerate(texts):
         grown = size
         while not whole[i] and len(ids[i]) < limit + _HEAD_TOKENS:
             grown *= 2
-            ids[i] = tokenizer.encode([_head(text, grown)], side=side)[0]
+            ids[i] = tokenizer.encode([head(text, grown)], side=side)[0]
             whole[i] = len(text) <= grown
     return ids, whole
 
 
-def _head(text: str, size: int) -> str:
+def head(text: str, size: int) -> str:
     """`text`'s first `size` characters, cut back to its last whitespace in their second half."""
     if len(text) <= size:
         return text

@@ -45,6 +45,7 @@ from transformer_mt.translation.sources import (
     constrained_limits,
     max_positions,
     output_limits,
+    readable,
     source_ids,
 )
 
@@ -104,6 +105,8 @@ def translate_lines(
         raise TmtError(f"{len(prefixes)} target prefixes for {len(lines)} lines: give one a line")
     if matches is not None and len(matches) != len(lines):
         raise TmtError(f"{len(matches)} glossary matches for {len(lines)} lines")
+    if matches is None:  # else the caller read them (output_and_report)
+        lines = readable(translator, lines, first_line)
     if matches is None and translator.glossary is not None:
         matches = translator.glossary.match_lines(lines)
     mode = translator.config.glossary.mode

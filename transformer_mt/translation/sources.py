@@ -10,12 +10,33 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from transformer_mt.data.tokenizer import encode_heads, language_token_id
+from transformer_mt.data.tokenizer import encode_heads, head, language_token_id
 from transformer_mt.network.automaton import Terms
 
 logger = logging.getLogger(__name__)
 
 _SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+# What of a line anything reads: a line of 2 * 10^8 characters is read as its head of 1,024
+# characters a position (its tokens lie in the first 16 a position; encode_heads grows its head
+# inside this one while whitespace or removed marks leave it short). A glossary matched the whole
+# line: 4 * 10^7 matches of one entry ran past 300 s and 16 GB.
+_READ_CHARS = 1024
+
+
+def readable(translator: Any, lines: Sequence[str], first_line: int = 0) -> list[str]:
+    """`lines`, each cut to what the model can read of it (with a warning); the same lines, as a
+    list, when none is that long."""
+    size = _READ_CHARS * (max_positions(translator) + 64)
+    cut = list(lines)
+    for i, line in enumerate(cut):
+        if len(line) > size:
+            cut[i] = head(line, size)
+            logger.warning("line %d: %d characters, read as its first %d (the model reads at most"
+                           " %d tokens)", first_line + i + 1, len(line), len(cut[i]),
+                           max_positions(translator) - 1)  # fmt: skip
+    return cut
 
 
 def source_ids(translator: Any, lines: Sequence[str], what: str = "line") -> list[list[int]]:

@@ -19,6 +19,7 @@ from transformer_mt.data import glossary as glossaries
 from transformer_mt.network.alignment import pharaoh
 from transformer_mt.network.search import Hypothesis
 from transformer_mt.translation.decoding import translate_lines
+from transformer_mt.translation.sources import readable
 from transformer_mt.translation.translate import Translator, detokenize
 
 
@@ -75,6 +76,7 @@ def output_and_report(
 ) -> list[tuple[str, str]]:
     """Per line: what translate writes for it (output_rows) and its glossary report line."""
     glossary, decode = translator.glossary, translator.config.decode
+    lines = readable(translator, lines, first)  # what the model reads: matched, reported
     matches = glossary.match_lines(lines) if glossary is not None else [[] for _ in lines]
     # Scores are printed with n-best lists only.
     hypotheses = translate_lines(
