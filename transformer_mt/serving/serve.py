@@ -328,8 +328,9 @@ def _http_protocol(header_seconds: float) -> type:
                 self.headers_timer = None
 
         def send_400_response(self, msg: str) -> None:
-            """A request h11 cannot read (headers past its 16 KiB, a bad request line): uvicorn
-            answered in text/plain; every answer of this server is JSON."""
+            """A request h11 cannot read (a request line and headers past HEADER_BYTES, or no
+            request at all): uvicorn answered in text/plain; every answer of this server is
+            JSON."""
             self._answer(b"400 Bad Request", f"{msg.rstrip('.')} (malformed, or its headers"
                          f" over {HEADER_BYTES // 1024} KiB)")  # fmt: skip
 
