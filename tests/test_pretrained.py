@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -162,6 +163,25 @@ def test_the_decoding_settings_are_the_generation_configs(imported: dict[str, Pa
     # --beam and the other flags override them, as for tmt's own models.
     translator = translate.load_translator(imported["multi"], [("decode.beam_size=2", "--beam 2")])
     assert translator.config.decode.beam_size == 2
+
+
+def test_a_line_with_no_target_language_for_a_multi_target_model_is_said_once(
+    imported: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without >>xxx<< a multi-target model picks a language itself: said once, naming the
+    model's languages; not for lines that name theirs, nor with decode.target_lang."""
+    said = "the model translates into several languages (deu, fra); a line that does not start"
+    for settings, lines, told in [
+        (["decode.target_lang=fra"], ENGLISH[:2], False),
+        ([], [f">>fra<< {line}" for line in ENGLISH[:2]], False),
+        ([], ENGLISH[:2], True),
+    ]:
+        translator = translate.load_translator(imported["multi"], ["decode.beam_size=1", *settings])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            decoding.translate_lines(translator, lines)
+            decoding.translate_lines(translator, lines)  # once a model
+        assert [said in r.message for r in caplog.records].count(True) == told, caplog.text
 
 
 def test_target_lang_puts_the_language_token_first(

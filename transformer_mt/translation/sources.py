@@ -49,6 +49,8 @@ def source_ids(translator: Any, lines: Sequence[str], what: str = "line") -> lis
     texts = [_SURROGATES.sub("\ufffd", line) for line in lines]
     ids, whole = encode_heads(translator.tokenizer, texts, side, limit)
     code = language_token(translator) if side == "source" else None
+    if side == "source" and code is None:
+        _say_no_target_language(translator.tokenizer, texts)
     if code is not None:  # an empty line stays empty: it is not translated
         ids = [[code, *seq] if seq else seq for seq in ids]
     for i, seq in enumerate(ids):
@@ -65,6 +67,25 @@ def language_token(translator: Any) -> int | None:
     the model has no such token: only multi-target Marian models read one."""
     lang = translator.config.decode.target_lang
     return language_token_id(translator.tokenizer, lang) if lang else None
+
+
+def _say_no_target_language(tokenizer: Any, texts: Sequence[str]) -> None:
+    """A multi-target model (OPUS-MT's opus-mt-en-roa) reads >>xxx<< first: a line without it,
+    and no decode.target_lang, gets a language the model picks itself. Said once a model, not
+    refused: that is what transformers' generate gives such a line."""
+    codes = tokenizer.language_codes
+    if not codes or id(tokenizer) in _WARNED:
+        return
+    if all(not text.strip() or text.lstrip().startswith(">>") for text in texts):
+        return  # each line names its language itself
+    _WARNED.add(id(tokenizer))
+    shown = ", ".join(c[2:-2] for c in codes[:12]) + (", ..." if len(codes) > 12 else "")
+    logger.warning("the model translates into several languages (%s); a line that does not"
+                   " start with >>xxx<<, without decode.target_lang (--target-lang), gets one"
+                   " the model picks", shown)  # fmt: skip
+
+
+_WARNED: set[int] = set()  # tokenizers whose missing target language was said
 
 
 def max_positions(translator: Any) -> int:
