@@ -135,6 +135,12 @@ def test_a_line_far_past_the_positions_is_matched_and_reported_on_what_the_model
     report = json.loads(rows[1][1])
     matched = len(report["terms"])  # the head's matches only
     assert matched == cut[1].split().count("Hund") < giant.split().count("Hund")
+    # tmt evaluate's term use counts the same matches
+    from transformer_mt.translation import evaluate
+
+    scored = evaluate.evaluate(checked, None, [SOURCES[0], giant], ["a", "b"],
+                               glossary=checked.glossary)  # fmt: skip
+    assert scored["glossary"]["terms_matched"] == matched
 
 
 def test_stream_keeps_lines_one_to_one(trained_run: Path) -> None:

@@ -23,6 +23,7 @@ from transformer_mt.data import corpus
 from transformer_mt.data import glossary as glossaries
 from transformer_mt.data.tokenizer import Tokenizer
 from transformer_mt.network.model import Transformer
+from transformer_mt.translation.sources import readable
 from transformer_mt.translation.translate import Translator, load_glossary, translate_text
 
 # A test set's references: one line per hypothesis, or several such streams (one reference
@@ -369,6 +370,8 @@ def evaluate(
     if glossary is not None:
         if sources is None or len(sources) != len(hypotheses):
             raise TmtError("term use needs the sources the hypotheses translate: a split, or -i")
+        if translator is not None:  # the entries of what the model read, as it matched them
+            sources = readable(translator, sources)
         report["glossary"] = {"file": glossary.name, "entries": len(glossary),
                               **glossaries.term_use(glossary, sources, hypotheses)}  # fmt: skip
     return report
