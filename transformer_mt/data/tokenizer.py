@@ -88,9 +88,9 @@ def head(text: str, size: int) -> str:
     """`text`'s first `size` characters, cut back to its last whitespace in their second half."""
     if len(text) <= size:
         return text
-    head = text[:size]
-    space = _SPACE_BEFORE_END.search(head, size // 2)
-    return head[: space.start()] if space else head
+    first = text[:size]
+    space = _SPACE_BEFORE_END.search(first, size // 2)
+    return first[: space.start()] if space else first
 
 
 def language_token_id(tokenizer: Tokenizer | MarianTokenizer, lang: str) -> int:

@@ -28,14 +28,15 @@ _READ_CHARS = 1024
 def readable(translator: Any, lines: Sequence[str], first_line: int = 0) -> list[str]:
     """`lines`, each cut to what the model can read of it (with a warning); the same lines, as a
     list, when none is that long."""
-    size = _READ_CHARS * (max_positions(translator) + 64)
+    positions = max_positions(translator)
+    size = _READ_CHARS * (positions + 64)
     cut = list(lines)
     for i, line in enumerate(cut):
         if len(line) > size:
             cut[i] = head(line, size)
             logger.warning("line %d: %d characters, read as its first %d (the model reads at most"
                            " %d tokens)", first_line + i + 1, len(line), len(cut[i]),
-                           max_positions(translator) - 1)  # fmt: skip
+                           positions - 1)  # fmt: skip
     return cut
 
 
@@ -76,8 +77,8 @@ def _say_no_target_language(tokenizer: Any, texts: Sequence[str]) -> None:
     codes = tokenizer.language_codes
     if not codes or id(tokenizer) in _WARNED:
         return
-    if all(not text.strip() or text.lstrip().startswith(">>") for text in texts):
-        return  # each line names its language itself
+    if all(_BLANK_OR_CODE_FIRST.match(text) for text in texts):
+        return  # each line names its language itself (or is empty)
     _WARNED.add(id(tokenizer))
     shown = ", ".join(c[2:-2] for c in codes[:12]) + (", ..." if len(codes) > 12 else "")
     logger.warning("the model translates into several languages (%s); a line that does not"
@@ -86,6 +87,7 @@ def _say_no_target_language(tokenizer: Any, texts: Sequence[str]) -> None:
 
 
 _WARNED: set[int] = set()  # tokenizers whose missing target language was said
+_BLANK_OR_CODE_FIRST = re.compile(r"\s*(>>|\Z)")  # matched, never copied: a line may be long
 
 
 def max_positions(translator: Any) -> int:
