@@ -1,6 +1,7 @@
 """The parts of scripts/bench_gpu.sh that are Python, and its table.
 
     python scripts/bench_gpu.py attention --out DIR     # SDPA's kernels over a first epoch
+    python scripts/bench_gpu.py compile --out DIR       # train.compile: eager against compiled
     python scripts/bench_gpu.py e2e --out DIR            # tmt train -c multi30k-gpu via torchrun
     python scripts/bench_gpu.py decode --model RUN --out DIR --lines 10000
     python scripts/bench_gpu.py resume --out DIR         # a kill and resume on the GPU
@@ -84,6 +85,50 @@ def attention(args: argparse.Namespace) -> dict:
     return {"updates": len(host), "batch_shapes": len(shapes), "rows": rows, "fastest": fastest}
 
 
+def compiled(args: argparse.Namespace) -> dict:
+    """The GPU recipe's model and batches (configs/multi30k-gpu.yaml) updated eagerly and
+    torch.compiled (what train.compile=on does), each in a fresh process: target tokens/s over the
+    first `steps` updates (compilation included) and again warm. The compiled run gets at most
+    `seconds`: compilation that outlasts it does not pay in a run of minutes either."""
+    precision = "bf16" if args.device == "cuda" else "fp32"
+    common = [
+        sys.executable,
+        str(REPO / "scripts" / "bench_train.py"),
+        "--child",
+        "tmt",
+        "--device",
+        args.device,
+        "--precision",
+        precision,
+        "--config",
+        "multi30k-gpu",
+        "--cold-steps",
+        str(args.steps),
+        "--warm-steps",
+        str(args.steps),
+        "--warmup",
+        "0",
+        *_sets([f"train.device={args.device}", *(args.set or [])]),
+    ]
+    keep = ("steps", "batch_shapes", "seconds", "tokens_per_s", "warm_tokens_per_s", "mfu")
+    rows: dict[str, dict] = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        try:
+            done = subprocess.run(
+                common + extra, capture_output=True, text=True, cwd=REPO, timeout=args.seconds
+            )
+        except subprocess.TimeoutExpired:
+            rows[name] = {"error": f"not done in {args.seconds} s"}
+        else:
+            if done.returncode != 0:
+                rows[name] = {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
+            else:
+                found = json.loads(done.stdout.strip().splitlines()[-1])
+                rows[name] = {k: found[k] for k in keep if k in found}
+        print(name, rows[name], flush=True)
+    return {"config": "multi30k-gpu", "rows": rows}
+
+
 def e2e(args: argparse.Namespace) -> dict:
     """`tmt train -c multi30k-gpu` through torchrun (NCCL, one rank): its wall time from the
     command's start to its end; then test2016 BLEU of what it made (tmt evaluate, its own
@@ -121,6 +166,8 @@ def e2e(args: argparse.Namespace) -> dict:
     trained = subprocess.run(torchrun, capture_output=True, text=True, cwd=REPO)
     seconds = time.perf_counter() - start
     (args.out / "e2e_train.log").write_text(trained.stderr[-20000:])
+    if (run_dir / "metrics.jsonl").is_file():  # the run's curve and rates, kept with the logs
+        shutil.copyfile(run_dir / "metrics.jsonl", args.out / "e2e_metrics.jsonl")
     result = {"train_rc": trained.returncode, "wall_s": round(seconds, 1)}
     if trained.returncode != 0:
         return result | {"error": trained.stderr.strip().splitlines()[-1:]}
@@ -344,6 +391,14 @@ def _summary(name: str, found: dict) -> str:
     if name == "attention":
         rows = ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in found["rows"].items())
         return f"first {found['updates']} updates ({found['batch_shapes']} shapes): {rows}"
+    if name == "compile":
+        return "; ".join(
+            f"{k}: {v['tokens_per_s']:,.0f} tok/s over the first {v['steps']}"
+            f" ({v['seconds']:.1f} s), warm {v['warm_tokens_per_s']:,.0f}"
+            if "tokens_per_s" in v
+            else f"{k}: {v.get('error')}"
+            for k, v in found["rows"].items()
+        )
     if name == "e2e":
         return ", ".join(f"{k} {v}" for k, v in found.items())
     if name == "decode":
@@ -362,21 +417,22 @@ def _summary(name: str, found: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("attention", "e2e", "decode", "resume", "table"))
+    parts = ("attention", "compile", "e2e", "decode", "resume", "table")
+    parser.add_argument("part", choices=parts)
     parser.add_argument("directory", nargs="?", type=Path, help="table: the results' directory")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_gpu")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", type=Path, help="decode: the model (a run directory)")
     parser.add_argument("--lines", type=int, default=10000)
-    parser.add_argument("--steps", type=int, default=40, help="attention: updates timed")
+    parser.add_argument("--steps", type=int, default=40, help="attention, compile: updates timed")
+    parser.add_argument("--seconds", type=int, default=50, help="compile: the compiled run's limit")
     parser.add_argument("--set", action="append", help="a config override for the part")
     args = parser.parse_args()
     if args.part == "table":
         print(table(args.directory or args.out))
         return
-    result = {"attention": attention, "e2e": e2e, "decode": decode, "resume": resume}[args.part](
-        args
-    )
+    run = {"attention": attention, "compile": compiled, "e2e": e2e, "decode": decode}
+    result = {**run, "resume": resume}[args.part](args)
     write(args.out, args.part, {"device": args.device, **result})
 
 

@@ -3,7 +3,9 @@
 # it with the date, the card and this command).
 #
 #   bash scripts/bench_gpu.sh                 # results and logs in runs/bench_gpu
-#   STEPS=1000 bash scripts/bench_gpu.sh      # the goal's first 1,000 updates (default 500)
+#   STEPS=1000 bash scripts/bench_gpu.sh      # the goal's first 1,000 updates (default 400)
+#   PACK=FILE bash scripts/bench_gpu.sh       # also every part's log and result in FILE (.tar.gz),
+#                                             # refreshed after each part
 #
 # Parts, each under its own time limit so that the whole ends within 8 minutes (a part that runs
 # out shows its exit status 124 in the table, and its log says how far it got):
@@ -15,6 +17,8 @@
 #              tokens/s of real target tokens, MFU against the card's measured bf16 rate
 #   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
 #              backend): what auto should choose
+#   compile    the GPU recipe's model (configs/multi30k-gpu.yaml) eager and torch.compiled
+#              (train.compile=on), first updates and warm: whether compiling pays
 #   e2e        tmt train -c multi30k-gpu through torchrun (NCCL, one rank): wall time, updates,
 #              then test2016 BLEU (tmt evaluate)
 #   decode     10,000 lines by that model at its defaults: tmt, transformers generate on tmt's
@@ -33,12 +37,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/bench_gpu}
 PY=${PY:-python3}
-STEPS=${STEPS:-500}
-WARM=${WARM:-200}
+STEPS=${STEPS:-400}
+WARM=${WARM:-100}
+PACK=${PACK:-}
 LINES=${LINES:-10000}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the parts run from the repository's root
 : > "$OUT/parts.jsonl"
-export TMT_CACHE=${TMT_CACHE:-$PWD/$OUT/cache} PYTHONUNBUFFERED=1
+export TMT_CACHE=${TMT_CACHE:-$OUT/cache} PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
   export PYTHONPATH=$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -56,18 +62,25 @@ part() {
   printf '{"part": "%s", "rc": %d, "seconds": %s}\n' "$name" "$rc" \
     "$(awk "BEGIN { print $end - $start }")" >> "$OUT/parts.jsonl"
   echo "$name: exit $rc" >&2
+  if [ -n "$PACK" ]; then
+    (cd "$OUT" && tar czf "$PACK.tmp" -- *.log *.json *.jsonl *.txt 2> /dev/null)
+    mv -f "$PACK.tmp" "$PACK"
+  fi
 }
 
 # configs/base.yaml (en→de, as WMT14 there) on the bundled corpus instead of WMT14:
 BASE=(--config base --set data.source=multi30k --set data.train=train --set data.valid=val
       --set data.test=test_2016_flickr --set data.num_proc=4)
-part tests 90 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
-part train 110 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
+# The headline figures first: a part cut off by the 8 minutes loses the least.
+part train 125 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
   --systems tmt,hf_marian --cold-steps "$STEPS" --warm-steps "$WARM" --warmup 0 --rounds 1
 tail -1 "$OUT/train.log" > "$OUT/train.json"
-part attention 40 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
 part e2e 140 $PY scripts/bench_gpu.py e2e --out "$OUT"
-part decode 75 $PY scripts/bench_gpu.py decode --out "$OUT" --model "$OUT/multi30k" \
+part decode 80 $PY scripts/bench_gpu.py decode --out "$OUT" --model "$OUT/multi30k" \
   --lines "$LINES"
+part tests 80 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+part attention 45 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
+part compile 65 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 300 --seconds 45
 part resume 25 $PY scripts/bench_gpu.py resume --out "$OUT"
 $PY scripts/bench_gpu.py table "$OUT" | tee "$OUT/table.txt"
+[ -z "$PACK" ] || (cd "$OUT" && tar czf "$PACK" -- *.log *.json *.jsonl *.txt)
