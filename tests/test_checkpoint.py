@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,6 +135,25 @@ def test_other_format_version_is_refused(tmp_path: Path, save) -> None:
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TmtError, match="checkpoint format version 99, this tmt reads 1"):
         checkpoint.read(path)
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [("2.9.1", True), ("2.6.0+cu124", True), ("1.13.1", True), ("2.10.0", False),
+     ("2.11.0+cu130", False), ("2.13.0+cpu", False), ("3.0.0a0", False)],
+)  # fmt: skip
+def test_a_torch_older_than_the_safe_loader_is_refused_by_number(
+    tmp_path: Path, save, monkeypatch: pytest.MonkeyPatch, version: str, refused: bool
+) -> None:
+    """2.9 is older than 2.10: compared as strings it was not, and read checkpoints with a
+    weights_only loader that a crafted file bypasses (CVE-2026-24747)."""
+    path = save(tmp_path, 3)
+    monkeypatch.setattr(torch, "__version__", version)
+    if refused:
+        with pytest.raises(TmtError, match=f"torch {re.escape(version)}: .* torch >= 2.10 only"):
+            checkpoint.read(path)
+    else:
+        assert checkpoint.read(path).step == 3
 
 
 class _Payload:
