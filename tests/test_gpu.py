@@ -126,7 +126,11 @@ def test_every_attention_backend_computes_the_same_model(tiny_cfg: Config, backe
             reference = model(batch.src, batch.tgt_in).float()
         with kernels.attention(backend, info.device):
             out = model(batch.src, batch.tgt_in).float()
-    torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
+    # Measured on an H200: flash, efficient and cuDNN differ from math by up to 0.04 in 3-16 of
+    # 50,688 bf16 logits, which an elementwise 0.02 failed; bf16 arithmetic lands between 1e-3
+    # and 1e-2 in norm (the device tool's METHOD.md), a wrong kernel far beyond.
+    error = float((out - reference).norm() / reference.norm())
+    assert torch.isfinite(out).all() and error < 1e-2, f"{backend}: relative error {error:.2e}"
     feeder.close()
 
 
