@@ -109,13 +109,17 @@ class BudgetSchedule:
         self, budget_s: float, elapsed_s: float, step: int, since: tuple[int, float], now: float
     ) -> int:
         """A time budget's plan, or 0 when none is due: made once the rate since `since` (step,
-        time) is measured, then once more two updates before its decay (agreed during the
-        first, applied from the second, still at the peak) at the rate since that plan, which
-        includes the validations and checkpoints the first measure did not see; sooner, when the
-        clock would stop the run before its decay began. After that (and in a resumed session)
-        the clock may cut off at most a quarter of the decay, at the rate since the last plan
-        (5 updates at least), or the plan is made again, shorter: the run ends in its decay, not
-        at its peak, even when validations cost more than the first measure saw."""
+        time) is measured; then, until its decay, made again whenever the rate since the last
+        plan, measured over a tenth of the budget at least, would end the run more than a tenth
+        of the plan sooner or later (the first updates can be far slower than the rest: on a GPU
+        every batch shape met for the first time costs ~0.3 s, and the first plan, timed on
+        them, left 40 % of a 2-minute budget unused); and once more two updates before its decay
+        (agreed during the first, applied from the second, still at the peak) at the rate since
+        the last plan, which includes the validations and checkpoints the first measure did not
+        see; sooner, when the clock would stop the run before its decay began. After that (and
+        in a resumed session) the clock may cut off at most a quarter of the decay, at the rate
+        since the last plan (5 updates at least), or the plan is made again, shorter: the run
+        ends in its decay, not at its peak, even when validations cost more than measured."""
         done = step - since[0]
         if done < 5:
             return 0
@@ -125,17 +129,21 @@ class BudgetSchedule:
         else:
             reach = step + rate * (budget_s - elapsed_s)  # where the clock would stop the run
             if not self.retimed:  # the check before the decay, or the clock stops it before
-                due = step + 2 >= self.decay_start or reach < self.decay_start
+                off = reach < self.decay_start or abs(reach - self.total) > 0.1 * self.total
+                measured = now - since[1] >= 0.1 * budget_s
+                due = step + 2 >= self.decay_start or (off and measured)
             else:  # then the clock may cut off at most a quarter of the decay
                 due = reach < self.total - 0.25 * (self.total - self.decay_start)
         return time_plan(self, budget_s, elapsed_s, step, rate) if due else 0
 
     def continue_with(self, planned: int, after: int) -> bool:
         """Continue with rank 0's plan of the time budget from update `after`; True for the
-        first plan, False for the check before the decay."""
+        first plan. A plan made where the last one's decay starts is the check before the decay
+        (retimed): after it, plans only shorten."""
         first = not self.timed
+        at_decay = not first and after + 2 >= self.decay_start
         self.plan(planned, after=after)
-        self.timed, self.retimed = True, not first
+        self.timed, self.retimed = True, self.retimed or at_decay
         return first
 
 
