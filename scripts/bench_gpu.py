@@ -2,6 +2,7 @@
 
     python scripts/bench_gpu.py attention --out DIR     # SDPA's kernels over a first epoch
     python scripts/bench_gpu.py compile --out DIR       # train.compile: eager against compiled
+    python scripts/bench_gpu.py profile --out DIR       # where a new batch shape's time goes
     python scripts/bench_gpu.py e2e --out DIR            # tmt train -c multi30k-gpu via torchrun
     python scripts/bench_gpu.py decode --model RUN --out DIR --lines 10000
     python scripts/bench_gpu.py resume --out DIR         # a kill and resume on the GPU
@@ -127,6 +128,87 @@ def compiled(args: argparse.Namespace) -> dict:
                 rows[name] = {k: found[k] for k in keep if k in found}
         print(name, rows[name], flush=True)
     return {"config": "multi30k-gpu", "rows": rows}
+
+
+def profile(args: argparse.Namespace) -> dict:
+    """Where the time of an update goes on the GPU recipe's model (configs/multi30k-gpu.yaml):
+    its first `steps` updates (most of them a batch shape met for the first time) and the same
+    updates again (every shape seen), each timed alone (synchronized) and then under the
+    profiler; DIR/profile.txt keeps the profiler's tables (host time by operator, GPU time by
+    kernel) of both."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import torch
+    from bench_train import build_tmt, load_batches, tmt_step
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    cuda = args.device == "cuda"
+    overrides = [f"train.device={args.device}", *(args.set or [])]
+    cfg, tok, host = load_batches("multi30k-gpu", overrides, 2 * args.steps, args.device)
+    torch.manual_seed(0)
+    model = build_tmt(cfg, tok).to(args.device).train()
+    step_args = argparse.Namespace(
+        device=args.device, precision="bf16" if cuda else "fp32", compile=False
+    )
+    run = tmt_step(model, cfg, tok, step_args)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    seen: set = set()
+    tables, result = [], {}
+    # first: updates 1..steps, timed one by one; then steps+1..2·steps under the profiler,
+    # (new shapes there too); then those again, every shape seen, timed and profiled.
+    phases = [("first", host[: args.steps], False), ("fresh", host[args.steps :], True),
+              ("warm", host[args.steps :], True)]  # fmt: skip
+    for name, batches, profiled in phases:
+        times, new = [], 0
+        for batch in batches:
+            shape = (batch.src.shape[0], batch.src.shape[1], batch.tgt_out.shape[1])
+            new += shape not in seen
+            seen.add(shape)
+        sync()
+        if profiled:
+            with profiler(activities=activities) as prof:
+                for batch in batches:
+                    run(batch.to(args.device))
+                sync()
+            by_host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            tables.append(f"== {name}: host time by operator ==\n{by_host}")
+            if cuda:
+                by_gpu = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
+                tables.append(f"== {name}: GPU time by kernel ==\n{by_gpu}")
+        else:
+            for batch in batches:
+                start = time.perf_counter()
+                run(batch.to(args.device))
+                sync()
+                times.append(time.perf_counter() - start)
+        if times:
+            times.sort()
+            result[name] = {"updates": len(times), "new_shapes": new,
+                            "median_ms": round(1e3 * times[len(times) // 2], 1),
+                            "max_ms": round(1e3 * times[-1], 1),
+                            "total_s": round(sum(times), 2)}  # fmt: skip
+        else:
+            result[name] = {"updates": len(batches), "new_shapes": new}
+        print(name, result[name], flush=True)
+    # The warm updates once more, timed one by one: against `first`, what a new shape costs.
+    times = []
+    for batch in host[args.steps :]:
+        start = time.perf_counter()
+        run(batch.to(args.device))
+        sync()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    median = round(1e3 * times[len(times) // 2], 1)
+    result["warm_timed"] = {"updates": len(times), "median_ms": median,
+                            "total_s": round(sum(times), 2)}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile.txt").write_text("\n\n".join(tables))
+    versions = {"torch": torch.__version__}
+    if cuda:
+        versions |= {"cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+                     "module_loading": os.environ.get("CUDA_MODULE_LOADING", "")}  # fmt: skip
+    return {"config": "multi30k-gpu", "versions": versions, **result}
 
 
 def e2e(args: argparse.Namespace) -> dict:
@@ -391,6 +473,13 @@ def _summary(name: str, found: dict) -> str:
     if name == "attention":
         rows = ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in found["rows"].items())
         return f"first {found['updates']} updates ({found['batch_shapes']} shapes): {rows}"
+    if name == "profile":
+        first, warm = found.get("first", {}), found.get("warm_timed", {})
+        return (
+            f"first {first.get('updates')} updates ({first.get('new_shapes')} new shapes):"
+            f" median {first.get('median_ms')} ms, {first.get('total_s')} s; updates over seen"
+            f" shapes: median {warm.get('median_ms')} ms (tables in profile.txt)"
+        )
     if name == "compile":
         return "; ".join(
             f"{k}: {v['tokens_per_s']:,.0f} tok/s over the first {v['steps']}"
@@ -417,22 +506,24 @@ def _summary(name: str, found: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ("attention", "compile", "e2e", "decode", "resume", "table")
+    parts = ("attention", "compile", "profile", "e2e", "decode", "resume", "table")
     parser.add_argument("part", choices=parts)
     parser.add_argument("directory", nargs="?", type=Path, help="table: the results' directory")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_gpu")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", type=Path, help="decode: the model (a run directory)")
     parser.add_argument("--lines", type=int, default=10000)
-    parser.add_argument("--steps", type=int, default=40, help="attention, compile: updates timed")
+    parser.add_argument(
+        "--steps", type=int, default=40, help="attention, compile, profile: updates"
+    )
     parser.add_argument("--seconds", type=int, default=50, help="compile: the compiled run's limit")
     parser.add_argument("--set", action="append", help="a config override for the part")
     args = parser.parse_args()
     if args.part == "table":
         print(table(args.directory or args.out))
         return
-    run = {"attention": attention, "compile": compiled, "e2e": e2e, "decode": decode}
-    result = {**run, "resume": resume}[args.part](args)
+    run = {"attention": attention, "compile": compiled, "profile": profile, "e2e": e2e}
+    result = {**run, "decode": decode, "resume": resume}[args.part](args)
     write(args.out, args.part, {"device": args.device, **result})
 
 

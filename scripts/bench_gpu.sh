@@ -3,27 +3,33 @@
 # it with the date, the card and this command).
 #
 #   bash scripts/bench_gpu.sh                 # results and logs in runs/bench_gpu
-#   STEPS=1000 bash scripts/bench_gpu.sh      # the goal's first 1,000 updates (default 400)
+#   STEPS=1000 bash scripts/bench_gpu.sh      # the goal's first 1,000 updates (default 200)
+#   PARTS="profile compile" bash scripts/bench_gpu.sh    # the parts named (default: those of
+#                                             # the 8 minutes: train e2e decode tests resume)
 #   PACK=FILE bash scripts/bench_gpu.sh       # also every part's log and result in FILE (.tar.gz),
 #                                             # refreshed after each part
 #
-# Parts, each under its own time limit so that the whole ends within 8 minutes (a part that runs
-# out shows its exit status 124 in the table, and its log says how far it got):
-#   tests      tests/test_gpu.py
+# Parts, each under its own time limit (a part that runs out shows its exit status 124 in the
+# table, and its log says how far it got); the default ones end within 8 minutes:
 #   train      bench_train.py: tmt and HF Marian, the base model (d_model 512, 6+6 layers, the
 #              37k joint vocabulary of configs/base.yaml, which the bundled corpus trains) on
 #              Multi30k en→de, at tmt's GPU batches (25,000 tokens, bounded shapes), bf16: the
 #              first STEPS updates (every new shape in them) and WARM more over shapes seen;
 #              tokens/s of real target tokens, MFU against the card's measured bf16 rate
-#   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
-#              backend): what auto should choose
-#   compile    the GPU recipe's model (configs/multi30k-gpu.yaml) eager and torch.compiled
-#              (train.compile=on), first updates and warm: whether compiling pays
 #   e2e        tmt train -c multi30k-gpu through torchrun (NCCL, one rank): wall time, updates,
 #              then test2016 BLEU (tmt evaluate)
 #   decode     10,000 lines by that model at its defaults: tmt, transformers generate on tmt's
 #              export, CTranslate2 on the GPU if its wheel runs there
+#   tests      tests/test_gpu.py
 #   resume     configs/tiny.yaml killed after its checkpoint at step 4 and resumed: bit-exact
+# and, when PARTS names them:
+#   profile    the GPU recipe's model: its first updates (new shapes) timed one by one, then
+#              the profiler's tables of new-shape and warm updates (profile.txt): where a new
+#              batch shape's ~0.3 s goes
+#   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
+#              backend): what auto should choose
+#   compile    the GPU recipe's model (configs/multi30k-gpu.yaml) eager and torch.compiled
+#              (train.compile=on), first updates and warm: whether compiling pays
 #
 # On the device tool's machine (no datasets there), carry wheels in .whl (git-ignored:
 # .git/info/exclude), made here with
@@ -37,8 +43,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/bench_gpu}
 PY=${PY:-python3}
-STEPS=${STEPS:-400}
-WARM=${WARM:-100}
+STEPS=${STEPS:-200}
+WARM=${WARM:-50}
+PARTS=${PARTS:-train e2e decode tests resume}
 PACK=${PACK:-}
 LINES=${LINES:-10000}
 mkdir -p "$OUT"
@@ -71,16 +78,22 @@ part() {
 # configs/base.yaml (en→de, as WMT14 there) on the bundled corpus instead of WMT14:
 BASE=(--config base --set data.source=multi30k --set data.train=train --set data.valid=val
       --set data.test=test_2016_flickr --set data.num_proc=4)
-# The headline figures first: a part cut off by the 8 minutes loses the least.
-part train 125 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
-  --systems tmt,hf_marian --cold-steps "$STEPS" --warm-steps "$WARM" --warmup 0 --rounds 1
-tail -1 "$OUT/train.log" > "$OUT/train.json"
-part e2e 140 $PY scripts/bench_gpu.py e2e --out "$OUT"
-part decode 80 $PY scripts/bench_gpu.py decode --out "$OUT" --model "$OUT/multi30k" \
-  --lines "$LINES"
-part tests 80 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
-part attention 45 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
-part compile 65 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 300 --seconds 45
-part resume 25 $PY scripts/bench_gpu.py resume --out "$OUT"
+# wanted NAME: whether PARTS names it
+wanted() { [[ " $PARTS " == *" $1 "* ]]; }
+# The headline figures first: a part cut off loses the least.
+if wanted train; then
+  part train 130 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
+    --systems tmt,hf_marian --cold-steps "$STEPS" --warm-steps "$WARM" --warmup 0 --rounds 1
+  tail -1 "$OUT/train.log" > "$OUT/train.json"
+fi
+wanted e2e && part e2e 135 $PY scripts/bench_gpu.py e2e --out "$OUT"
+wanted decode && part decode 90 $PY scripts/bench_gpu.py decode --out "$OUT" \
+  --model "$OUT/multi30k" --lines "$LINES"
+wanted tests && part tests 80 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
+wanted profile && part profile 60 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
+wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
+wanted compile && part compile 100 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 60 \
+  --seconds 60
 $PY scripts/bench_gpu.py table "$OUT" | tee "$OUT/table.txt"
 [ -z "$PACK" ] || (cd "$OUT" && tar czf "$PACK" -- *.log *.json *.jsonl *.txt)
