@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import model_parts
+from torch.torch_version import TorchVersion
 
 from transformer_mt.common.exits import TmtError
 from transformer_mt.config import load_config
@@ -145,10 +146,11 @@ def test_other_format_version_is_refused(tmp_path: Path, save) -> None:
 def test_a_torch_older_than_the_safe_loader_is_refused_by_number(
     tmp_path: Path, save, monkeypatch: pytest.MonkeyPatch, version: str, refused: bool
 ) -> None:
-    """2.9 is older than 2.10: compared as strings it was not, and read checkpoints with a
-    weights_only loader that a crafted file bypasses (CVE-2026-24747)."""
+    """2.9 is older than 2.10 (as strings it is not): torch.__version__ is a TorchVersion, which
+    compares by number, so an older torch never reads checkpoints with a weights_only loader that
+    a crafted file bypasses (CVE-2026-24747)."""
     path = save(tmp_path, 3)
-    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(torch, "__version__", TorchVersion(version))
     if refused:
         with pytest.raises(TmtError, match=f"torch {re.escape(version)}: .* torch >= 2.10 only"):
             checkpoint.read(path)

