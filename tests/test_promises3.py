@@ -210,6 +210,23 @@ def test_a_time_budget_is_used_to_its_end_and_ends_in_its_decay(update_s) -> Non
     assert run["lr"] <= 0.2 * run["peak"], run
 
 
+def test_a_step_budget_inside_the_time_budget_is_not_planned_again_to_itself() -> None:
+    """train.max_steps 500 with time for far more: the clock's plan is the step budget, made
+    once and checked before the decay, not made again (logged, written) whenever the rate says
+    the clock alone would allow more."""
+    schedule = optim.BudgetSchedule(ModelConfig(d_model=64), OptimConfig(schedule="budget"))
+    schedule.fit_steps(500, after=0)
+    now, step, since, plans = 0.0, 0, (0, 0.0), []
+    while now < 96.0 and step < schedule.total:
+        step, now = step + 1, now + 0.05
+        planned = schedule.time_plan_due(96.0, now, step, since, now)
+        if planned:
+            schedule.continue_with(planned, after=step)
+            since = (step, now)
+            plans.append(planned)
+    assert plans == [500, 500] and step == 500
+
+
 def test_a_run_the_clock_stops_at_its_peak_says_so(
     tiny_cfg: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

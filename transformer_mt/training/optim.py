@@ -128,6 +128,8 @@ class BudgetSchedule:
             due = not measuring(self, budget_s, elapsed_s, step)
         else:
             reach = step + rate * (budget_s - elapsed_s)  # where the clock would stop the run
+            if self.steps_budget:  # or the step budget, sooner
+                reach = min(reach, self.steps_budget)
             if not self.retimed:  # the check before the decay, or the clock stops it before
                 off = reach < self.decay_start or abs(reach - self.total) > 0.1 * self.total
                 measured = now - since[1] >= 0.1 * budget_s
