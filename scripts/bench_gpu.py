@@ -282,7 +282,8 @@ def decode(args: argparse.Namespace) -> dict:
     GPU if its wheel runs there. Sentences/s, BLEU against the references, one timed pass each
     after a warm-up on 256 lines. tmt's default length penalty is GNMT's, generate's |Y|^α: tmt
     again with decode.length_penalty_form=power searches for what generate searches for, and
-    the lines where the two differ are counted (0 of 500 on a CPU)."""
+    the lines where the two differ are counted (0 of 300 on a CPU); and at the larger batches
+    of `sizes` (decode.max_tokens), above the default's 32,768-token cap."""
     import torch
     import transformers
 
@@ -318,6 +319,11 @@ def decode(args: argparse.Namespace) -> dict:
         args.model, [f"decode.device={args.device}", "decode.length_penalty_form=power"]
     )
     timed("tmt_power", lambda lines: translate.translate_text(as_generate, lines))
+    for tokens in args.sizes or []:  # larger batches than the default's (GPU_BATCH_TOKENS)
+        larger = translate.load_translator(
+            args.model, [f"decode.device={args.device}", f"decode.max_tokens={tokens}"]
+        )
+        timed(f"tmt_{tokens}", lambda lines, t=larger: translate.translate_text(t, lines))
     export = args.out / "hf_export"
     shutil.rmtree(export, ignore_errors=True)
     subprocess.run(
@@ -527,6 +533,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", type=Path, help="decode: the model (a run directory)")
     parser.add_argument("--lines", type=int, default=10000)
+    parser.add_argument(
+        "--sizes", type=lambda v: [int(x) for x in v.split(",") if x], default=[65536, 131072],
+        help="decode: tmt again at these decode.max_tokens",
+    )  # fmt: skip
     parser.add_argument(
         "--steps", type=int, default=40, help="attention, compile, profile: updates"
     )
