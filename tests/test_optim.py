@@ -153,6 +153,48 @@ def test_a_plan_made_mid_run_continues_from_the_rate_in_use(
     assert rates[-1] == 0.0 and all(r >= 0 for r in rates)
 
 
+@given(
+    total=st.integers(50, 3000),
+    into=st.floats(0.0, 1.5),
+    more=st.integers(1, 5000),
+    fraction=st.one_of(st.just(0.0), st.floats(0.01, 0.5)),
+)
+def test_a_longer_plan_made_in_the_decay_warms_up_again_to_the_peak(
+    total: int, into: float, more: int, fraction: float
+) -> None:
+    """A resume with a larger budget after the decay began (at the end of a plan the rate is
+    0): back to the peak over a tenth of the updates added (warmup_steps at most), from the
+    rate in use, then the plan's hold and decay to zero."""
+    schedule = budget(fraction, total=total)
+    decay_start = schedule.decay_start
+    after = min(decay_start + 1 + round(into * (total - decay_start)), total + 10)
+    before, longer = schedule.lr(after), max(after, total) + more
+    schedule.plan(longer, after=after)
+    rates = [schedule.lr(k) for k in range(after, longer + 2)]
+    assert rates[0] == before  # nothing jumps
+    assert schedule.warmup == after + max(1, min(800, (longer - after) // 10))
+    assert max(rates) == pytest.approx(schedule.peak) and rates[-1] == 0.0
+    assert all(b >= a for a, b in itertools.pairwise(rates[: schedule.warmup - after + 1]))
+    # Planned again on the way back up (the time budget's next plan): the peak is still reached.
+    if schedule.warmup > after + 1:
+        midway = after + 1
+        schedule.plan(longer + 7, after=midway)
+        top = max(schedule.lr(k) for k in range(midway, longer + 9))
+        assert top == pytest.approx(schedule.peak)
+
+
+def test_a_timed_plan_is_made_again_when_a_resume_changes_the_time_budget() -> None:
+    schedule = budget()
+    schedule.plan(500, after=40)
+    schedule.timed, schedule.retimed, schedule.steps_budget = True, True, 2000
+    assert not schedule.rebudget(600.0, 600.0)  # the same budget: the plan holds
+    assert schedule.timed and schedule.total == 500
+    assert schedule.rebudget(600.0, 900.0)  # longer: timed again from the rate measured
+    assert not schedule.timed and not schedule.retimed and schedule.steps_budget == 0
+    assert schedule.fit_steps(2000, after=500) and schedule.total == 2000  # the step budget's
+    assert not schedule.rebudget(900.0, 0.0)  # an untimed plan has nothing to make again
+
+
 def test_the_plan_travels_in_the_schedulers_state() -> None:
     model = torch.nn.Linear(3, 3)
     cfg = OptimConfig(schedule="budget", warmup_steps=10)

@@ -245,6 +245,40 @@ def test_a_run_the_clock_stops_at_its_peak_says_so(
     assert any("before its planned decay" in r.message for r in caplog.records), caplog.text
 
 
+def test_a_time_budget_run_resumed_with_another_budget_trains_to_it(
+    tiny_cfg: Config, tmp_path: Path
+) -> None:
+    """The probe: a budget-schedule run its clock ended, resumed with train.max_minutes longer,
+    trained nothing ("max_minutes", the old plan's end); with max_minutes 0 and max_steps
+    larger, it stopped at the old plan's end too. Now the plan is made again for the new
+    budget, and the rate, decayed to 0, warms up again to the peak."""
+    from test_train import records
+
+    from transformer_mt.training.train import train
+
+    def run(out: Path, max_steps: int, max_minutes: float) -> dict:
+        cfg = dataclasses.replace(
+            tiny_cfg,
+            optim=dataclasses.replace(tiny_cfg.optim, schedule="budget", warmup_steps=10),
+            train=dataclasses.replace(tiny_cfg.train, out_dir=str(out), max_steps=max_steps,
+                                      max_minutes=max_minutes, valid_every=0, log_every=1,
+                                      save_every=0),
+        )  # fmt: skip
+        return train(cfg)
+
+    first = run(tmp_path / "a", 0, 0.1)
+    assert first["stop"] == "max_minutes"
+    assert any("planned_updates" in r for r in records(tmp_path / "a"))  # a timed plan ended it
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    ended = first["step"]
+    by_steps = run(tmp_path / "a", ended + 12, 0.0)
+    assert (by_steps["stop"], by_steps["step"]) == ("max_steps", ended + 12)
+    rates = {r["step"]: r["lr"] for r in records(tmp_path / "a") if "lr" in r}
+    assert max(rates[k] for k in range(ended + 1, ended + 13)) > 10 * rates[ended]
+    longer = run(tmp_path / "b", 0, 0.15)
+    assert longer["stop"] == "max_minutes" and longer["step"] > ended
+
+
 def test_training_refuses_shares_of_the_budget_that_exceed_it(
     tiny_cfg: Config, tmp_path: Path
 ) -> None:

@@ -50,17 +50,30 @@ class BudgetSchedule:
         self.steps_budget = 0  # the step budget (max_steps, max_epochs) the plan was made from
         self.timed = False  # the plan includes the measured time budget
         self.retimed = False  # ... checked again where its decay starts
+        self.rewarm = 0  # a longer plan made in its decay: the update it is back at the peak
 
     def plan(self, total: int, after: int) -> None:
-        """Plan `total` updates; updates up to `after` keep the rates they had."""
+        """Plan `total` updates; updates up to `after` keep the rates they had. A longer plan
+        made once the decay began (a resume with a larger budget) warms up again to the peak,
+        over a tenth of the updates it adds (warmup_steps at most), rather than holding the
+        decayed rate: at the end of a plan that rate is 0."""
+        decayed = 0 < self.total < total and after > self.decay_start
+        rewarming = self.rewarm > after  # a plan made again on the way back up keeps its peak
         self.start, self.start_lr = after, self.lr(after) if after > 0 else 0.0
         self.total = max(int(total), 1)
+        if decayed:
+            self.rewarm = after + max(1, min(self.warmup_steps, (self.total - after) // 10))
+        elif not rewarming:
+            self.rewarm = 0
+        self.rewarm = min(self.rewarm, self.total)
 
     @property
     def warmup(self) -> int:
         """The update the peak is reached at. Measured at 630 updates of the Multi30k preset
         (docs/benchmarks.md): a fast warmup to that peak (a tenth of the plan) leaves the run
         behind the paper's schedule; the paper's ramp, with room kept for the decay, ahead."""
+        if self.rewarm > self.start:
+            return self.rewarm
         if self.fraction:
             return max(round(self.fraction * self.total), 1)
         return max(min(self.warmup_steps, self._decay_from_plan()), 1)
@@ -147,6 +160,17 @@ class BudgetSchedule:
         self.plan(planned, after=after)
         self.timed, self.retimed = True, self.retimed or at_decay
         return first
+
+    def rebudget(self, before_s: float, budget_s: float) -> bool:
+        """A resumed session's time budget (seconds, 0: none) against the one of the session
+        that saved the plan: when it was removed or changed, a timed plan no longer holds and is
+        made again (the step budget's at once, the time budget's once the rate is measured);
+        True then."""
+        if not self.timed or budget_s == before_s:
+            return False
+        self.timed = self.retimed = False
+        self.steps_budget = 0  # fit_steps plans the step budget again, if there is one
+        return True
 
 
 def build_optimizer(
