@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from transformer_mt.config import ModelConfig, OptimConfig
+from transformer_mt.config import Config, ModelConfig, OptimConfig
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,21 @@ class BudgetSchedule:
         self.timed = self.retimed = False
         self.steps_budget = 0  # fit_steps plans the step budget again, if there is one
         return True
+
+
+def rebudget_resumed(
+    schedule: BudgetSchedule | None, saved: Config | None, cfg: Config, is_main: bool
+) -> None:
+    """A resumed run whose time budget changed plans its learning rate again (BudgetSchedule.
+    rebudget), saying so on the main rank."""
+    if schedule is None or saved is None:
+        return
+    before, now = saved.train.max_minutes, cfg.train.max_minutes
+    if schedule.rebudget(before * 60, now * 60) and is_main:
+        logger.info(
+            "train.max_minutes %g -> %g: the learning rate planned for %d updates is planned"
+            " again", before, now, schedule.total,
+        )  # fmt: skip
 
 
 def build_optimizer(

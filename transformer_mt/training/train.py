@@ -127,18 +127,6 @@ def _build(
     return model, opt, progress, window
 
 
-def _rebudget(
-    schedule: optim.BudgetSchedule, before: float, max_minutes: float, info: DistInfo
-) -> None:
-    """A resumed run whose time budget changed plans its learning rate again (BudgetSchedule.
-    rebudget), saying so."""
-    if schedule.rebudget(before * 60, max_minutes * 60) and info.is_main:
-        logger.info(
-            "train.max_minutes %g -> %g: the learning rate planned for %d updates is planned"
-            " again", before, max_minutes, schedule.total,
-        )  # fmt: skip
-
-
 class _Session:
     """One session of a run, from its resume point to where it stops."""
 
@@ -166,8 +154,7 @@ class _Session:
             cfg, self.data.tokenizer, info, saved, parent
         )
         self.schedule = optim.budget_schedule(self.opt.scheduler)  # None: the paper's schedule
-        if saved is not None and self.schedule is not None:
-            _rebudget(self.schedule, saved.config.train.max_minutes, cfg.train.max_minutes, info)
+        optim.rebudget_resumed(self.schedule, saved.config if saved else None, cfg, info.is_main)
         # A run that ended writes nothing when run again, not even a trim of its last record.
         ended = saved is not None and budget_spent(self.progress, cfg, self.planned) is not None
         if info.is_main:
