@@ -123,16 +123,17 @@ class BudgetSchedule:
     ) -> int:
         """A time budget's plan, or 0 when none is due: made once the rate since `since` (step,
         time) is measured; then, until its decay, made again whenever the rate since the last
-        plan, measured over a tenth of the budget at least, would end the run more than a tenth
-        of the plan sooner or later (the first updates can be far slower than the rest: on a GPU
-        every batch shape met for the first time costs ~0.3 s, and the first plan, timed on
-        them, left 40 % of a 2-minute budget unused); and once more two updates before its decay
-        (agreed during the first, applied from the second, still at the peak) at the rate since
-        the last plan, which includes the validations and checkpoints the first measure did not
-        see; sooner, when the clock would stop the run before its decay began. After that (and
-        in a resumed session) the clock may cut off at most a quarter of the decay, at the rate
-        since the last plan (5 updates at least), or the plan is made again, shorter: the run
-        ends in its decay, not at its peak, even when validations cost more than measured."""
+        plan, measured over a tenth of the budget at least, would end the run more than 15 % of
+        the plan sooner or later (less moves with a validation or a checkpoint in the window;
+        the first updates can be far slower than the rest: on a GPU every batch shape met for
+        the first time costs ~0.3 s, and the first plan, timed on them, left 30 % of a
+        96-second budget unused); and once more two updates before its decay (agreed during the
+        first, applied from the second, still at the peak) at the rate since the last plan,
+        which includes the validations and checkpoints the first measure did not see; sooner,
+        when the clock would stop the run before its decay began. After that (and in a resumed
+        session) the clock may cut off at most a quarter of the decay, at the rate since the
+        last plan (5 updates at least), or the plan is made again, shorter: the run ends in its
+        decay, not at its peak, even when validations cost more than measured."""
         done = step - since[0]
         if done < 5:
             return 0
@@ -144,7 +145,7 @@ class BudgetSchedule:
             if self.steps_budget:  # or the step budget, sooner
                 reach = min(reach, self.steps_budget)
             if not self.retimed:  # the check before the decay, or the clock stops it before
-                off = reach < self.decay_start or abs(reach - self.total) > 0.1 * self.total
+                off = reach < self.decay_start or abs(reach - self.total) > 0.15 * self.total
                 measured = now - since[1] >= 0.1 * budget_s
                 due = step + 2 >= self.decay_start or (off and measured)
             else:  # then the clock may cut off at most a quarter of the decay
