@@ -156,55 +156,47 @@ def profile(args: argparse.Namespace) -> dict:
     run = tmt_step(model, cfg, tok, step_args)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    seen: set = set()
-    tables, result = [], {}
-    # first: updates 1..steps, timed one by one; then steps+1..2·steps under the profiler,
-    # (new shapes there too); then those again, every shape seen, timed and profiled.
-    phases = [("first", host[: args.steps], False), ("fresh", host[args.steps :], True),
-              ("warm", host[args.steps :], True)]  # fmt: skip
-    for name, batches, profiled in phases:
-        times, new = [], 0
+
+    def one_by_one(batches: list) -> dict:  # each update alone, synchronized
+        times = []
         for batch in batches:
-            shape = (batch.src.shape[0], batch.src.shape[1], batch.tgt_out.shape[1])
-            new += shape not in seen
-            seen.add(shape)
+            start = time.perf_counter()
+            run(batch.to(args.device))
+            sync()
+            times.append(time.perf_counter() - start)
+        times.sort()
+        return {"updates": len(times), "median_ms": round(1e3 * times[len(times) // 2], 1),
+                "max_ms": round(1e3 * times[-1], 1), "total_s": round(sum(times), 2)}  # fmt: skip
+
+    def profiled(name: str, batches: list) -> None:
         sync()
-        if profiled:
-            with profiler(activities=activities) as prof:
-                for batch in batches:
-                    run(batch.to(args.device))
-                sync()
-            by_host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-            tables.append(f"== {name}: host time by operator ==\n{by_host}")
-            if cuda:
-                by_gpu = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
-                tables.append(f"== {name}: GPU time by kernel ==\n{by_gpu}")
-        else:
+        with profiler(activities=activities) as prof:
             for batch in batches:
-                start = time.perf_counter()
                 run(batch.to(args.device))
-                sync()
-                times.append(time.perf_counter() - start)
-        if times:
-            times.sort()
-            result[name] = {"updates": len(times), "new_shapes": new,
-                            "median_ms": round(1e3 * times[len(times) // 2], 1),
-                            "max_ms": round(1e3 * times[-1], 1),
-                            "total_s": round(sum(times), 2)}  # fmt: skip
-        else:
-            result[name] = {"updates": len(batches), "new_shapes": new}
-        print(name, result[name], flush=True)
-    # The warm updates once more, timed one by one: against `first`, what a new shape costs.
-    times = []
-    for batch in host[args.steps :]:
-        start = time.perf_counter()
-        run(batch.to(args.device))
-        sync()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    median = round(1e3 * times[len(times) // 2], 1)
-    result["warm_timed"] = {"updates": len(times), "median_ms": median,
-                            "total_s": round(sum(times), 2)}  # fmt: skip
+            sync()
+        table = prof.key_averages().table
+        tables.append(f"== {name}: host time by operator ==\n"
+                      + table(sort_by="self_cpu_time_total", row_limit=25))  # fmt: skip
+        if cuda:
+            tables.append(f"== {name}: GPU time by kernel ==\n"
+                          + table(sort_by="self_cuda_time_total", row_limit=15))  # fmt: skip
+
+    def shapes(batches: list) -> set:
+        return {(b.src.shape[0], b.src.shape[1], b.tgt_out.shape[1]) for b in batches}
+
+    tables: list[str] = []
+    first, later = host[: args.steps], host[args.steps :]
+    # Updates 1..steps timed one by one (most of them a new shape); steps+1..2·steps under the
+    # profiler (new shapes there too), then again (every shape seen), then timed one by one.
+    result = {
+        "first": {"new_shapes": len(shapes(first)), **one_by_one(first)},
+        "fresh": {"updates": len(later), "new_shapes": len(shapes(later) - shapes(first))},
+    }
+    profiled("fresh", later)
+    profiled("warm", later)
+    result["warm_timed"] = one_by_one(later)
+    for name, found in result.items():
+        print(name, found, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile.txt").write_text("\n\n".join(tables))
     versions = {"torch": torch.__version__}
@@ -315,15 +307,12 @@ def decode(args: argparse.Namespace) -> dict:
 
     outputs: dict[str, list[str]] = {}
     timed("tmt", lambda lines: translate.translate_text(translator, lines))
-    as_generate = translate.load_translator(
-        args.model, [f"decode.device={args.device}", "decode.length_penalty_form=power"]
-    )
-    timed("tmt_power", lambda lines: translate.translate_text(as_generate, lines))
-    for tokens in args.sizes or []:  # larger batches than the default's (GPU_BATCH_TOKENS)
-        larger = translate.load_translator(
-            args.model, [f"decode.device={args.device}", f"decode.max_tokens={tokens}"]
-        )
-        timed(f"tmt_{tokens}", lambda lines, t=larger: translate.translate_text(t, lines))
+    # generate's length penalty; larger batches than the default's (GPU_BATCH_TOKENS)
+    variants = [("tmt_power", "decode.length_penalty_form=power")]
+    variants += [(f"tmt_{tokens}", f"decode.max_tokens={tokens}") for tokens in args.sizes or []]
+    for name, setting in variants:
+        variant = translate.load_translator(args.model, [f"decode.device={args.device}", setting])
+        timed(name, lambda lines, t=variant: translate.translate_text(t, lines))
     export = args.out / "hf_export"
     shutil.rmtree(export, ignore_errors=True)
     subprocess.run(

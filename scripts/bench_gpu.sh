@@ -50,6 +50,7 @@ PACK=${PACK:-}
 LINES=${LINES:-10000}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the parts run from the repository's root
+[ -z "$PACK" ] || PACK=$(realpath -m "$PACK")  # written from inside OUT
 : > "$OUT/parts.jsonl"
 export TMT_CACHE=${TMT_CACHE:-$OUT/cache} PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -69,10 +70,14 @@ part() {
   printf '{"part": "%s", "rc": %d, "seconds": %s}\n' "$name" "$rc" \
     "$(awk "BEGIN { print $end - $start }")" >> "$OUT/parts.jsonl"
   echo "$name: exit $rc" >&2
-  if [ -n "$PACK" ]; then
-    (cd "$OUT" && tar czf "$PACK.tmp" -- *.log *.json *.jsonl *.txt 2> /dev/null)
-    mv -f "$PACK.tmp" "$PACK"
-  fi
+  pack
+}
+
+# pack: every part's log and result so far into PACK, if it is set (replaced whole, never half)
+pack() {
+  [ -n "$PACK" ] || return 0
+  (cd "$OUT" && tar czf "$PACK.tmp" -- *.log *.json *.jsonl *.txt 2> /dev/null)
+  mv -f "$PACK.tmp" "$PACK"
 }
 
 # configs/base.yaml (en→de, as WMT14 there) on the bundled corpus instead of WMT14:
@@ -96,4 +101,4 @@ wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "
 wanted compile && part compile 100 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 60 \
   --seconds 60
 $PY scripts/bench_gpu.py table "$OUT" | tee "$OUT/table.txt"
-[ -z "$PACK" ] || (cd "$OUT" && tar czf "$PACK" -- *.log *.json *.jsonl *.txt)
+pack
