@@ -6,6 +6,7 @@ a replaced run, sampling options per request) is in tests/test_serve.py."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import shutil
@@ -197,10 +198,13 @@ def test_the_decay_fits_the_clock_when_validations_cost_more_than_measured(
     "update_s",
     [
         lambda step: 0.3 if step <= 115 else 0.035,  # a GPU's first epoch: every shape new
+        # the second H200 run: data and CUDA's start, 40 new shapes, then warm (a first plan of
+        # 59 updates, checked at its decay at 519, ended the budget after 55 s)
+        lambda step: 10.0 if step == 1 else 1.0 if step <= 5 else 0.3 if step <= 45 else 0.035,
         lambda step: 0.05,  # steady
         lambda step: 0.02 if step <= 300 else 0.06,  # the machine got busy
     ],
-    ids=["fast-after-the-first-epoch", "steady", "slower-later"],
+    ids=["fast-after-the-first-epoch", "slow-start", "steady", "slower-later"],
 )
 def test_a_time_budget_is_used_to_its_end_and_ends_in_its_decay(update_s) -> None:
     """Measured on an H200 (docs/benchmarks.md): the plan, timed on a first epoch whose every
@@ -246,15 +250,23 @@ def test_a_run_the_clock_stops_at_its_peak_says_so(
 
 
 def test_a_time_budget_run_resumed_with_another_budget_trains_to_it(
-    tiny_cfg: Config, tmp_path: Path
+    tiny_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The probe: a budget-schedule run its clock ended, resumed with train.max_minutes longer,
     trained nothing ("max_minutes", the old plan's end); with max_minutes 0 and max_steps
     larger, it stopped at the old plan's end too. Now the plan is made again for the new
-    budget, and the rate, decayed to 0, warms up again to the peak."""
+    budget, and the rate, decayed to 0, warms up again to the peak. The trainer's clock ticks
+    0.1 s a reading: a busy machine (which once made no plan in 6 real seconds) changes
+    nothing."""
+    from types import SimpleNamespace
+
     from test_train import records
 
+    from transformer_mt.training import train as training
     from transformer_mt.training.train import train
+
+    ticks = itertools.count()
+    monkeypatch.setattr(training, "time", SimpleNamespace(monotonic=lambda: 0.1 * next(ticks)))
 
     def run(out: Path, max_steps: int, max_minutes: float) -> dict:
         cfg = dataclasses.replace(

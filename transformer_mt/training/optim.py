@@ -154,11 +154,15 @@ class BudgetSchedule:
 
     def continue_with(self, planned: int, after: int) -> bool:
         """Continue with rank 0's plan of the time budget from update `after`; True for the
-        first plan. A plan made where the last one's decay starts is the check before the decay
-        (retimed): after it, plans only shorten."""
-        first = not self.timed
-        at_decay = not first and after + 2 >= self.decay_start
+        first plan. A later plan whose decay starts now is the check before the decay
+        (retimed): after it, plans only shorten. One that moves the decay further off (the
+        rate grew: on a GPU the first updates, CUDA's start and every new batch shape, are the
+        slowest; a first plan timed on them ended a 96-second budget after 55 s) keeps the
+        run at its peak, planned again as the rate moves."""
+        first, before, was_due = not self.timed, self.total, after + 2 >= self.decay_start
         self.plan(planned, after=after)
+        postponed = planned > 1.15 * before  # as time_plan_due's moves: noise stays below
+        at_decay = not first and (was_due or after + 2 >= self.decay_start) and not postponed
         self.timed, self.retimed = True, self.retimed or at_decay
         return first
 
