@@ -180,6 +180,7 @@ def profile(args: argparse.Namespace) -> dict:
         if cuda:
             tables.append(f"== {name}: GPU time by kernel ==\n"
                           + table(sort_by="self_cuda_time_total", row_limit=15))  # fmt: skip
+        (args.out / "profile.txt").write_text("\n\n".join(tables))  # kept if the part is cut off
 
     def shapes(batches: list) -> set:
         return {(b.src.shape[0], b.src.shape[1], b.tgt_out.shape[1]) for b in batches}
@@ -188,17 +189,18 @@ def profile(args: argparse.Namespace) -> dict:
     first, later = host[: args.steps], host[args.steps :]
     # Updates 1..steps timed one by one (most of them a new shape); steps+1..2·steps under the
     # profiler (new shapes there too), then again (every shape seen), then timed one by one.
-    result = {
-        "first": {"new_shapes": len(shapes(first)), **one_by_one(first)},
-        "fresh": {"updates": len(later), "new_shapes": len(shapes(later) - shapes(first))},
-    }
-    profiled("fresh", later)
-    profiled("warm", later)
-    result["warm_timed"] = one_by_one(later)
-    for name, found in result.items():
-        print(name, found, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "profile.txt").write_text("\n\n".join(tables))
+    result: dict[str, dict] = {}
+
+    def measured(name: str, found: dict) -> None:  # printed at once: a part cut off keeps it
+        result[name] = found
+        print(name, found, flush=True)
+
+    measured("first", {"new_shapes": len(shapes(first)), **one_by_one(first)})
+    profiled("fresh", later)
+    measured("fresh", {"updates": len(later), "new_shapes": len(shapes(later) - shapes(first))})
+    profiled("warm", later)
+    measured("warm_timed", one_by_one(later))
     versions = {"torch": torch.__version__}
     if cuda:
         versions |= {"cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),

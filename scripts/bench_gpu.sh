@@ -96,7 +96,7 @@ wanted decode && part decode 100 $PY scripts/bench_gpu.py decode --out "$OUT" \
   --model "$OUT/multi30k" --lines "$LINES"
 wanted tests && part tests 75 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
-wanted profile && part profile 75 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
+wanted profile && part profile 120 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
 wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
 wanted compile && part compile 100 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 60 \
   --seconds 60
