@@ -87,10 +87,12 @@ def attention(args: argparse.Namespace) -> dict:
 
 
 def compiled(args: argparse.Namespace) -> dict:
-    """The GPU recipe's model and batches (configs/multi30k-gpu.yaml) updated eagerly and
-    torch.compiled (what train.compile=on does), each in a fresh process: target tokens/s over the
-    first `steps` updates (compilation included) and again warm. The compiled run gets at most
-    `seconds`: compilation that outlasts it does not pay in a run of minutes either."""
+    """The GPU recipe's model and batches (configs/multi30k-gpu.yaml) updated eagerly,
+    torch.compiled (what train.compile=on does) and compiled with CUDA graphs (compile_mode
+    reduce-overhead: a graph recorded per batch shape, then replayed), each in a fresh process:
+    target tokens/s over the first `steps` updates (compilation included) and again warm. Each
+    run gets at most `seconds`: compilation that outlasts it does not pay in a run of minutes
+    either."""
     precision = "bf16" if args.device == "cuda" else "fp32"
     common = [
         sys.executable,
@@ -113,7 +115,8 @@ def compiled(args: argparse.Namespace) -> dict:
     ]
     keep = ("steps", "batch_shapes", "seconds", "tokens_per_s", "warm_tokens_per_s", "mfu")
     rows: dict[str, dict] = {}
-    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+    modes = (("eager", []), ("compiled", ["--compile"]), ("graphs", ["--compile=reduce-overhead"]))
+    for name, extra in modes:
         try:
             done = subprocess.run(
                 common + extra, capture_output=True, text=True, cwd=REPO, timeout=args.seconds

@@ -28,8 +28,9 @@
 #              batch shape's ~0.3 s goes
 #   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
 #              backend): what auto should choose
-#   compile    the GPU recipe's model (configs/multi30k-gpu.yaml) eager and torch.compiled
-#              (train.compile=on), first updates and warm: whether compiling pays
+#   compile    the GPU recipe's model (configs/multi30k-gpu.yaml) eager, torch.compiled
+#              (train.compile=on) and compiled with CUDA graphs (train.compile_mode=reduce-
+#              overhead), first updates and warm: whether compiling pays
 #
 # On the device tool's machine (no datasets there), carry wheels in .whl (git-ignored:
 # .git/info/exclude), made here with
@@ -94,11 +95,11 @@ fi
 wanted e2e && part e2e 135 $PY scripts/bench_gpu.py e2e --out "$OUT"
 wanted decode && part decode 100 $PY scripts/bench_gpu.py decode --out "$OUT" \
   --model "$OUT/multi30k" --lines "$LINES"
-wanted tests && part tests 75 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+wanted tests && part tests 100 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
 wanted profile && part profile 120 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
 wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
-wanted compile && part compile 100 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 60 \
+wanted compile && part compile 190 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 60 \
   --seconds 60
 $PY scripts/bench_gpu.py table "$OUT" | tee "$OUT/table.txt"
 pack

@@ -242,13 +242,15 @@ def tmt_step(model, cfg, tok, args):
 
     device = torch.device(args.device)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=args.precision))
+    compiled = {"compile": "on", "compile_mode": args.compile} if args.compile else {}
+    train = dataclasses.replace(cfg.train, precision=args.precision, **compiled)
+    cfg = dataclasses.replace(cfg, train=train)
     optimizer, scheduler = build_optimizer(model, cfg.model, cfg.optim, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     opt = step.Optimization(optimizer, scheduler, scaler)
     fused = device_defaults.fused_loss(cfg, device)
     objective = Objective(cfg.optim.label_smoothing, model.output_projection if fused else None)
-    trained = torch.compile(model) if args.compile else model
+    trained = device_defaults.compiled(model, cfg, device)  # as tmt train runs it
     attention = kernels.attention(cfg.model.attention_backend, device)
     attention.__enter__()  # for the process: the benchmark child does nothing else
 
@@ -325,7 +327,9 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=0, help="again over seen shapes")
     parser.add_argument("--warmup", type=int, default=4, help="untimed updates first (CPU)")
     parser.add_argument("--attention", default="auto", help="tmt's model.attention_backend")
-    parser.add_argument("--compile", action="store_true", help="tmt's step torch.compiled")
+    parser.add_argument(
+        "--compile", nargs="?", const="default", help="tmt's step torch.compiled in this mode"
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--config", default="multi30k")
     parser.add_argument("--set", action="append", help="config override, e.g. data.max_tokens=8192")

@@ -1,7 +1,8 @@
 """Settings a config leaves to the device: data.max_tokens and data.bucketing (chosen when a run
 starts, kept by its resumes, an explicit value always winning), decode.max_tokens (by free memory
-on CUDA), train.fused_loss and model.attention_backend. The choice for CUDA is a function of the
-device's type, tested here without one; what a GPU does with it is tests/test_gpu.py's."""
+on CUDA), train.fused_loss, model.attention_backend and train.compile_mode. The choice for CUDA
+is a function of the device's type, tested here without one; what a GPU does with it is
+tests/test_gpu.py's."""
 
 from __future__ import annotations
 
@@ -151,3 +152,34 @@ def test_an_attention_kernel_named_on_a_cpu_trains_the_same_model(
     translator = load_translator(model, [f"model.attention_backend={other}"])
     assert translator.config.model.attention_backend == other
     assert translator.translate(["ein Hund"]) == load_translator(model, []).translate(["ein Hund"])
+
+
+def test_compiling_is_off_until_asked_and_cuda_graphs_need_cuda(
+    tiny_cfg: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _Source()
+    for compile in ("auto", "off"):
+        assert device_defaults.compiled(model, with_train(tiny_cfg, compile=compile), CPU) is model
+    plain = device_defaults.compiled(model, with_train(tiny_cfg, compile="on"), CPU)
+    assert isinstance(plain, torch._dynamo.eval_frame.OptimizedModule) and plain._orig_mod is model
+    # The mode each device gets (the choice is the device's type; compiling is torch's).
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda m, mode: modes.append(mode) or m)
+    graphs = with_train(tiny_cfg, compile="on", compile_mode="reduce-overhead")
+    assert device_defaults.compiled(model, graphs, CPU) is model  # a CPU has no graphs to replay
+    on_cuda = device_defaults.compiled(model, graphs, CUDA)
+    assert modes == ["default", "reduce-overhead"] and on_cuda.optimized is model
+    # Each call of the graphed model starts a graph step (as a micro-batch's forward does).
+    steps = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    src = torch.ones(2, 3)
+    assert on_cuda(src, torch.ones(2, 1), project=False) is src and steps == [1]
+
+
+class _Source(torch.nn.Module):
+    """A model's call signature: returns the source."""
+
+    def forward(
+        self, src: torch.Tensor, tgt_in: torch.Tensor, project: bool = True
+    ) -> torch.Tensor:
+        return src

@@ -134,12 +134,17 @@ def test_every_attention_backend_computes_the_same_model(tiny_cfg: Config, backe
     feeder.close()
 
 
-def test_the_compiled_step_is_the_eager_step_within_bf16(tiny_cfg: Config, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_the_compiled_step_is_the_eager_step_within_bf16(
+    tiny_cfg: Config, tmp_path: Path, mode: str
+) -> None:
+    """Two micro-batches an update: with CUDA graphs ("reduce-overhead") the second forward
+    replays after the first one's backward, each a graph step of its own."""
     cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, dropout=0.0))
     cfg = with_train(cfg, max_steps=3, log_every=1, valid_every=0, save_every=0, device="cuda",
-                     precision="bf16")  # fmt: skip
+                     precision="bf16", update_freq=2)  # fmt: skip
     train(with_train(cfg, out_dir=str(tmp_path / "eager"), compile="off"))
-    train(with_train(cfg, out_dir=str(tmp_path / "compiled"), compile="on"))
+    train(with_train(cfg, out_dir=str(tmp_path / "compiled"), compile="on", compile_mode=mode))
     eager = [r["loss"] for r in records(tmp_path / "eager") if "loss" in r]
     compiled = [r["loss"] for r in records(tmp_path / "compiled") if "loss" in r]
     assert len(eager) == 3 and compiled == pytest.approx(eager, rel=2e-2)

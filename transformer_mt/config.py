@@ -358,6 +358,10 @@ class TrainConfig:
     # torch.compile the model: "auto" leaves it off until it is measured to pay on the device
     # (scripts/bench_gpu.sh); "on" compiles it (a few seconds per batch shape: data.bucketing).
     compile: Literal["auto", "on", "off"] = "auto"
+    # torch.compile's mode where the model is compiled: "reduce-overhead" replays a CUDA graph
+    # per batch shape (one launch for the kernels a step's host would launch one by one: a GPU
+    # trains the small models host-bound); on a CPU it is the default.
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     # The label-smoothed loss in chunks of rows fused with the output projection (training/loss.py
     # chunked_label_smoothed_nll): no (tokens × vocabulary) logits or float32 log-probabilities
     # are kept for the backward pass. auto: on with CUDA; on a CPU the reference loss.

@@ -76,3 +76,39 @@ def fused_loss(cfg: Config, device: torch.device) -> bool:
     return cfg.train.fused_loss == "on" or (
         cfg.train.fused_loss == "auto" and device.type == "cuda"
     )
+
+
+def compiled(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.nn.Module:
+    """The model as training runs it: itself, or torch.compile'd with train.compile=on (auto is
+    off until measured to pay: scripts/bench_gpu.sh) in train.compile_mode. With CUDA graphs
+    ("reduce-overhead" on CUDA) each forward starts a new graph step, and a graph is recorded per
+    batch shape, as many as data.bucketing allows (torch warns past 8 by default)."""
+    if cfg.train.compile != "on":
+        return model
+    mode = cfg.train.compile_mode
+    graphs = mode == "reduce-overhead" and device.type == "cuda"
+    if mode == "reduce-overhead" and not graphs:
+        mode = "default"  # CUDA graphs need CUDA; torch would skip them with a warning a shape
+    optimized = torch.compile(model, mode=mode)
+    if not graphs:
+        return optimized
+    import torch._inductor.config as inductor
+
+    inductor.triton.cudagraph_dynamic_shape_warn_limit = None
+    return _GraphSteps(optimized)
+
+
+class _GraphSteps(torch.nn.Module):
+    """A model compiled with CUDA graphs, each call a new graph step: a micro-batch's forward
+    comes after the backward of the one before, so no earlier output is still needed, and
+    torch.compile's graph trees need not keep them alive (or refuse to overwrite them)."""
+
+    def __init__(self, optimized: torch.nn.Module) -> None:
+        super().__init__()
+        self.optimized = optimized
+
+    def forward(
+        self, src: torch.Tensor, tgt_in: torch.Tensor, project: bool = True
+    ) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()
+        return self.optimized(src, tgt_in, project=project)

@@ -170,7 +170,7 @@ class _Session:
             order = " > ".join(k.name.lower() for k in chosen) if chosen else "PyTorch's choice"
             logger.info("attention kernels: %s (model.attention_backend=%s)", order,
                         cfg.model.attention_backend)  # fmt: skip
-        compiled = torch.compile(self.model) if cfg.train.compile == "on" else self.model
+        compiled = device_defaults.compiled(self.model, cfg, info.device)
         self.trained = distributed.wrap(compiled, info)
         # The loss: from the logits, or fused with the output projection (train.fused_loss).
         fused = device_defaults.fused_loss(cfg, info.device)
