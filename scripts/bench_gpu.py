@@ -138,7 +138,8 @@ def profile(args: argparse.Namespace) -> dict:
     its first `steps` updates (most of them a batch shape met for the first time) and the same
     updates again (every shape seen), each timed alone (synchronized) and then under the
     profiler; DIR/profile.txt keeps the profiler's tables (host time by operator, GPU time by
-    kernel) of both."""
+    kernel) of both. The first updates also count the allocator's cudaMalloc calls and
+    retries, and run again in a process with expandable segments (PYTORCH_CUDA_ALLOC_CONF)."""
     sys.path.insert(0, str(REPO / "scripts"))
     import torch
     from bench_train import build_tmt, load_batches, tmt_step
@@ -161,15 +162,22 @@ def profile(args: argparse.Namespace) -> dict:
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
 
     def one_by_one(batches: list) -> dict:  # each update alone, synchronized
-        times = []
+        times, before = [], allocator()
         for batch in batches:
             start = time.perf_counter()
             run(batch.to(args.device))
             sync()
             times.append(time.perf_counter() - start)
         times.sort()
+        # cudaMalloc calls and the allocator's retries (each frees its cache: a device wait).
+        grown = {k: v - before[k] for k, v in allocator().items()}
         return {"updates": len(times), "median_ms": round(1e3 * times[len(times) // 2], 1),
-                "max_ms": round(1e3 * times[-1], 1), "total_s": round(sum(times), 2)}  # fmt: skip
+                "max_ms": round(1e3 * times[-1], 1), "total_s": round(sum(times), 2),
+                **grown}  # fmt: skip
+
+    def allocator() -> dict:
+        stats = torch.cuda.memory_stats() if cuda else {}
+        return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_alloc_retries")}
 
     def profiled(name: str, batches: list) -> None:
         sync()
@@ -200,6 +208,10 @@ def profile(args: argparse.Namespace) -> dict:
         print(name, found, flush=True)
 
     measured("first", {"new_shapes": len(shapes(first)), **one_by_one(first)})
+    if args.first_only:
+        return result
+    if cuda:  # the same first updates in a process whose allocator maps memory as it grows
+        measured("first_expandable", _first_updates_expandable(args))
     profiled("fresh", later)
     measured("fresh", {"updates": len(later), "new_shapes": len(shapes(later) - shapes(first))})
     profiled("warm", later)
@@ -209,6 +221,24 @@ def profile(args: argparse.Namespace) -> dict:
         versions |= {"cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
                      "module_loading": os.environ.get("CUDA_MODULE_LOADING", "")}  # fmt: skip
     return {"config": "multi30k-gpu", "versions": versions, **result}
+
+
+def _first_updates_expandable(args: argparse.Namespace) -> dict:
+    """The profile's first phase again, in a fresh process with PyTorch's expandable segments:
+    whether a new shape's cost is the caching allocator's new blocks."""
+    out = args.out / "expandable"
+    command = [sys.executable, __file__, "profile", "--first-only", "--out", str(out),
+               "--steps", str(args.steps), *_sets(args.set)]  # fmt: skip
+    env = os.environ | {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=60, cwd=REPO
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"error": "not done in 60 s"}
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    return json.loads((out / "profile.json").read_text())["first"]
 
 
 def e2e(args: argparse.Namespace) -> dict:
@@ -488,10 +518,14 @@ def _summary(name: str, found: dict) -> str:
         return f"first {found['updates']} updates ({found['batch_shapes']} shapes): {rows}"
     if name == "profile":
         first, warm = found.get("first", {}), found.get("warm_timed", {})
+        expandable = found.get("first_expandable", {})
         return (
             f"first {first.get('updates')} updates ({first.get('new_shapes')} new shapes):"
-            f" median {first.get('median_ms')} ms, {first.get('total_s')} s; updates over seen"
-            f" shapes: median {warm.get('median_ms')} ms (tables in profile.txt)"
+            f" median {first.get('median_ms')} ms, {first.get('total_s')} s,"
+            f" {first.get('num_device_alloc')} cudaMalloc, {first.get('num_alloc_retries')}"
+            f" retries; with expandable segments {expandable.get('total_s')} s"
+            f" {expandable.get('error', '')}; updates over seen shapes: median"
+            f" {warm.get('median_ms')} ms (tables in profile.txt)"
         )
     if name == "compile":
         return "; ".join(
@@ -536,6 +570,7 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=int, default=50, help="compile: the compiled run's limit")
     parser.add_argument("--set", action="append", help="a config override for the part")
+    parser.add_argument("--first-only", action="store_true", help="profile: its first phase")
     args = parser.parse_args()
     if args.part == "table":
         print(table(args.directory or args.out))
