@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -241,12 +242,33 @@ def _first_updates_expandable(args: argparse.Namespace) -> dict:
     return json.loads((out / "profile.json").read_text())["first"]
 
 
+def _timed_lines(command: list[str], log: Path) -> subprocess.CompletedProcess:
+    """Runs `command`; its log lines go to `log` as they come, each after the seconds since
+    the start (where a short run's wall time goes: start, data, new shapes, validation, saves)."""
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as stdout, log.open("w") as out:
+        process = subprocess.Popen(
+            command, stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=REPO
+        )  # fmt: skip
+        lines = []
+        for line in process.stderr:
+            lines.append(line)
+            out.write(f"{time.perf_counter() - start:7.1f} {line}")
+            out.flush()
+        process.wait()
+        stdout.seek(0)
+        return subprocess.CompletedProcess(
+            command, process.returncode, stdout.read(), "".join(lines)
+        )
+
+
 def e2e(args: argparse.Namespace) -> dict:
     """`tmt train -c multi30k-gpu` through torchrun (NCCL, one rank): its wall time from the
     command's start to its end; then test2016 BLEU of what it made (tmt evaluate, its own
     decoding settings, on the GPU)."""
     run_dir = args.out / "multi30k"
     shutil.rmtree(run_dir, ignore_errors=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     preset = ["-c", "multi30k-gpu", "--set", f"train.out_dir={run_dir}", *_sets(args.set)]
     if args.device == "cpu":  # the script's check: a few updates
         preset += [
@@ -275,9 +297,8 @@ def e2e(args: argparse.Namespace) -> dict:
         "--json",
     ]
     start = time.perf_counter()
-    trained = subprocess.run(torchrun, capture_output=True, text=True, cwd=REPO)
+    trained = _timed_lines(torchrun, args.out / "e2e_train.log")
     seconds = time.perf_counter() - start
-    (args.out / "e2e_train.log").write_text(trained.stderr[-20000:])
     if (run_dir / "metrics.jsonl").is_file():  # the run's curve and rates, kept with the logs
         shutil.copyfile(run_dir / "metrics.jsonl", args.out / "e2e_metrics.jsonl")
     result = {"train_rc": trained.returncode, "wall_s": round(seconds, 1)}
