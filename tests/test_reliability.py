@@ -388,6 +388,14 @@ def test_non_finite_weights_are_never_saved(tiny_cfg: Config, tmp_path: Path) ->
     with pytest.raises(TmtError, match=r"non-finite values in optimizer.state.0.exp_avg"):
         checkpoint.write(tmp_path / "c", 1, tiny_cfg, {"w": torch.ones(2)}, b"spm", state)
     assert not (tmp_path / "c").exists() and not list(tmp_path.iterdir())
+    # Every bad tensor named, however nested; whole numbers (RNG states) are not floating.
+    state = {"rng": [torch.ones(3, dtype=torch.uint8), {"h": torch.tensor(float("-inf"))}]}
+    weights = {"a": torch.ones(2), "b": torch.tensor([float("nan")], dtype=torch.bfloat16)}
+    with pytest.raises(TmtError, match=r"non-finite values in b, rng\[1\]\.h$"):
+        checkpoint.write(tmp_path / "c", 1, tiny_cfg, weights, b"spm", state)
+    # Finite values whose squares overflow (the check's first, total norm) are saved.
+    huge = {"w": torch.full((4,), 3e38), "h": torch.full((2,), 6e4, dtype=torch.float16)}
+    assert (checkpoint.write(tmp_path / "c", 1, tiny_cfg, huge, b"spm") / "manifest.json").is_file()
 
 
 # --- F8 disk full ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import os
 import pickle
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -478,17 +479,22 @@ def _check_same_model(
         raise TmtError(f"cannot average {first.path} with {path}: {', '.join(differ)} differ")
 
 
-def _non_finite(tree: Any, prefix: str = "") -> list[str]:
-    """Names of floating-point tensors in a nested dict/list that hold NaN or infinity."""
+def _non_finite(tree: Any) -> list[str]:
+    """Names of floating-point tensors in a nested dict/list that hold NaN or infinity: one total
+    norm (one wait for a GPU, not ~500 a save), then, if it is not finite (or overflowed), each."""
+    named = list(_floating(tree, ""))
+    if not named or torch.isfinite(torch.nn.utils.get_total_norm([t for _, t in named])):
+        return []
+    return [name for name, tensor in named if not bool(torch.isfinite(tensor).all())]
+
+
+def _floating(tree: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(tree, torch.Tensor):
-        finite = not tree.is_floating_point() or bool(torch.isfinite(tree).all())
-        return [] if finite else [prefix or "tensor"]
-    if isinstance(tree, dict):
-        return [
-            n
-            for k, v in tree.items()
-            for n in _non_finite(v, f"{prefix}.{k}" if prefix else str(k))
-        ]
-    if isinstance(tree, list | tuple):
-        return [n for i, v in enumerate(tree) for n in _non_finite(v, f"{prefix}[{i}]")]
-    return []
+        if tree.is_floating_point():
+            yield prefix or "tensor", tree.detach()
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _floating(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(tree, list | tuple):
+        for i, v in enumerate(tree):
+            yield from _floating(v, f"{prefix}[{i}]")
