@@ -266,7 +266,8 @@ def e2e(args: argparse.Namespace) -> dict:
     """`tmt train -c multi30k-gpu` through torchrun (NCCL, one rank): its wall time from the
     command's start to its end; then test2016 BLEU of what it made (tmt evaluate, its own
     decoding settings, on the GPU)."""
-    run_dir = args.out / "multi30k"
+    label = args.label or "e2e"  # e2e's run is the decode part's model; a variant's its own
+    run_dir = args.out / ("multi30k" if label == "e2e" else label)
     shutil.rmtree(run_dir, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)
     preset = ["-c", "multi30k-gpu", "--set", f"train.out_dir={run_dir}", *_sets(args.set)]
@@ -297,10 +298,10 @@ def e2e(args: argparse.Namespace) -> dict:
         "--json",
     ]
     start = time.perf_counter()
-    trained = _timed_lines(torchrun, args.out / "e2e_train.log")
+    trained = _timed_lines(torchrun, args.out / f"{label}_train.log")
     seconds = time.perf_counter() - start
     if (run_dir / "metrics.jsonl").is_file():  # the run's curve and rates, kept with the logs
-        shutil.copyfile(run_dir / "metrics.jsonl", args.out / "e2e_metrics.jsonl")
+        shutil.copyfile(run_dir / "metrics.jsonl", args.out / f"{label}_metrics.jsonl")
     result = {"train_rc": trained.returncode, "wall_s": round(seconds, 1)}
     if trained.returncode != 0:
         return result | {"error": trained.stderr.strip().splitlines()[-1:]}
@@ -566,7 +567,7 @@ def _summary(name: str, found: dict) -> str:
             else f"{k}: {v.get('error')}"
             for k, v in found["rows"].items()
         )
-    if name == "e2e":
+    if name.startswith("e2e"):
         return ", ".join(f"{k} {v}" for k, v in found.items())
     if name == "decode":
         rows = "; ".join(
@@ -603,13 +604,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=50, help="compile: the compiled run's limit")
     parser.add_argument("--set", action="append", help="a config override for the part")
     parser.add_argument("--first-only", action="store_true", help="profile: its first phase")
+    parser.add_argument("--label", help="the result's name (default: the part's), e.g. e2e_graphs")
     args = parser.parse_args()
     if args.part == "table":
         print(table(args.directory or args.out))
         return
     run = {"attention": attention, "compile": compiled, "profile": profile, "e2e": e2e}
     result = {**run, "decode": decode, "resume": resume}[args.part](args)
-    write(args.out, args.part, {"device": args.device, **result})
+    write(args.out, args.label or args.part, {"device": args.device, **result})
 
 
 if __name__ == "__main__":
