@@ -99,7 +99,7 @@ wanted decode && part decode 100 $PY scripts/bench_gpu.py decode --out "$OUT" \
   --model "$OUT/multi30k" --lines "$LINES"
 wanted tests && part tests 100 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
-wanted profile && part profile 120 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
+wanted profile && part profile 150 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
 wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
 wanted e2e_graphs && part e2e_graphs 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \
   --label e2e_graphs --set train.compile=on --set train.compile_mode=reduce-overhead
