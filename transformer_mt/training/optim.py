@@ -12,6 +12,11 @@ from transformer_mt.config import Config, ModelConfig, OptimConfig
 
 logger = logging.getLogger(__name__)
 
+# How far a time budget's plan must move before it is made again, or before a longer one
+# postpones the decay: at 10 % a steady run re-planned at almost every window, as a validation
+# or a checkpoint fell in it or not.
+PLAN_MOVE = 0.15
+
 
 def noam_lr(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
     """§5.3: lrate = d_model^-0.5 · min(step^-0.5, step · warmup^-1.5), steps counted from 1."""
@@ -145,7 +150,7 @@ class BudgetSchedule:
             if self.steps_budget:  # or the step budget, sooner
                 reach = min(reach, self.steps_budget)
             if not self.retimed:  # the check before the decay, or the clock stops it before
-                off = reach < self.decay_start or abs(reach - self.total) > 0.15 * self.total
+                off = reach < self.decay_start or abs(reach - self.total) > PLAN_MOVE * self.total
                 measured = now - since[1] >= 0.1 * budget_s
                 due = step + 2 >= self.decay_start or (off and measured)
             else:  # then the clock may cut off at most a quarter of the decay
@@ -161,7 +166,7 @@ class BudgetSchedule:
         run at its peak, planned again as the rate moves."""
         first, before, was_due = not self.timed, self.total, after + 2 >= self.decay_start
         self.plan(planned, after=after)
-        postponed = planned > 1.15 * before  # as time_plan_due's moves: noise stays below
+        postponed = planned > (1 + PLAN_MOVE) * before  # a move time_plan_due acts on
         at_decay = not first and (was_due or after + 2 >= self.decay_start) and not postponed
         self.timed, self.retimed = True, self.retimed or at_decay
         return first
