@@ -154,6 +154,37 @@ def test_an_attention_kernel_named_on_a_cpu_trains_the_same_model(
     assert translator.translate(["ein Hund"]) == load_translator(model, []).translate(["ein Hund"])
 
 
+def test_the_training_benchmark_updates_with_the_attention_kernels_tmt_trains_with(
+    tiny_cfg: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/bench_train.py's tmt update once entered its kernels' context and let it go: the
+    garbage collector closed it as the set-up returned, and three GPU runs measured PyTorch's
+    own kernel order (cuDNN's, on an H200) where they named tmt's."""
+    from transformer_mt.training import step
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_train import tmt_step
+
+    seen = []
+    monkeypatch.setattr(
+        step, "train_step", lambda *a, **k: seen.append(torch._C._get_sdp_priority_order())
+    )
+    flash = dataclasses.replace(
+        tiny_cfg, model=dataclasses.replace(tiny_cfg.model, attention_backend="flash")
+    )
+    before = torch._C._get_sdp_priority_order()
+    args = SimpleNamespace(device="cpu", precision="fp32", compile=None)
+    run = tmt_step(torch.nn.Linear(2, 2), flash, None, args)
+    import gc
+
+    gc.collect()  # what closed the context before
+    run(None)
+    run(None)
+    order = [int(k) for k in kernels.attention_kernels("flash", CPU)]
+    assert [o[: len(order)] for o in seen] == [order, order]
+    assert torch._C._get_sdp_priority_order() == before  # and only during the update
+
+
 def test_compiling_is_off_until_asked_and_cuda_graphs_need_cuda(
     tiny_cfg: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
