@@ -166,21 +166,25 @@ def clocked_run(
     """A run on a simulated clock, planned as train.py plans it (rank 0's time_plan_due, then
     continue_with): updates of `update_s` (or update_s(step)), a validation of `validation_s`
     every `every`; the clock stops it as train.max_minutes does, and so does the end of its
-    plan. Returns the last update's learning rate, the plans and the time used."""
+    plan, timed from the end of the first update. Returns the last update's learning rate, the
+    plans, the time used and the first update at 95 % of the peak learning rate or more."""
     seconds = update_s if callable(update_s) else lambda _: update_s
     schedule = optim.BudgetSchedule(ModelConfig(d_model=64), OptimConfig(schedule="budget",
                                                                        warmup_steps=800))  # fmt: skip
-    now, step, since, plans = 0.0, 0, (0, 0.0), []
+    now, step, since, plans, peak_at = 0.0, 0, None, [], None
     while now < budget_s and (not schedule.total or step < schedule.total):
         step += 1
+        if peak_at is None and schedule.lr(step) >= 0.95 * schedule.peak:
+            peak_at = step
         now += seconds(step) + (validation_s if step % every == 0 else 0.0)
+        since = since or (step, now)
         planned = schedule.time_plan_due(budget_s, now, step, since, now)
         if planned:
             schedule.continue_with(planned, after=step)
             since = (step, now)
             plans.append(planned)
     return {"step": step, "lr": schedule.lr(step), "peak": schedule.peak, "plans": plans,
-            "used_s": now}  # fmt: skip
+            "used_s": now, "peak_at": peak_at, "warmup": schedule.warmup}  # fmt: skip
 
 
 @pytest.mark.parametrize("budget_s", [3.0, 15.0, 600.0])
@@ -194,6 +198,14 @@ def test_the_decay_fits_the_clock_when_validations_cost_more_than_measured(
     assert run["lr"] <= 0.2 * run["peak"], run  # it ended in its decay, not at its peak
 
 
+def third_h200_run(step: int) -> float:
+    """The seconds of update `step` in the third H200 run (metrics.jsonl): CUDA's start in the
+    first, 40 new batch shapes in the first epoch, the rate rising to the warm one."""
+    if step == 1:
+        return 9.6
+    return 0.28 if step <= 31 else 0.135 if step <= 103 else 0.07 if step <= 235 else 0.05
+
+
 @pytest.mark.parametrize(
     "update_s",
     [
@@ -201,10 +213,11 @@ def test_the_decay_fits_the_clock_when_validations_cost_more_than_measured(
         # the second H200 run: data and CUDA's start, 40 new shapes, then warm (a first plan of
         # 59 updates, checked at its decay at 519, ended the budget after 55 s)
         lambda step: 10.0 if step == 1 else 1.0 if step <= 5 else 0.3 if step <= 45 else 0.035,
+        third_h200_run,
         lambda step: 0.05,  # steady
         lambda step: 0.02 if step <= 300 else 0.06,  # the machine got busy
     ],
-    ids=["fast-after-the-first-epoch", "slow-start", "steady", "slower-later"],
+    ids=["fast-after-the-first-epoch", "slow-start", "third-h200-run", "steady", "slower-later"],
 )
 def test_a_time_budget_is_used_to_its_end_and_ends_in_its_decay(update_s) -> None:
     """Measured on an H200 (docs/benchmarks.md): the plan, timed on a first epoch whose every
@@ -212,6 +225,15 @@ def test_a_time_budget_is_used_to_its_end_and_ends_in_its_decay(update_s) -> Non
     run = clocked_run(96.0, update_s, validation_s=1.0, every=200)
     assert run["used_s"] >= 0.9 * 96.0, run
     assert run["lr"] <= 0.2 * run["peak"], run
+
+
+def test_a_slow_first_update_does_not_cut_the_warmup_short() -> None:
+    """The third H200 run: its first update (CUDA's start) took ~10 s, the first plan timed over
+    it made 41 updates where 1,153 ran, and its warmup reached the peak at update 33 (the plan
+    then grew to warmup 800; test2016 30.99 BLEU). Timed from the end of the first update, the
+    peak comes near the warmup of the plan the run ends with."""
+    run = clocked_run(96.0, third_h200_run, validation_s=1.0, every=200)
+    assert run["peak_at"] >= 0.75 * run["warmup"], run
 
 
 def test_a_step_budget_inside_the_time_budget_is_not_planned_again_to_itself() -> None:
@@ -292,6 +314,43 @@ def test_a_time_budget_run_resumed_with_another_budget_trains_to_it(
     assert max(rates[k] for k in range(ended + 1, more + 1)) == pytest.approx(peak)
     longer = run(tmp_path / "b", 0, 0.15)
     assert longer["stop"] == "max_minutes" and longer["step"] > ended
+
+
+def test_the_trainer_times_its_plan_from_the_end_of_the_first_update(
+    tiny_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The third H200 run's start on a simulated clock: the first update costs 9.6 s (CUDA's
+    start), the others 0.05 s. A plan timed over the first update made 41 updates of a budget
+    that ran 1,153; timed from its end, the first plan is what the clock holds."""
+    from types import SimpleNamespace
+
+    from test_train import records
+
+    from transformer_mt.training import train as training
+    from transformer_mt.training.train import train
+
+    clock = [0.0]
+    monkeypatch.setattr(training, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    real_step = training.train_step
+
+    def timed_step(*args, **kwargs):
+        clock[0] += 9.6 if not timed_step.calls else 0.05
+        timed_step.calls += 1
+        return real_step(*args, **kwargs)
+
+    timed_step.calls = 0
+    monkeypatch.setattr(training, "train_step", timed_step)
+    cfg = dataclasses.replace(
+        tiny_cfg,
+        optim=dataclasses.replace(tiny_cfg.optim, schedule="budget", warmup_steps=800),
+        train=dataclasses.replace(tiny_cfg.train, out_dir=str(tmp_path), max_steps=0,
+                                  max_minutes=0.25, valid_every=0, log_every=10, save_every=0),
+    )  # fmt: skip
+    summary = train(cfg)
+    first_plan = next(r for r in records(tmp_path) if "planned_updates" in r)
+    # 15 s: 9.6 for the first update, ~108 of 0.05 in the rest (the old plan: 5 + 5 · 0.51).
+    assert first_plan["planned_updates"] >= 90, first_plan
+    assert summary["stop"] == "max_minutes" and summary["step"] >= 90
 
 
 def test_training_refuses_shares_of_the_budget_that_exceed_it(
