@@ -207,6 +207,22 @@ def test_compiling_is_off_until_asked_and_cuda_graphs_need_cuda(
     assert on_cuda(src, torch.ones(2, 1), project=False) is src and steps == [1]
 
 
+def test_cuda_graphs_are_refused_gradients_to_accumulate(tiny_cfg: Config, tmp_path: Path) -> None:
+    """On an H200 the second micro-batch's backward read graph outputs the replay had overwritten
+    (PyTorch issue 169545): refused before training writes anything, on CUDA, where the graphs
+    are made; a CPU compiles the default mode and accumulates as ever."""
+    from transformer_mt.training.dry_run import check_before_training
+
+    graphs = with_train(tiny_cfg, out_dir=str(tmp_path / "run"), compile="on",
+                        compile_mode="reduce-overhead", update_freq=2)  # fmt: skip
+    with pytest.raises(TmtError, match="train.update_freq 2") as refused:
+        check_before_training(graphs, CUDA)
+    assert "train.compile_mode=reduce-overhead" in str(refused.value)
+    check_before_training(graphs, CPU)
+    check_before_training(with_train(graphs, update_freq=1), CPU)
+    assert not (tmp_path / "run").exists()
+
+
 class _Source(torch.nn.Module):
     """A model's call signature: returns the source."""
 

@@ -99,9 +99,11 @@ def compiled(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch
 
 
 class _GraphSteps(torch.nn.Module):
-    """A model compiled with CUDA graphs, each call a new graph step: a micro-batch's forward
-    comes after the backward of the one before, so no earlier output is still needed, and
-    torch.compile's graph trees need not keep them alive (or refuse to overwrite them)."""
+    """A model compiled with CUDA graphs, each call a new graph step: an update's forward comes
+    after the backward of the one before, so no earlier output is still needed, and
+    torch.compile's graph trees need not keep them alive (or refuse to overwrite them). Not
+    micro-batches: a gradient the first one's backward left in a graph's memory is overwritten
+    by the second's replay (PyTorch issue 169545; training refuses train.update_freq > 1)."""
 
     def __init__(self, optimized: torch.nn.Module) -> None:
         super().__init__()

@@ -36,9 +36,10 @@ def training_bytes(cfg: Config, vocab_size: int, source_vocab_size: int | None =
 
 def check_before_training(cfg: Config, device: torch.device, vocab_size: int = 0) -> None:
     """What training checks before it writes anything: that it may write into train.out_dir, that
-    the budget schedule's shares fit in its budget, and that the model fits in the device's free
-    memory (vocab_size: the tokenizer's when known, else tokenizer.vocab_size), refused in one
-    line naming the size and the memory there is."""
+    the budget schedule's shares fit in its budget, that CUDA graphs are not asked to accumulate
+    gradients, and that the model fits in the device's free memory (vocab_size: the tokenizer's
+    when known, else tokenizer.vocab_size), refused in one line naming the size and the memory
+    there is."""
     textio.check_directory(Path(cfg.train.out_dir), "train.out_dir")
     optim = cfg.optim
     if optim.schedule == "budget" and optim.warmup_fraction + optim.decay_fraction > 1:
@@ -46,6 +47,16 @@ def check_before_training(cfg: Config, device: torch.device, vocab_size: int = 0
         raise TmtError(
             f"optim.warmup_fraction {optim.warmup_fraction:g} + optim.decay_fraction"
             f" {optim.decay_fraction:g} > 1: the warmup and the decay are shares of one budget"
+        )
+    graphs = cfg.train.compile == "on" and cfg.train.compile_mode == "reduce-overhead"
+    if graphs and device.type == "cuda" and cfg.train.update_freq > 1:
+        # Measured on an H200 (docs/benchmarks.md): the backward of the second micro-batch read
+        # graph outputs the replay had overwritten (PyTorch issue 169545: CUDA graph trees and
+        # accumulated gradients).
+        raise TmtError(
+            f"train.compile_mode=reduce-overhead with train.update_freq {cfg.train.update_freq}:"
+            " CUDA graphs do not accumulate gradients over micro-batches in this PyTorch; set"
+            " train.update_freq=1 (and data.max_tokens larger) or another train.compile_mode"
         )
     vocab = vocab_size or cfg.tokenizer.vocab_size
     what = f"training a model of {parameter_count(cfg.model, vocab):,} parameters (model.*)"
