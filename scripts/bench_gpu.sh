@@ -28,11 +28,11 @@
 #              batch shape's ~0.3 s goes
 #   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
 #              backend): what auto should choose
-#   e2e_graphs e2e with the model compiled to CUDA graphs (train.compile=on, compile_mode
-#              reduce-overhead), compilation inside the budget
-#   compile    the GPU recipe's model (configs/multi30k-gpu.yaml) eager, torch.compiled
-#              (train.compile=on) and compiled with CUDA graphs (train.compile_mode=reduce-
-#              overhead), first updates and warm: whether compiling pays
+#   e2e_graphs e2e with the model traced into CUDA graphs (train.compile=on, compile_mode
+#              cudagraphs), tracing inside the budget
+#   compile    the GPU recipe's model (configs/multi30k-gpu.yaml) eager, traced into CUDA
+#              graphs (train.compile_mode=cudagraphs) and torch.compiled by Inductor
+#              (train.compile=on), first updates and warm: whether compiling pays
 #
 # On the device tool's machine (no datasets there), carry wheels in .whl (git-ignored:
 # .git/info/exclude), made here with
@@ -102,7 +102,7 @@ wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
 wanted profile && part profile 150 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
 wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
 wanted e2e_graphs && part e2e_graphs 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \
-  --label e2e_graphs --set train.compile=on --set train.compile_mode=reduce-overhead
+  --label e2e_graphs --set train.compile=on --set train.compile_mode=cudagraphs
 wanted compile && part compile 190 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 60 \
   --seconds 60
 $PY scripts/bench_gpu.py table "$OUT" | tee "$OUT/table.txt"

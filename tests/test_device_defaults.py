@@ -194,17 +194,42 @@ def test_compiling_is_off_until_asked_and_cuda_graphs_need_cuda(
     plain = device_defaults.compiled(model, with_train(tiny_cfg, compile="on"), CPU)
     assert isinstance(plain, torch._dynamo.eval_frame.OptimizedModule) and plain._orig_mod is model
     # The mode each device gets (the choice is the device's type; compiling is torch's).
-    modes = []
-    monkeypatch.setattr(torch, "compile", lambda m, mode: modes.append(mode) or m)
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda m, **how: asked.append(how) or m)
     graphs = with_train(tiny_cfg, compile="on", compile_mode="reduce-overhead")
     assert device_defaults.compiled(model, graphs, CPU) is model  # a CPU has no graphs to replay
     on_cuda = device_defaults.compiled(model, graphs, CUDA)
-    assert modes == ["default", "reduce-overhead"] and on_cuda.optimized is model
+    assert asked == [{"mode": "default"}, {"mode": "reduce-overhead"}]
+    assert on_cuda.optimized is model
+    # cudagraphs: one trace for every shape, replayed as graphs on CUDA, without them on a CPU.
+    traced = with_train(tiny_cfg, compile="on", compile_mode="cudagraphs")
+    assert device_defaults.compiled(model, traced, CPU) is model
+    assert device_defaults.compiled(model, traced, CUDA).optimized is model
+    assert asked[2:] == [{"backend": "aot_eager", "dynamic": True},
+                         {"backend": "cudagraphs", "dynamic": True}]  # fmt: skip
     # Each call of the graphed model starts a graph step (as a micro-batch's forward does).
     steps = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
     src = torch.ones(2, 3)
     assert on_cuda(src, torch.ones(2, 1), project=False) is src and steps == [1]
+
+
+def test_the_traced_model_trains_as_the_eager_one(tiny_cfg: Config, tmp_path: Path) -> None:
+    """train.compile_mode=cudagraphs traces the model once for every shape (what CUDA replays as
+    graphs); on a CPU the trace itself runs: the same losses as eager over batches of new
+    shapes, and no recompilation for them."""
+    torch._dynamo.reset()
+    cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, dropout=0.0))
+    cfg = with_train(cfg, max_steps=4, log_every=1, valid_every=0, save_every=0)
+    train(with_train(cfg, out_dir=str(tmp_path / "eager")))
+    frames = torch._dynamo.utils.counters["frames"]
+    train(
+        with_train(cfg, out_dir=str(tmp_path / "traced"), compile="on", compile_mode="cudagraphs")
+    )
+    eager = [r["loss"] for r in records(tmp_path / "eager") if "loss" in r]
+    traced = [r["loss"] for r in records(tmp_path / "traced") if "loss" in r]
+    assert len(eager) == 4 and traced == pytest.approx(eager, rel=1e-5)
+    assert frames["ok"] == 1, dict(frames)  # one trace, whatever the batch shapes
 
 
 def test_cuda_graphs_are_refused_gradients_to_accumulate(tiny_cfg: Config, tmp_path: Path) -> None:
@@ -213,13 +238,14 @@ def test_cuda_graphs_are_refused_gradients_to_accumulate(tiny_cfg: Config, tmp_p
     are made; a CPU compiles the default mode and accumulates as ever."""
     from transformer_mt.training.dry_run import check_before_training
 
-    graphs = with_train(tiny_cfg, out_dir=str(tmp_path / "run"), compile="on",
-                        compile_mode="reduce-overhead", update_freq=2)  # fmt: skip
-    with pytest.raises(TmtError, match="train.update_freq 2") as refused:
-        check_before_training(graphs, CUDA)
-    assert "train.compile_mode=reduce-overhead" in str(refused.value)
-    check_before_training(graphs, CPU)
-    check_before_training(with_train(graphs, update_freq=1), CPU)
+    for mode in device_defaults.GRAPHED_MODES:
+        graphs = with_train(tiny_cfg, out_dir=str(tmp_path / "run"), compile="on",
+                            compile_mode=mode, update_freq=2)  # fmt: skip
+        with pytest.raises(TmtError, match="train.update_freq 2") as refused:
+            check_before_training(graphs, CUDA)
+        assert f"train.compile_mode={mode}" in str(refused.value)
+        check_before_training(graphs, CPU)
+        check_before_training(with_train(graphs, update_freq=1), CPU)
     assert not (tmp_path / "run").exists()
 
 

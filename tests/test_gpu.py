@@ -19,6 +19,7 @@ from transformer_mt.config import Config, load_config
 from transformer_mt.data.batches import prepare_data
 from transformer_mt.network import kernels
 from transformer_mt.network.model import Transformer
+from transformer_mt.training import device_defaults
 from transformer_mt.training.loss import Objective, chunked_label_smoothed_nll, label_smoothed_nll
 from transformer_mt.training.train import train
 
@@ -134,7 +135,7 @@ def test_every_attention_backend_computes_the_same_model(tiny_cfg: Config, backe
     feeder.close()
 
 
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "cudagraphs"])
 def test_the_compiled_step_is_the_eager_step_within_bf16(
     tiny_cfg: Config, tmp_path: Path, mode: str
 ) -> None:
@@ -142,7 +143,7 @@ def test_the_compiled_step_is_the_eager_step_within_bf16(
     training refuses to accumulate (on an H200 the second micro-batch's backward read graph
     outputs the replay had overwritten: PyTorch issue 169545)."""
     cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, dropout=0.0))
-    update_freq = 1 if mode == "reduce-overhead" else 2
+    update_freq = 1 if mode in device_defaults.GRAPHED_MODES else 2
     cfg = with_train(cfg, max_steps=3, log_every=1, valid_every=0, save_every=0, device="cuda",
                      precision="bf16", update_freq=update_freq)  # fmt: skip
     train(with_train(cfg, out_dir=str(tmp_path / "eager"), compile="off"))

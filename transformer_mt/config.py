@@ -360,8 +360,11 @@ class TrainConfig:
     compile: Literal["auto", "on", "off"] = "auto"
     # torch.compile's mode where the model is compiled: "reduce-overhead" replays a CUDA graph
     # per batch shape (one launch for the kernels a step's host would launch one by one: a GPU
-    # trains the small models host-bound); on a CPU it is the default.
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
+    # trains the small models host-bound); on a CPU it is the default. "cudagraphs": the same
+    # graphs of the model's own kernels, traced once for all shapes, no code generated.
+    compile_mode: Literal[
+        "default", "reduce-overhead", "max-autotune-no-cudagraphs", "cudagraphs"
+    ] = "default"
     # The label-smoothed loss in chunks of rows fused with the output projection (training/loss.py
     # chunked_label_smoothed_nll): no (tokens × vocabulary) logits or float32 log-probabilities
     # are kept for the backward pass. auto: on with CUDA; on a CPU the reference loss.

@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 CPU_TOKENS = 4096  # data.max_tokens on a CPU: ~2,000 updates in 30 minutes on 2 cores (multi30k)
 PAPER_TOKENS = 25_000  # §5.1 tokens an update on CUDA, whatever the number of ranks
 
+# train.compile_mode values that replay CUDA graphs on CUDA (one micro-batch an update).
+GRAPHED_MODES = ("reduce-overhead", "cudagraphs")
+
 
 def resolve(
     cfg: Config, device: torch.device, world_size: int, saved: Config | None = None
@@ -81,16 +84,24 @@ def fused_loss(cfg: Config, device: torch.device) -> bool:
 def compiled(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.nn.Module:
     """The model as training runs it: itself, or torch.compile'd with train.compile=on (auto is
     off until measured to pay: scripts/bench_gpu.sh) in train.compile_mode. With CUDA graphs
-    ("reduce-overhead" on CUDA) each forward starts a new graph step, and a graph is recorded per
-    batch shape, as many as data.bucketing allows (torch warns past 8 by default)."""
+    ("reduce-overhead" and "cudagraphs" on CUDA) each forward starts a new graph step, and a
+    graph is recorded per batch shape, as many as data.bucketing allows (torch warns past 8 by
+    default). "cudagraphs" generates no code: the model's own kernels, traced once for every
+    shape (dynamic: ~20 s on the 2-core CPU of docs/benchmarks.md, where Inductor's
+    "reduce-overhead" took 93 s of an H200's 96-second budget for its first two shapes); a CPU
+    runs the same trace without graphs."""
     if cfg.train.compile != "on":
         return model
-    mode = cfg.train.compile_mode
-    graphs = mode == "reduce-overhead" and device.type == "cuda"
-    if mode == "reduce-overhead" and not graphs:
-        mode = "default"  # CUDA graphs need CUDA; torch would skip them with a warning a shape
-    optimized = torch.compile(model, mode=mode)
-    if not graphs:
+    mode, on_cuda = cfg.train.compile_mode, device.type == "cuda"
+    if mode == "cudagraphs":
+        backend = "cudagraphs" if on_cuda else "aot_eager"
+        optimized = torch.compile(model, backend=backend, dynamic=True)
+    elif mode == "reduce-overhead" and not on_cuda:
+        # CUDA graphs need CUDA; torch would skip them with a warning a shape
+        optimized = torch.compile(model, mode="default")
+    else:
+        optimized = torch.compile(model, mode=mode)
+    if not on_cuda or mode not in GRAPHED_MODES:
         return optimized
     import torch._inductor.config as inductor
 

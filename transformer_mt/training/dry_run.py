@@ -48,13 +48,14 @@ def check_before_training(cfg: Config, device: torch.device, vocab_size: int = 0
             f"optim.warmup_fraction {optim.warmup_fraction:g} + optim.decay_fraction"
             f" {optim.decay_fraction:g} > 1: the warmup and the decay are shares of one budget"
         )
-    graphs = cfg.train.compile == "on" and cfg.train.compile_mode == "reduce-overhead"
+    mode = cfg.train.compile_mode
+    graphs = cfg.train.compile == "on" and mode in device_defaults.GRAPHED_MODES
     if graphs and device.type == "cuda" and cfg.train.update_freq > 1:
         # Measured on an H200 (docs/benchmarks.md): the backward of the second micro-batch read
         # graph outputs the replay had overwritten (PyTorch issue 169545: CUDA graph trees and
         # accumulated gradients).
         raise TmtError(
-            f"train.compile_mode=reduce-overhead with train.update_freq {cfg.train.update_freq}:"
+            f"train.compile_mode={mode} with train.update_freq {cfg.train.update_freq}:"
             " CUDA graphs do not accumulate gradients over micro-batches in this PyTorch; set"
             " train.update_freq=1 (and data.max_tokens larger) or another train.compile_mode"
         )
