@@ -447,9 +447,26 @@ def decode(args: argparse.Namespace) -> dict:
                 out[i] = text
         return out
 
+    def result() -> dict:  # the rows so far
+        def unlike_generate(name: str) -> int | None:
+            if name not in outputs:
+                return None
+            return sum(a != b for a, b in zip(outputs[name], outputs["hf_generate"], strict=True))
+
+        ratio = rows["tmt"]["sentences_per_s"] / rows["hf_generate"]["sentences_per_s"]
+        return {
+            "tmt_power_lines_unlike_generate": unlike_generate("tmt_power"),
+            "tmt_power_current_lines_unlike_generate": unlike_generate("tmt_power_current"),
+            "lines": len(sources),
+            "beam": decode_cfg.beam_size,
+            "max_tokens": batch_tokens(translator),
+            "rows": rows,
+            "tmt_over_generate": round(ratio, 2),
+        }
+
     timed("hf_generate", generate)
-    ratio = rows["tmt"]["sentences_per_s"] / rows["hf_generate"]["sentences_per_s"]
-    print("tmt_over_generate", round(ratio, 2), flush=True)
+    # The goal's ratio kept at once: the part's limit may cut the variants off.
+    (args.out / "decode.json").write_text(json.dumps(result(), indent=1))
     # generate's length penalty; larger batches than the default's (GPU_BATCH_TOKENS)
     power = ["decode.length_penalty_form=power"]
     variants = [
@@ -467,19 +484,7 @@ def decode(args: argparse.Namespace) -> dict:
         timed("ctranslate2", lambda lines: translate.translate_text(ct2, lines))
     except Exception as err:  # a wheel that does not run on this card is a row of its own
         rows["ctranslate2"] = {"error": str(err).splitlines()[0][:200]}
-
-    def unlike_generate(name: str) -> int:
-        return sum(a != b for a, b in zip(outputs[name], outputs["hf_generate"], strict=True))
-
-    return {
-        "tmt_power_lines_unlike_generate": unlike_generate("tmt_power"),
-        "tmt_power_current_lines_unlike_generate": unlike_generate("tmt_power_current"),
-        "lines": len(sources),
-        "beam": decode_cfg.beam_size,
-        "max_tokens": batch_tokens(translator),
-        "rows": rows,
-        "tmt_over_generate": round(ratio, 2),
-    }
+    return result()
 
 
 def _training_lines(n: int) -> tuple[list[str], list[str]]:
