@@ -573,7 +573,7 @@ def table(directory: Path) -> str:
 def _summary(name: str, found: dict) -> str:
     if not found:
         return "(no result: see its log)"
-    if name == "train":
+    if name in ("train", "train_graphs"):
         res = found.get("results", {})
         cells = []
         for system, r in res.items():

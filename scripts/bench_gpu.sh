@@ -29,6 +29,8 @@
 #              batch shape's ~0.3 s goes
 #   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
 #              backend): what auto should choose
+#   train_graphs  train's tmt row with the model traced into CUDA graphs (compile_mode
+#              cudagraphs, the trace within its first updates)
 #   e2e_graphs e2e with the model traced into CUDA graphs (train.compile=on, compile_mode
 #              cudagraphs), tracing inside the budget
 #   compile    the GPU recipe's model (configs/multi30k-gpu.yaml) eager, traced into CUDA
@@ -102,6 +104,13 @@ wanted tests && part tests 100 $PY -m pytest -q -p no:cacheprovider -m gpu tests
 wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
 wanted profile && part profile 150 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
 wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
+# train_graphs: the train part's tmt with train.compile_mode=cudagraphs, tracing in its first updates
+if wanted train_graphs; then
+  part train_graphs 125 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
+    --systems tmt --compile=cudagraphs --cold-steps "$STEPS" --warm-steps "$WARM" --warmup 0 \
+    --rounds 1
+  tail -1 "$OUT/train_graphs.log" > "$OUT/train_graphs.json"
+fi
 wanted e2e_graphs && part e2e_graphs 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \
   --label e2e_graphs --set train.compile=on --set train.compile_mode=cudagraphs
 wanted compile && part compile 190 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 60 \
