@@ -91,12 +91,16 @@ BASE=(--config base --set data.source=multi30k --set data.train=train --set data
       --set data.test=test_2016_flickr --set data.num_proc=4)
 # wanted NAME: whether PARTS names it
 wanted() { [[ " $PARTS " == *" $1 "* ]]; }
+# train_part NAME ARGS...: bench_train.py on the base model, its last line NAME's result
+train_part() {
+  local name=$1
+  shift
+  part "$name" 125 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
+    --cold-steps "$STEPS" --warm-steps "$WARM" --warmup 0 --rounds 1 "$@"
+  tail -1 "$OUT/$name.log" > "$OUT/$name.json"
+}
 # The headline figures first: a part cut off loses the least.
-if wanted train; then
-  part train 125 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
-    --systems tmt,hf_marian --cold-steps "$STEPS" --warm-steps "$WARM" --warmup 0 --rounds 1
-  tail -1 "$OUT/train.log" > "$OUT/train.json"
-fi
+wanted train && train_part train --systems tmt,hf_marian
 wanted e2e && part e2e 135 $PY scripts/bench_gpu.py e2e --out "$OUT"
 wanted decode && part decode 110 $PY scripts/bench_gpu.py decode --out "$OUT" \
   --model "$OUT/multi30k" --lines "$LINES"
@@ -104,13 +108,7 @@ wanted tests && part tests 100 $PY -m pytest -q -p no:cacheprovider -m gpu tests
 wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
 wanted profile && part profile 150 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
 wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
-# train_graphs: the train part's tmt with train.compile_mode=cudagraphs, tracing in its first updates
-if wanted train_graphs; then
-  part train_graphs 125 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
-    --systems tmt --compile=cudagraphs --cold-steps "$STEPS" --warm-steps "$WARM" --warmup 0 \
-    --rounds 1
-  tail -1 "$OUT/train_graphs.log" > "$OUT/train_graphs.json"
-fi
+wanted train_graphs && train_part train_graphs --systems tmt --compile=cudagraphs
 wanted e2e_graphs && part e2e_graphs 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \
   --label e2e_graphs --set train.compile=on --set train.compile_mode=cudagraphs
 wanted compile && part compile 190 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 60 \

@@ -139,8 +139,8 @@ def test_every_attention_backend_computes_the_same_model(tiny_cfg: Config, backe
 def test_the_compiled_step_is_the_eager_step_within_bf16(
     tiny_cfg: Config, tmp_path: Path, mode: str
 ) -> None:
-    """Two micro-batches an update compiled; one with CUDA graphs ("reduce-overhead"), which
-    training refuses to accumulate (on an H200 the second micro-batch's backward read graph
+    """Two micro-batches an update compiled; one with CUDA graphs (reduce-overhead, cudagraphs),
+    which training refuses to accumulate (on an H200 the second micro-batch's backward read graph
     outputs the replay had overwritten: PyTorch issue 169545)."""
     cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, dropout=0.0))
     update_freq = 1 if mode in device_defaults.GRAPHED_MODES else 2
