@@ -454,6 +454,53 @@ def test_training_draws_curves_and_writes_tensorboard_events(
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(logged, rel=1e-6)
 
 
+def test_training_curves_cost_a_small_share_of_the_session_and_the_last_is_always_drawn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """matplotlib draws on the training thread: an H200's 96-second run, validating every ~11 s,
+    draws only its last figure (the first was guessed at 2 s: 2 % of 96 s is under it); a run of
+    hours at every validation; a failing figure is logged and training goes on."""
+    from transformer_mt.runs import plot
+
+    now, drawn = [0.0], []
+
+    def draw(run_dirs: list[Path], output: Path) -> None:
+        assert run_dirs == [tmp_path] and output == tmp_path / "curves.png"
+        drawn.append(now[0])
+        now[0] += cost
+
+    monkeypatch.setattr(plot, "draw_curves", draw)
+    cost = 2.5  # the first figure: matplotlib imported, its font cache built
+    short = plot.RunCurves(tmp_path, enabled=True, start=0.0, clock=lambda: now[0])
+    for now[0] in (43.0, 54.0, 65.0, 76.0, 87.0):
+        assert not short.draw()
+    now[0] = 96.0
+    assert short.draw(final=True) and drawn == [96.0]
+
+    drawn.clear()
+    long = plot.RunCurves(tmp_path, enabled=True, start=0.0, clock=lambda: now[0])
+    for now[0] in (180.0, 360.0, 540.0):  # the CPU preset's: every ~3 minutes
+        assert long.draw()
+        cost = 0.5  # the next ones
+    assert drawn == [180.0, 360.0, 540.0]
+    assert long.spent_s == pytest.approx(3.5) and long.last_s == pytest.approx(0.5)
+    cost = 20.0  # a figure slower than the share allows (a huge metrics log): drawn less often
+    now[0] = 720.0
+    assert long.draw() and not long.draw() and drawn[-1] == 720.0
+    now[0] = 2000.0  # 2 % of 2,000 s: 40 s, against 23.5 spent and 20 guessed for the next
+    assert not long.draw()
+    now[0] = 2200.0
+    assert long.draw()
+
+    def broken(run_dirs: list[Path], output: Path) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(plot, "draw_curves", broken)
+    assert not long.draw(final=True) and long.enabled  # logged; the next one is tried
+    off = plot.RunCurves(tmp_path, enabled=False, start=0.0, clock=lambda: now[0])
+    assert not off.draw(final=True)
+
+
 def test_tensorboard_without_the_package_is_a_one_line_error(
     tiny_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

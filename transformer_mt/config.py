@@ -394,7 +394,7 @@ class TrainConfig:
     # model or a run directory) with a fresh optimizer, schedule and data position. Its model
     # and tokenizer settings must be this config's (dropout aside). "" = random initialisation.
     init_from: str = ""
-    curves: bool = True  # draw OUT_DIR/curves.png at each validation (needs matplotlib)
+    curves: bool = True  # draw OUT_DIR/curves.png at validations and the end (needs matplotlib)
     tensorboard: bool = False  # write event files to OUT_DIR/tensorboard (needs tensorboard)
 
 

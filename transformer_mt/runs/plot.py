@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from transformer_mt.common import files, textio
 from transformer_mt.common.exits import TmtError
 from transformer_mt.runs.metrics import METRICS_FILE, read_log
 
-RUN_CURVES = "curves.png"  # what training draws into its run directory at each validation
+RUN_CURVES = "curves.png"  # what training draws into its run directory (RunCurves)
 FORMATS = (".png", ".svg", ".pdf")
 # (title, y label, [(metrics.jsonl key, line style, legend suffix)]) per panel, in reading order.
 PANELS = (
@@ -31,8 +33,57 @@ PANELS = (
 )
 
 
+logger = logging.getLogger(__name__)
+
+
 class NoMatplotlib(TmtError):
     """matplotlib is an optional extra: training goes on without curves, `tmt plot` says so."""
+
+
+class RunCurves:
+    """A training run's curves.png (train.curves), drawn at its validations while drawing costs
+    at most `share` of the session's time, and always at its end.
+
+    matplotlib draws on the training thread: ~0.5 s a figure, and the first one imports it and,
+    on a machine without its font cache, builds that cache. A short GPU run validates every few
+    seconds: an H200's 96-second Multi30k budget spent ~4 s on five figures nobody saw before the
+    last. A run of hours draws at every validation as before."""
+
+    FIRST_GUESS_S = 2.0  # the first figure's cost, before one is timed
+
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        start: float,
+        share: float = 0.02,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.run_dir, self.enabled, self.start, self.share, self.clock = (
+            run_dir, enabled, start, share, clock,
+        )  # fmt: skip
+        self.spent_s, self.last_s = 0.0, self.FIRST_GUESS_S
+
+    def draw(self, final: bool = False) -> bool:
+        """Draws curves.png unless disabled or, before the end, over the share; whether it drew.
+        A failed figure never stops training: logged, and the next one tried."""
+        if not self.enabled:
+            return False
+        began = self.clock()
+        if not final and self.spent_s + self.last_s > self.share * (began - self.start):
+            return False
+        drawn = False
+        try:
+            draw_curves([self.run_dir], self.run_dir / RUN_CURVES)
+            drawn = True
+        except NoMatplotlib:
+            self.enabled = False
+            logger.info("curves.png is not drawn: pip install 'transformer_mt[plot]' for it")
+        except (TmtError, OSError) as err:
+            logger.warning("curves.png not drawn: %s", err)
+        self.last_s = self.clock() - began
+        self.spent_s += self.last_s
+        return drawn
 
 
 def check_run_dir(run_dir: Path) -> Path:

@@ -186,7 +186,8 @@ class _Session:
         self.valid_text = corpus.read_split(cfg.data, "data.valid") if bleu else None
         self.metrics = self._open_metrics(window, saved, parent)
         self.scores: tuple[int, dict[str, float]] = (-1, {})  # the newest validation's
-        self.curves = cfg.train.curves and info.is_main
+        self.curves = plot.RunCurves(self.run_dir, cfg.train.curves and info.is_main,
+                                     start=self.session_start)  # fmt: skip
         self.last_save_time = time.monotonic()
         self.last_saved_step = self.step if saved is not None else -1
         self.first_attempt = self.step + self.progress.skipped  # update attempts before this one
@@ -351,20 +352,8 @@ class _Session:
             figures = "  ".join(f"{k} {scores[k]:.3f}" for k in shown if k in scores)
             self.metrics.show(f"step {step}: {figures}")
             self.scores = (step, scores)
-            self._draw_curves()
+            self.curves.draw()
         return scores
-
-    def _draw_curves(self) -> None:
-        """OUT_DIR/curves.png from metrics.jsonl (rank 0); a failed plot never stops training."""
-        if not self.curves:
-            return
-        try:
-            plot.draw_curves([self.run_dir], self.run_dir / plot.RUN_CURVES)
-        except plot.NoMatplotlib:
-            self.curves = False
-            logger.info("curves.png is not drawn: pip install 'transformer_mt[plot]' for it")
-        except (TmtError, OSError) as err:
-            logger.warning("curves.png not drawn: %s", err)
 
     def _save(self, is_best: bool) -> None:
         """A checkpoint of this step: every rank's RNG states gathered, rank 0 writes."""
@@ -410,7 +399,7 @@ class _Session:
                 f" {self.info.device}; lower data.max_tokens; newest checkpoint: {newest}"
             )
         self.metrics.close()
-        self._draw_curves()  # the last records too
+        self.curves.draw(final=True)  # the last records too
         averaged = None if stop in exits.SIGNAL_EXIT else self._average()
         if self.info.is_main:
             logger.info("stopped at step %d (%s)", self.step, stop)
