@@ -180,7 +180,8 @@ def _one_path(
     ends = torch.zeros(n, dtype=torch.long, device=device)  # the step that chose EOS
     for t in range(1, steps + 1):
         log_probs, state = step_fn(tokens, state)  # (N, V)
-        log_probs = _mask(log_probs, banned, forcing.tokens(live, t, width=1))
+        forced = forcing.tokens(live, t, width=1) if forcing.any_at(t) else None
+        log_probs = _mask(log_probs, banned, forced)
         if forced_eos == "zero":
             forcing.zero_eos(log_probs, live, t, width=1)
         best, choice = choose(log_probs, live, t)  # (N,)
@@ -258,7 +259,8 @@ def beam_search(
     beams = torch.arange(k, device=device)
     for t in range(1, steps + 1):
         log_probs, state = step_fn(tokens, state)  # (N·width, V)
-        log_probs = _mask(log_probs, banned, forcing.tokens(live, t, width))
+        forced = forcing.tokens(live, t, width) if forcing.any_at(t) else None
+        log_probs = _mask(log_probs, banned, forced)
         if forced_eos == "zero":
             forcing.zero_eos(log_probs, live, t, width)
         m, vocab = len(live), log_probs.size(-1)
@@ -319,12 +321,15 @@ def _best_continuations(
     token = (chosen % blocks)[:, :, None] * block + offsets  # (m, chosen, B)
     index = ((chosen // blocks)[:, :, None] * vocab + token.clamp(max=vocab - 1)).view(m, -1)
     scores = beam_scores.gather(1, index // vocab) + log_probs.view(m, -1).gather(1, index)
-    past = (token >= vocab).view(m, -1)  # past a row's end: after every token, -inf ones too
-    if bool(past.any()):
-        last = past.to(torch.uint8).sort(dim=1, stable=True).indices
-        scores, index = scores.gather(1, last).masked_fill(past.gather(1, last), -math.inf), (
-            index.gather(1, last))  # fmt: skip
-    order = ranked(scores, min(count, scores.size(1) - int(past.sum(dim=1).min())))
+    candidates = scores.size(1)
+    if full < vocab:  # whole blocks have no token past a row's end: no check, no device wait
+        past = (token >= vocab).view(m, -1)  # past a row's end: after every token, -inf ones too
+        if bool(past.any()):
+            last = past.to(torch.uint8).sort(dim=1, stable=True).indices
+            scores, index = scores.gather(1, last).masked_fill(past.gather(1, last), -math.inf), (
+                index.gather(1, last))  # fmt: skip
+            candidates -= int(past.sum(dim=1).min())
+    order = ranked(scores, min(count, candidates))
     scores, index = scores.gather(1, order), index.gather(1, order)
     if scores.size(1) < count:
         missing = count - scores.size(1)
@@ -350,6 +355,7 @@ class _Forcing:
         lengths = [max(limit, size + 1) for limit, size in zip(max_lengths, given, strict=True)]
         self.limits = torch.as_tensor(lengths, device=device)
         self.steps, self.eos_id, self.longest = max(lengths), eos_id, max(given)
+        self.first_end = min(lengths)  # before it and after the prefixes, nothing is forced
         self.prefix = torch.full((len(lengths), self.longest), -1, dtype=torch.long)  # (n, P)
         for row, prefix in enumerate(prefixes):
             self.prefix[row, : len(prefix)] = torch.as_tensor(list(prefix), dtype=torch.long)
@@ -357,10 +363,17 @@ class _Forcing:
 
     def zero_eos(self, log_probs: torch.Tensor, live: torch.Tensor, t: int, width: int) -> None:
         """The EOS forced at the maximum length scores 0 (in place), as transformers scores it."""
+        if t < self.first_end:  # no sentence at its maximum length yet
+            return
         ended = self.limits[live] <= t  # (m,)
         if bool(ended.any()):
             rows = ended.repeat_interleave(width) if width > 1 else ended
             log_probs[rows, self.eos_id] = 0.0
+
+    def any_at(self, t: int) -> bool:
+        """Whether any row may have a forced token at step t, known on the host (no device
+        wait): within the longest prefix, or from the first maximum length on."""
+        return t <= self.longest or t >= self.first_end
 
     def tokens(self, live: torch.Tensor, t: int, width: int) -> torch.Tensor:
         """(len(live) · width,) the forced token of each row of the live sentences at step t."""
@@ -370,11 +383,16 @@ class _Forcing:
         return forced.repeat_interleave(width) if width > 1 else forced
 
 
-def _mask(log_probs: torch.Tensor, banned: Sequence[int], forced: torch.Tensor) -> torch.Tensor:
-    """Never emit `banned` ids (pad, bos); a row with a forced token (>= 0) may emit it only."""
+def _mask(
+    log_probs: torch.Tensor, banned: Sequence[int], forced: torch.Tensor | None
+) -> torch.Tensor:
+    """Never emit `banned` ids (pad, bos); a row with a forced token (>= 0) may emit it only
+    (`forced` None: no row has one)."""
     log_probs = log_probs.float()
     if banned:
         log_probs[:, list(banned)] = -math.inf
+    if forced is None:
+        return log_probs
     rows = forced >= 0
     if rows.any():
         kept = log_probs[rows].gather(1, forced[rows, None])  # (r, 1)
