@@ -574,3 +574,34 @@ def test_samples_start_with_their_prefix() -> None:
                    banned=(PAD, BOS), prefixes=prefixes)  # fmt: skip
     assert all(h.tokens[:2] == [5, 3] for h in found)
     assert len({tuple(h.tokens) for h in found}) > 3  # the rest is still sampled
+
+
+def test_a_beam_search_step_waits_for_the_device_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU every value read on the host waits for the queue to drain: a step reads whether
+    a hypothesis finished and which sentences stay (a vocabulary of whole 64-token blocks, no
+    prefix, before any maximum length); the set-up and the results are read once a search."""
+    vocab, reads = 128, []
+    table = torch.log_softmax(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)),
+                              dim=-1)  # fmt: skip
+
+    class Rows:
+        def reorder(self, index: torch.Tensor, beam: int) -> None:
+            pass
+
+    def step(tokens: torch.Tensor, state: Rows) -> tuple[torch.Tensor, Rows]:
+        return table[tokens], state  # on the device: no host read
+
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    limit = 12
+    out = beam_search(step, Rows(), [limit] * 3, BOS, EOS, 4, 0.6, banned=(PAD, BOS))
+    steps = limit - 1  # before the forced EOS at each sentence's maximum length
+    # Its set-up reads the maximum lengths once (the "bound" stopping rule's horizons).
+    assert reads[0] == "tolist" and reads[1 : 1 + 2 * steps] == ["__bool__", "nonzero"] * steps
+    assert len(out) == 3 and all(len(best[0].tokens) == limit - 1 for best in out), reads
