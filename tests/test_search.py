@@ -22,9 +22,17 @@ class ToyState:
 
     def __init__(self, sentences: list[int]) -> None:
         self.rows = [(s, ()) for s in sentences]
+        self.places = list(range(len(sentences)))  # each row's sentence, by its place in the batch
 
     def reorder(self, index: torch.Tensor, beam: int) -> None:
         self.rows = [self.rows[i] for i in index.tolist()]
+        self.places = [self.places[i] for i in index.tolist()]
+        # search.SearchState: `beam` rows a sentence, the sentences in their order (the decoder
+        # cache relies on it to know, without reading the device, that all stay).
+        groups = [set(self.places[g : g + beam]) for g in range(0, len(self.places), beam)]
+        assert all(len(group) == 1 for group in groups), groups
+        order = [min(group) for group in groups]
+        assert order == sorted(set(order)), order
 
 
 def toy_log_probs(sentence: int, prefix: tuple[int, ...], seed: int) -> torch.Tensor:

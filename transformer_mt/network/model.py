@@ -255,10 +255,14 @@ class DecoderCache:
         self.self_v[layer][:, :, t:end] = v
         return self.self_k[layer][:, :, :end], self.self_v[layer][:, :, :end]
 
-    def reorder(self, index: torch.Tensor, beam: int) -> torch.Tensor | None:
+    def reorder(
+        self, index: torch.Tensor, beam: int, in_order: bool = False
+    ) -> torch.Tensor | None:
         """Keep rows `index` (B'·beam,) in this order, e.g. the surviving beams; each group of
         `beam` must come from one sentence (beam search's first step turns each sentence's one
-        row into k). Returns the sentences kept (B',), None if all stay as is."""
+        row into k). Returns the sentences kept (B',), None if all stay as is. `in_order`: the
+        caller keeps the sentences in their order (a search: search.SearchState), so as many
+        as before are all of them, known without reading the device (a GPU's wait a step)."""
         t = self.length
         for buffers in (self.self_k, self.self_v):
             for i, buffer in enumerate(buffers):
@@ -272,8 +276,9 @@ class DecoderCache:
                 buffers[i], self.spare = out, buffer
         sentences = index.view(-1, beam)[:, 0] // self.beam  # (B',)
         self.beam = beam
-        unchanged = torch.arange(self.cross_k[0].size(0), device=index.device)
-        if sentences.shape == unchanged.shape and torch.equal(sentences, unchanged):
+        if len(sentences) == self.cross_k[0].size(0) and (
+            in_order or torch.equal(sentences, torch.arange(len(sentences), device=index.device))
+        ):
             return None
         # Rows of the sentences kept, each in its layout (Kᵀ contiguous, see start_cache).
         self.cross_k[:] = [k.mT.index_select(0, sentences).mT for k in self.cross_k]

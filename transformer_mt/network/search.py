@@ -38,6 +38,9 @@ STOPPING_RULES = ("bound", "current", "k_finished")
 
 
 class SearchState(Protocol):
+    """Keeps rows `index`, each `beam` consecutive ones from one sentence, the sentences in
+    their order: a search drops finished sentences, never reorders them."""
+
     def reorder(self, index: torch.Tensor, beam: int) -> None: ...
 
 

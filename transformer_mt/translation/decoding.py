@@ -76,7 +76,8 @@ class _DecodeState:
         self.cache, self.src_mask, self.allowed = cache, src_mask, allowed
 
     def reorder(self, index: torch.Tensor, beam: int) -> None:
-        sentences = self.cache.reorder(index.to(self.src_mask.device), beam)
+        # A search keeps its sentences in their order (search.SearchState).
+        sentences = self.cache.reorder(index.to(self.src_mask.device), beam, in_order=True)
         if sentences is not None:  # the source mask is per sentence, like the cross K/V
             self.src_mask = self.src_mask.index_select(0, sentences)
             if self.allowed is not None:
