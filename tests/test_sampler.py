@@ -227,9 +227,10 @@ def test_an_epoch_has_a_bounded_set_of_shapes(corpus: str, max_tokens: int) -> N
     assert len(odd) <= cells
 
 
-def test_the_gpu_recipes_buckets_meet_a_third_of_the_shapes_for_0_02_of_padding() -> None:
-    """configs/multi30k-gpu.yaml's 8 × 4 buckets: on an H200 each shape met for the first time
-    cost ~0.3 s of a 96-second budget, 119 of them with the default buckets."""
+def test_the_gpu_recipes_buckets_meet_half_the_shapes_for_no_more_padding() -> None:
+    """configs/multi30k-gpu.yaml's 8 × 4 buckets at its 8,192 tokens: on an H200 each shape met
+    for the first time cost ~0.3 s of a 96-second budget (119 of them with the default buckets
+    at 4,096 tokens); fewer, wider length cells here also pad less than the default's."""
     from transformer_mt.config import load_config
 
     data = load_config("multi30k-gpu").data
@@ -244,8 +245,8 @@ def test_the_gpu_recipes_buckets_meet_a_third_of_the_shapes_for_0_02_of_padding(
         name: padding_efficiency(sampler.epoch_batches(0), src, tgt, sampler.padded_lengths(0))
         for name, sampler in runs.items()
     }
-    assert (shapes["default"], shapes["recipe"]) == (119, 40)
-    assert efficiency["default"] - 0.02 <= efficiency["recipe"] < efficiency["default"]
+    assert (shapes["default"], shapes["recipe"]) == (70, 35)
+    assert efficiency["recipe"] >= efficiency["default"] - 0.02 and efficiency["recipe"] > 0.89
 
 
 def test_exact_lengths_give_a_wmt_corpus_a_shape_a_batch() -> None:
