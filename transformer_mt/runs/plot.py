@@ -55,13 +55,13 @@ class RunCurves:
         self,
         run_dir: Path,
         enabled: bool,
-        start: float,
+        start: float | None = None,
         share: float = 0.02,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.run_dir, self.enabled, self.start, self.share, self.clock = (
-            run_dir, enabled, start, share, clock,
-        )  # fmt: skip
+        """`start`: when the session's time began on `clock` (by default, now)."""
+        self.run_dir, self.enabled, self.share, self.clock = run_dir, enabled, share, clock
+        self.start = clock() if start is None else start
         self.spent_s, self.last_s = 0.0, self.FIRST_GUESS_S
 
     def draw(self, final: bool = False) -> bool:

@@ -186,8 +186,7 @@ class _Session:
         self.valid_text = corpus.read_split(cfg.data, "data.valid") if bleu else None
         self.metrics = self._open_metrics(window, saved, parent)
         self.scores: tuple[int, dict[str, float]] = (-1, {})  # the newest validation's
-        self.curves = plot.RunCurves(self.run_dir, cfg.train.curves and info.is_main,
-                                     start=self.session_start)  # fmt: skip
+        self.curves = plot.RunCurves(self.run_dir, cfg.train.curves and info.is_main)
         self.last_save_time = time.monotonic()
         self.last_saved_step = self.step if saved is not None else -1
         self.first_attempt = self.step + self.progress.skipped  # update attempts before this one
