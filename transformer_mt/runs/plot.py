@@ -46,8 +46,8 @@ class RunCurves:
 
     matplotlib draws on the training thread: ~0.5 s a figure, and the first one imports it and,
     on a machine without its font cache, builds that cache. A short GPU run validates every few
-    seconds: an H200's 96-second Multi30k budget spent ~4 s on five figures nobody saw before the
-    last. A run of hours draws at every validation as before."""
+    seconds: an H200's 96-second Multi30k run drew five figures before its last (a few seconds,
+    by its log's throughput). A run of hours draws at every validation as before."""
 
     FIRST_GUESS_S = 2.0  # the first figure's cost, before one is timed
 
