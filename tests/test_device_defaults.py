@@ -255,6 +255,33 @@ def test_cuda_graphs_are_refused_gradients_to_accumulate(tiny_cfg: Config, tmp_p
     assert not (tmp_path / "run").exists()
 
 
+def test_cuda_graphs_are_recorded_on_cuda_and_refused_what_they_cannot_record(
+    tiny_cfg: Config, tmp_path: Path
+) -> None:
+    """train.cuda_graphs=on records a micro-batch's step on CUDA only (a CPU trains as with off)
+    and is refused on CUDA, before anything is written, with torch.compile, fp16's loss scaler
+    or several ranks. The graphs themselves are test_gpu.py's."""
+    from transformer_mt.training.dry_run import _check_graphs, check_before_training
+    from transformer_mt.training.loss import Objective
+
+    assert tiny_cfg.train.cuda_graphs == "off"
+    on = with_train(tiny_cfg, out_dir=str(tmp_path / "run"), cuda_graphs="on")
+    assert device_defaults.graphs(_Source(), Objective(0.1), on, CPU) is None
+    assert device_defaults.graphs(_Source(), Objective(0.1), tiny_cfg, CUDA) is None
+    refused = [({"compile": "on"}, 1, "train.compile=on"),
+               ({"precision": "fp16"}, 1, "train.precision=fp16"),
+               ({}, 2, "2 ranks")]  # fmt: skip
+    for changes, ranks, named in refused:
+        cfg = with_train(on, **changes)
+        with pytest.raises(TmtError, match="train.cuda_graphs=on cannot record") as error:
+            check_before_training(cfg, CUDA, world_size=ranks)
+        assert named in str(error.value) and "train.cuda_graphs=off" in str(error.value)
+        check_before_training(cfg, CPU, world_size=ranks)
+    for precision in ("fp32", "bf16"):  # what it records: accepted
+        _check_graphs(with_train(on, precision=precision), CUDA, world_size=1)
+    assert not (tmp_path / "run").exists()
+
+
 class _Source(torch.nn.Module):
     """A model's call signature: returns the source."""
 

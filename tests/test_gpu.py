@@ -165,3 +165,116 @@ def test_the_fused_loss_on_cuda_is_the_reference_within_bf16() -> None:
     want = gradients(reference.loss, hidden, projection)
     for a, b in zip(gradients(chunked.loss, hidden, projection), want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0.02 * b.abs().max().item())
+
+
+def _graph_twins(tiny_cfg: Config, passes: int):
+    """Two runs of the same updates, eager and with train.cuda_graphs (bf16, no dropout, two
+    micro-batches an update, bounded shapes): epoch 0's batches `passes` times, so that every
+    shape is recorded in the first pass and replayed in the later ones. Returns, per run, the
+    loss sums of the updates, the final weights and the graphs (None: eager)."""
+    from transformer_mt.training import step
+    from transformer_mt.training.feeder import Feeder
+    from transformer_mt.training.graphs import MicroBatchGraphs
+    from transformer_mt.training.optim import build_optimizer
+
+    cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, dropout=0.0))
+    cfg = with_train(with_data(cfg, bucketing="on"), precision="bf16", update_freq=2)
+    data = prepare_data(cfg)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+    feeder = Feeder(cfg, data, None, info)
+    starts = range(0, len(feeder.epoch_batches(0)), 2)
+    runs = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(cfg.model, data.tokenizer.vocab_size, data.tokenizer.pad_id).cuda()
+        optimizer, scheduler = build_optimizer(model, cfg.model, cfg.optim, fused=True)
+        opt = step.Optimization(optimizer, scheduler, torch.amp.GradScaler("cuda", enabled=False))
+        objective = Objective(cfg.optim.label_smoothing, model.output_projection)
+        graphs = MicroBatchGraphs(model, objective, "bf16", info.device) if graphed else None
+        losses = []
+        for _ in range(passes):
+            for i in starts:
+                micro = feeder.micro_batches(0, i, feeder.group(0, i))
+                stats = step.train_step(model, micro, opt, cfg, info, objective=objective,
+                                        graphs=graphs)  # fmt: skip
+                assert stats.skipped is None
+                losses.append(stats.loss_sum)
+        runs.append((losses, [p.detach().float() for p in model.parameters()], graphs))
+    shapes = {(b.src.shape, b.tgt_in.shape) for i in starts
+              for b in feeder.micro_batches(0, i, feeder.group(0, i))}  # fmt: skip
+    feeder.close()
+    return runs, shapes, cfg, info, feeder
+
+
+def test_cuda_graphs_replay_the_eager_updates(tiny_cfg: Config) -> None:
+    """train.cuda_graphs: a shape's first micro-batch runs eagerly and is recorded, its later
+    ones replay the graph, the micro-batches of an update adding into the same gradients: the
+    losses and weights of eager updates within bf16, one graph per shape."""
+    (eager, eager_weights, _), (graphed, graphed_weights, graphs), shapes, *_ = _graph_twins(
+        tiny_cfg, passes=3
+    )
+    assert len(graphs) == len(shapes) > 1  # each replayed in the second and third passes
+    assert len(eager) == len(graphed)
+    assert graphed == pytest.approx(eager, rel=1e-2)
+    for a, b in zip(graphed_weights, eager_weights, strict=True):
+        assert float((a - b).norm() / b.norm().clamp_min(1e-6)) < 1e-2
+
+
+def test_a_replayed_update_waits_for_the_gpu_nowhere(tiny_cfg: Config) -> None:
+    """Once its shapes are recorded, a graphed update's forward and backward (inputs copied into
+    the graph's, the replay, the sums) never make the host wait for the GPU."""
+    from transformer_mt.training import step
+
+    _, (_, _, graphs), _, cfg, info, feeder = _graph_twins(tiny_cfg, passes=1)
+    model, objective = graphs.model, graphs.objective
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    feeder = type(feeder)(cfg, feeder.data, None, info)
+    for i in range(0, len(feeder.epoch_batches(0)), 2):
+        micro = feeder.micro_batches(0, i, feeder.group(0, i))
+        tokens = sum(b.n_tokens for b in micro)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            sums, oom = step._accumulate(model, micro, scaler, objective, info, tokens, i, "bf16",
+                                         graphs=graphs)  # fmt: skip
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert not oom and torch.isfinite(sums).all()
+        graphs.model.zero_grad(set_to_none=False)
+    feeder.close()
+
+
+def test_a_run_with_cuda_graphs_trains_validates_and_saves(
+    tiny_cfg: Config, tmp_path: Path
+) -> None:
+    """`tmt train` with train.cuda_graphs=on, dropout on: the loss falls, validation and
+    checkpoints as ever, and the same seed gives the same losses (within bf16: attention's
+    backward may sum in any order)."""
+    cfg = with_data(tiny_cfg, bucketing="on")
+    cfg = with_train(cfg, max_steps=12, log_every=1, valid_every=6, save_every=6,
+                     precision="bf16", device="cuda", cuda_graphs="on")  # fmt: skip
+    runs = []
+    for name in ("a", "b"):
+        summary = train(with_train(cfg, out_dir=str(tmp_path / name)))
+        assert summary["step"] == 12
+        runs.append([r["loss"] for r in records(tmp_path / name) if "loss" in r])
+    assert all(math.isfinite(x) for x in runs[0]) and runs[0][-1] < runs[0][0]
+    assert runs[0] == pytest.approx(runs[1], rel=1e-3)
+    assert any("val_loss" in r for r in records(tmp_path / "a"))
+    assert (tmp_path / "a" / "checkpoints").is_dir()
+
+
+def test_each_replay_draws_new_dropout(tiny_cfg: Config) -> None:
+    """A recorded step's dropout masks come from the CUDA generator at each replay, not frozen
+    at the recording: the same batch and weights, replayed twice, give two losses."""
+    from transformer_mt.training.graphs import MicroBatchGraphs
+
+    cfg, info, feeder, model, groups = _model_and_batches(tiny_cfg, n=1)
+    assert cfg.model.dropout > 0
+    (batch,) = feeder.micro_batches(0, 0, groups[0])
+    objective = Objective(cfg.optim.label_smoothing, model.output_projection)
+    graphs = MicroBatchGraphs(model, objective, "bf16", info.device)
+    losses = [float(graphs.forward_backward(batch, 1.0)[0]) for _ in range(3)]  # eager, 2 replays
+    assert len(graphs) == 1 and all(math.isfinite(x) for x in losses)
+    assert losses[1] != losses[2]
+    feeder.close()

@@ -33,6 +33,7 @@ from transformer_mt.config import Config, apply_overrides
 from transformer_mt.data.batches import prepare_data
 from transformer_mt.network.model import Transformer
 from transformer_mt.runs import averaging, checkpoint, run, train_state
+from transformer_mt.training.loss import Objective
 from transformer_mt.training.optim import build_optimizer
 from transformer_mt.training.step import Optimization, train_step
 from transformer_mt.training.train import train
@@ -336,6 +337,27 @@ def test_a_bad_update_changes_nothing(
     assert_unchanged(before, snapshot(model, opt.optimizer, opt.scheduler))
     monkeypatch.delenv("TMT_FAULT")
     assert train_step(model, micro, opt, tiny_cfg, info, attempt=3).skipped is None
+
+
+def test_an_update_that_keeps_its_gradients_zeroes_them_in_place(tiny_cfg: Config) -> None:
+    """CUDA graphs add into the parameters' .grad tensors (train.cuda_graphs): an update then
+    keeps them, zeroed, and changes the model as one that frees them."""
+    from transformer_mt.training import step
+
+    updated = []
+    for keep in (False, True):
+        model, opt, micro, info = step_fixture(tiny_cfg)
+        sums, oom = step._accumulate(model, micro, opt.scaler, Objective(0.1), info,
+                                     micro[0].n_tokens, 1, "fp32")  # fmt: skip
+        grads = [p.grad for p in model.parameters()]
+        step._apply(model, opt, tiny_cfg, info, sums=sums, oom=oom, keep_grads=keep)
+        after = [p.grad for p in model.parameters()]
+        if keep:
+            assert all(a is g and not a.any() for a, g in zip(after, grads, strict=True))
+        else:
+            assert all(a is None for a in after)
+        updated.append(snapshot(model, opt.optimizer, opt.scheduler))
+    assert_unchanged(*updated)
 
 
 def test_fp16_overflow_is_the_scalers_business(tiny_cfg: Config) -> None:

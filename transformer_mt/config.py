@@ -365,6 +365,11 @@ class TrainConfig:
     compile_mode: Literal[
         "default", "reduce-overhead", "max-autotune-no-cudagraphs", "cudagraphs"
     ] = "default"
+    # CUDA graphs of a micro-batch's forward, loss and backward, recorded once per batch shape
+    # and replayed (training/graphs.py): one launch for the ~800 kernels a host would launch one
+    # by one, where a GPU trains a small model host-bound. On CUDA, in one process, at bf16 or
+    # fp32, without train.compile; a CPU has none to record and trains as with "off".
+    cuda_graphs: Literal["off", "on"] = "off"
     # The label-smoothed loss in chunks of rows fused with the output projection (training/loss.py
     # chunked_label_smoothed_nll): no (tokens × vocabulary) logits or float32 log-probabilities
     # are kept for the backward pass. auto: on with CUDA; on a CPU the reference loss.

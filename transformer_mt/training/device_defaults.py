@@ -20,6 +20,8 @@ import torch
 
 from transformer_mt.config import BY_DEVICE, Config
 from transformer_mt.data.sampler import ShapeBuckets
+from transformer_mt.training.graphs import MicroBatchGraphs
+from transformer_mt.training.loss import Objective
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,16 @@ def fused_loss(cfg: Config, device: torch.device) -> bool:
     return cfg.train.fused_loss == "on" or (
         cfg.train.fused_loss == "auto" and device.type == "cuda"
     )
+
+
+def graphs(
+    model: torch.nn.Module, objective: Objective, cfg: Config, device: torch.device
+) -> MicroBatchGraphs | None:
+    """train.cuda_graphs=on: the micro-batches' graphs on CUDA; None on a CPU, which has none to
+    record, or with "off" (what dry_run.check_before_training refuses it never gets here)."""
+    if cfg.train.cuda_graphs != "on" or device.type != "cuda":
+        return None
+    return MicroBatchGraphs(model, objective, cfg.train.precision, device)
 
 
 def compiled(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.nn.Module:

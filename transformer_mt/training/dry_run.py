@@ -34,12 +34,14 @@ def training_bytes(cfg: Config, vocab_size: int, source_vocab_size: int | None =
     return 4 * (4 * parameter_count(cfg.model, vocab_size, source_vocab_size) + positions)
 
 
-def check_before_training(cfg: Config, device: torch.device, vocab_size: int = 0) -> None:
+def check_before_training(
+    cfg: Config, device: torch.device, vocab_size: int = 0, world_size: int = 1
+) -> None:
     """What training checks before it writes anything: that it may write into train.out_dir, that
-    the budget schedule's shares fit in its budget, that CUDA graphs are not asked to accumulate
-    gradients, and that the model fits in the device's free memory (vocab_size: the tokenizer's
-    when known, else tokenizer.vocab_size), refused in one line naming the size and the memory
-    there is."""
+    the budget schedule's shares fit in its budget, that CUDA graphs are asked for what they can
+    do (_check_graphs), and that the model fits in the device's free memory (vocab_size: the
+    tokenizer's when known, else tokenizer.vocab_size), refused in one line naming the size and
+    the memory there is."""
     textio.check_directory(Path(cfg.train.out_dir), "train.out_dir")
     optim = cfg.optim
     if optim.schedule == "budget" and optim.warmup_fraction + optim.decay_fraction > 1:
@@ -48,20 +50,40 @@ def check_before_training(cfg: Config, device: torch.device, vocab_size: int = 0
             f"optim.warmup_fraction {optim.warmup_fraction:g} + optim.decay_fraction"
             f" {optim.decay_fraction:g} > 1: the warmup and the decay are shares of one budget"
         )
-    mode = cfg.train.compile_mode
-    graphs = cfg.train.compile == "on" and mode in device_defaults.GRAPHED_MODES
-    if graphs and device.type == "cuda" and cfg.train.update_freq > 1:
+    _check_graphs(cfg, device, world_size)
+    vocab = vocab_size or cfg.tokenizer.vocab_size
+    what = f"training a model of {parameter_count(cfg.model, vocab):,} parameters (model.*)"
+    distributed.check_room(training_bytes(cfg, vocab), device, what)
+
+
+def _check_graphs(cfg: Config, device: torch.device, world_size: int) -> None:
+    """CUDA graphs, torch.compile's (train.compile_mode) or tmt's own (train.cuda_graphs), only
+    for what they can record: refused on CUDA, where they are made, in one line naming the keys;
+    a CPU records none and trains as ever."""
+    if device.type != "cuda":
+        return
+    train = cfg.train
+    mode = train.compile_mode
+    if train.compile == "on" and mode in device_defaults.GRAPHED_MODES and train.update_freq > 1:
         # Measured on an H200 (docs/benchmarks.md): the backward of the second micro-batch read
         # graph outputs the replay had overwritten (PyTorch issue 169545: CUDA graph trees and
         # accumulated gradients).
         raise TmtError(
-            f"train.compile_mode={mode} with train.update_freq {cfg.train.update_freq}:"
+            f"train.compile_mode={mode} with train.update_freq {train.update_freq}:"
             " CUDA graphs do not accumulate gradients over micro-batches in this PyTorch; set"
             " train.update_freq=1 (and data.max_tokens larger) or another train.compile_mode"
         )
-    vocab = vocab_size or cfg.tokenizer.vocab_size
-    what = f"training a model of {parameter_count(cfg.model, vocab):,} parameters (model.*)"
-    distributed.check_room(training_bytes(cfg, vocab), device, what)
+    if train.cuda_graphs != "on":
+        return
+    why = (
+        "train.compile=on (its own graphs or code: one or the other)" if train.compile == "on"
+        else "train.precision=fp16 (its loss scaler)" if train.precision == "fp16"
+        else f"{world_size} ranks (DDP all-reduces inside the backward)" if world_size > 1
+        else None
+    )  # fmt: skip
+    if why:
+        raise TmtError(f"train.cuda_graphs=on cannot record a step with {why}; set one of them"
+                       " otherwise, or train.cuda_graphs=off")  # fmt: skip
 
 
 def check_prepared(cfg: Config, data: PreparedData, world_size: int) -> SubwordSampling | None:

@@ -26,6 +26,7 @@ from transformer_mt.common.faults import fault_point
 from transformer_mt.config import Config
 from transformer_mt.data.batches import Batch
 from transformer_mt.network.model import Transformer
+from transformer_mt.training.graphs import MicroBatchGraphs
 from transformer_mt.training.loss import Objective, label_smoothed_nll
 
 logger = logging.getLogger(__name__)
@@ -74,9 +75,11 @@ def train_step(
     attempt: int = 1,
     requests: Requests = Requests(),  # frozen: a shared default is safe
     objective: Objective | None = None,
+    graphs: MicroBatchGraphs | None = None,
 ) -> StepStats:
     """One optimizer update over `micro` (update_freq micro-batches on this rank) of `objective`
-    (by default the label-smoothed loss from the logits).
+    (by default the label-smoothed loss from the logits), its micro-batches replayed from
+    `graphs` where given (train.cuda_graphs: `objective` is then theirs).
 
     The loss is summed over target tokens and divided by the global token count of the update, so
     the gradient is the same however tokens are split over micro-batches and ranks (DDP averages
@@ -95,9 +98,11 @@ def train_step(
     objective = objective or Objective(cfg.optim.label_smoothing)
     sums, oom = _accumulate(
         model, micro, opt.scaler, objective, info, global_tokens=global_tokens, attempt=attempt,
-        precision=cfg.train.precision,
+        precision=cfg.train.precision, graphs=graphs,
     )  # fmt: skip
-    skipped, norm, loss_sum, nll_sum = _apply(model, opt, cfg, info, sums=sums, oom=oom)
+    skipped, norm, loss_sum, nll_sum = _apply(
+        model, opt, cfg, info, sums=sums, oom=oom, keep_grads=graphs is not None
+    )
     real = sum(b.source_tokens + b.n_tokens for b in micro)
     padded = sum(b.src.numel() + b.tgt_out.numel() for b in micro)
     return StepStats(
@@ -131,6 +136,7 @@ def _accumulate(
     global_tokens: int,
     attempt: int,
     precision: str,
+    graphs: MicroBatchGraphs | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """Forward and backward of every micro-batch (DDP synchronises gradients in the last one);
     returns this rank's loss and NLL sums (float64, on the device: not waited for) and whether it
@@ -146,7 +152,7 @@ def _accumulate(
         for i, batch in enumerate(micro):
             oom |= _forward_backward(model, batch, scaler, objective, info, global_tokens,
                                      attempt if i == 0 else None, i == len(micro) - 1,
-                                     sums_of_rank)  # fmt: skip
+                                     sums_of_rank, graphs)  # fmt: skip
     return sums_of_rank, oom
 
 
@@ -160,15 +166,22 @@ def _forward_backward(
     attempt: int | None,
     last: bool,
     sums_of_rank: torch.Tensor,
+    graphs: MicroBatchGraphs | None = None,
 ) -> bool:
     """One micro-batch's forward (in the caller's autocast region) and backward, its loss and
     NLL sums added to `sums_of_rank`; whether it ran out of memory. `attempt`: the update's
-    attempt at its first micro-batch (its fault point), else None."""
+    attempt at its first micro-batch (its fault point), else None. With `graphs`, the micro-
+    batch's graph replayed (its shape's first one run and recorded)."""
     device = info.device.type
     no_sync = model.no_sync() if info.distributed and not last else contextlib.nullcontext()
     try:
         with no_sync:
             poison = fault_point("loss", attempt) if attempt is not None else None
+            if graphs is not None and poison is None:
+                loss_sum, nll_sum = graphs.forward_backward(batch, info.world_size / global_tokens)
+                # Read before another graph replays (they share memory): in stream order.
+                sums_of_rank += torch.stack([loss_sum.double(), nll_sum.double()])
+                return False
             # The logits, or the last states for the fused loss to project.
             out = model(batch.src, batch.tgt_in, project=objective.wants_logits)
             sums = objective(out, batch.tgt_out, batch.pad_id)
@@ -203,9 +216,11 @@ def _apply(
     info: DistInfo,
     sums: torch.Tensor,
     oom: bool,
+    keep_grads: bool = False,
 ) -> tuple[str | None, float, float, float]:
     """The update's second collective, so that every rank reaches the same verdict; then the
     update (unscale, clip, Adam, schedule) or, if any rank saw a problem, its skip everywhere.
+    `keep_grads`: the gradients are zeroed in place, not freed (CUDA graphs add into them).
     Returns (why it was skipped or None, the gradient norm, this rank's loss and NLL sums): the
     update's one wait for the device, since the verdict is needed before Adam."""
     opt.scaler.unscale_(opt.optimizer)
@@ -229,7 +244,7 @@ def _apply(
         opt.scaler.step(opt.optimizer)
         opt.scheduler.step()
     opt.scaler.update()  # lowers the fp16 loss scale after an overflow
-    opt.optimizer.zero_grad(set_to_none=True)
+    opt.optimizer.zero_grad(set_to_none=not keep_grads)
     return skipped, norm_value, loss_sum, nll_sum
 
 

@@ -55,7 +55,7 @@ def train(cfg: Config) -> dict[str, Any]:
     if cfg.train.tensorboard:
         metrics.require_tensorboard()  # before any work: a missing extra is a config error
     info = distributed.setup(cfg.train.device, cfg.train.distributed_timeout_s)
-    dry_run.check_before_training(cfg, info.device)  # before anything is written
+    dry_run.check_before_training(cfg, info.device, world_size=info.world_size)  # before writing
     heartbeat = distributed.Heartbeat(info)
     lock = run.RunLock(Path(cfg.train.out_dir))
     # The handlers stay installed while a failure is reported and the group torn down: torchrun
@@ -165,17 +165,13 @@ class _Session:
         if info.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        if info.is_main:
-            chosen = kernels.attention_kernels(cfg.model.attention_backend, info.device)
-            order = " > ".join(k.name.lower() for k in chosen) if chosen else "PyTorch's choice"
-            logger.info("attention kernels: %s (model.attention_backend=%s)", order,
-                        cfg.model.attention_backend)  # fmt: skip
         compiled = device_defaults.compiled(self.model, cfg, info.device)
         self.trained = distributed.wrap(compiled, info)
         # The loss: from the logits, or fused with the output projection (train.fused_loss).
         fused = device_defaults.fused_loss(cfg, info.device)
         projection = self.model.output_projection if fused else None
         self.objective = Objective(cfg.optim.label_smoothing, projection)
+        self.graphs = device_defaults.graphs(self.trained, self.objective, cfg, info.device)
         self.feeder = Feeder(cfg, self.data, self.sampling, info)
         self.rate_from: tuple[int, float] | None = None  # (step, time) a time budget is timed from
         self._plan_steps(fresh=saved is None)
@@ -312,7 +308,7 @@ class _Session:
         attempt = progress.step + progress.skipped + 1  # skipped updates count
         stats = train_step(
             self.trained, micro, self.opt, cfg, info, attempt=attempt, requests=requests,
-            objective=self.objective,
+            objective=self.objective, graphs=self.graphs,
         )  # fmt: skip
         if stats.plan:  # every rank continues the schedule with rank 0's plan of the time
             self._replan(stats.plan)
@@ -466,7 +462,8 @@ def _prepare_data_rank0_first(
 
 
 def _announce(cfg: Config, model: Transformer, data: PreparedData, info: DistInfo) -> None:
-    """The run's size, peak learning rate and data at start (rank 0): schedules confuse."""
+    """The run's size, peak learning rate, data and attention kernels at start (rank 0):
+    schedules confuse."""
     optim_cfg = cfg.optim
     when = f"at step {optim_cfg.warmup_steps}"
     if optim_cfg.schedule == "budget":
@@ -480,6 +477,10 @@ def _announce(cfg: Config, model: Transformer, data: PreparedData, info: DistInf
         f"{count_parameters(model):,}", peak_lr(cfg.model, optim_cfg), when, len(data.train),
         len(data.valid), info.device.type, info.world_size,
     )  # fmt: skip
+    chosen = kernels.attention_kernels(cfg.model.attention_backend, info.device)
+    order = " > ".join(k.name.lower() for k in chosen) if chosen else "PyTorch's choice"
+    logger.info("attention kernels: %s (model.attention_backend=%s)", order,
+                cfg.model.attention_backend)  # fmt: skip
 
 
 def _checkpoint_bytes(model: Transformer, data: PreparedData) -> int:
