@@ -29,13 +29,15 @@
 #              batch shape's ~0.3 s goes
 #   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
 #              backend): what auto should choose
-#   train_graphs  train's tmt row with the model traced into CUDA graphs (compile_mode
-#              cudagraphs, the trace within its first updates)
-#   e2e_graphs e2e with the model traced into CUDA graphs (train.compile=on, compile_mode
-#              cudagraphs), tracing inside the budget
-#   compile    the GPU recipe's model (configs/multi30k-gpu.yaml) eager, traced into CUDA
-#              graphs (train.compile_mode=cudagraphs) and torch.compiled by Inductor
-#              (train.compile=on), first updates and warm: whether compiling pays
+#   train_graphs  train's tmt row with each batch shape's step recorded as a CUDA graph and
+#              replayed (train.cuda_graphs=on), the recordings within its first updates
+#   e2e_graphs e2e with train.cuda_graphs=on, the recordings inside the budget
+#   train_traced  train's tmt row with the model traced into CUDA graphs by torch.compile
+#              (compile_mode cudagraphs)
+#   compile    the GPU recipe's model (configs/multi30k-gpu.yaml) eager, recorded as CUDA
+#              graphs (train.cuda_graphs=on), traced into CUDA graphs (train.compile_mode=
+#              cudagraphs) and torch.compiled by Inductor (train.compile=on), first updates and
+#              warm: what pays
 #
 # On the device tool's machine (no datasets there), carry wheels in .whl (git-ignored:
 # .git/info/exclude), made here with
@@ -108,10 +110,11 @@ wanted tests && part tests 100 $PY -m pytest -q -p no:cacheprovider -m gpu tests
 wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
 wanted profile && part profile 150 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
 wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
-wanted train_graphs && train_part train_graphs --systems tmt --compile=cudagraphs
+wanted train_graphs && train_part train_graphs --systems tmt --set train.cuda_graphs=on
 wanted e2e_graphs && part e2e_graphs 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \
-  --label e2e_graphs --set train.compile=on --set train.compile_mode=cudagraphs
-wanted compile && part compile 190 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 60 \
+  --label e2e_graphs --set train.cuda_graphs=on
+wanted train_traced && train_part train_traced --systems tmt --compile=cudagraphs
+wanted compile && part compile 250 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 60 \
   --seconds 60
 $PY scripts/bench_gpu.py table "$OUT" | tee "$OUT/table.txt"
 pack

@@ -251,13 +251,14 @@ def tmt_step(model, cfg, tok, args):
     fused = device_defaults.fused_loss(cfg, device)
     objective = Objective(cfg.optim.label_smoothing, model.output_projection if fused else None)
     trained = device_defaults.compiled(model, cfg, device)  # as tmt train runs it
+    graphs = device_defaults.graphs(trained, objective, cfg, device)  # train.cuda_graphs=on
 
     def run(batch) -> None:
         # Entered at each update: a context entered once here and left to the garbage collector
         # is closed when this function returns, and every earlier GPU figure of this script
         # (and of bench_gpu.py's attention and profile parts) had PyTorch's own kernel order.
         with kernels.attention(cfg.model.attention_backend, device):
-            step.train_step(trained, [batch], opt, cfg, info, objective=objective)
+            step.train_step(trained, [batch], opt, cfg, info, objective=objective, graphs=graphs)
 
     return run
 
