@@ -113,7 +113,7 @@ def test_forward_and_backward_wait_for_the_gpu_nowhere(tiny_cfg: Config) -> None
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert not oom
-        step._apply(model, opt, cfg, info, sums=sums, oom=oom)
+        step._apply(opt, cfg, info, sums=sums, oom=oom)
     feeder.close()
 
 

@@ -101,7 +101,7 @@ def train_step(
         precision=cfg.train.precision, graphs=graphs,
     )  # fmt: skip
     skipped, norm, loss_sum, nll_sum = _apply(
-        model, opt, cfg, info, sums=sums, oom=oom, keep_grads=graphs is not None
+        opt, cfg, info, sums=sums, oom=oom, keep_grads=graphs is not None
     )
     real = sum(b.source_tokens + b.n_tokens for b in micro)
     padded = sum(b.src.numel() + b.tgt_out.numel() for b in micro)
@@ -210,7 +210,6 @@ def _forward_backward(
 
 
 def _apply(
-    model: torch.nn.Module,
     opt: Optimization,
     cfg: Config,
     info: DistInfo,
@@ -224,7 +223,9 @@ def _apply(
     Returns (why it was skipped or None, the gradient norm, this rank's loss and NLL sums): the
     update's one wait for the device, since the verdict is needed before Adam."""
     opt.scaler.unscale_(opt.optimizer)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    # Adam's own list of the model's parameters: walking the modules again cost ~0.15 ms a time.
+    params = [p for group in opt.optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=info.device)
     ran_out = torch.full((), float(oom), device=info.device)
     flags = torch.stack([ran_out, (~sums[0].isfinite()).float()])
@@ -240,7 +241,7 @@ def _apply(
         skipped = "overflow" if opt.scaler.is_enabled() and not any_nonfinite_loss else "non_finite"
     if skipped is None:
         if cfg.optim.clip_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.optim.clip_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.clip_norm, norm)
         opt.scaler.step(opt.optimizer)
         opt.scheduler.step()
     opt.scaler.update()  # lowers the fp16 loss scale after an overflow
