@@ -210,10 +210,11 @@ def test_cuda_graphs_replay_the_eager_updates(tiny_cfg: Config) -> None:
     """train.cuda_graphs: a shape's first micro-batch runs eagerly and is recorded, its later
     ones replay the graph, the micro-batches of an update adding into the same gradients: the
     losses and weights of eager updates within bf16, one graph per shape."""
-    (eager, eager_weights, _), (graphed, graphed_weights, graphs), shapes, *_ = _graph_twins(
-        tiny_cfg, passes=3
-    )
+    runs, shapes, _, _, feeder = _graph_twins(tiny_cfg, passes=3)
+    (eager, eager_weights, _), (graphed, graphed_weights, graphs) = runs
     assert len(graphs) == len(shapes) > 1  # each replayed in the second and third passes
+    assert graphs.replays == 3 * len(feeder.epoch_batches(0)) - len(shapes)
+    assert f"{len(shapes)} batch shapes recorded" in graphs.describe()
     assert len(eager) == len(graphed)
     assert graphed == pytest.approx(eager, rel=1e-2)
     for a, b in zip(graphed_weights, eager_weights, strict=True):

@@ -29,6 +29,7 @@ torch.compile (train.compile=on): dry_run.check_before_training refuses them.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -65,12 +66,21 @@ class MicroBatchGraphs:
         self.stream = torch.cuda.Stream(device)
         self.pool: tuple | None = None  # the graphs' shared memory pool, once one is recorded
         self.recorded: dict[tuple[tuple[int, ...], ...], _Recorded] = {}
+        self.recording_s = 0.0  # host time of the shapes' first micro-batches and recordings
+        self.replays = 0
         for p in model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
     def __len__(self) -> int:
         return len(self.recorded)
+
+    def describe(self) -> str:
+        """What the run recorded and replayed, for its log."""
+        return (
+            f"train.cuda_graphs: {len(self)} batch shapes recorded in {self.recording_s:.1f} s"
+            f" (their first micro-batches included), {self.replays} micro-batches replayed"
+        )
 
     def forward_backward(self, batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's loss and NLL sums (on the device), its gradients (of loss × scale)
@@ -79,7 +89,11 @@ class MicroBatchGraphs:
         key = (tuple(batch.src.shape), tuple(batch.tgt_in.shape))
         recorded = self.recorded.get(key)
         if recorded is None:
-            return self._first(key, batch)
+            start = time.perf_counter()
+            sums = self._first(key, batch)
+            self.recording_s += time.perf_counter() - start
+            return sums
+        self.replays += 1
         recorded.src.copy_(batch.src, non_blocking=True)
         recorded.tgt_in.copy_(batch.tgt_in, non_blocking=True)
         recorded.tgt_out.copy_(batch.tgt_out, non_blocking=True)

@@ -398,6 +398,8 @@ class _Session:
         averaged = None if stop in exits.SIGNAL_EXIT else self._average()
         if self.info.is_main:
             logger.info("stopped at step %d (%s)", self.step, stop)
+            if self.graphs is not None:
+                logger.info(self.graphs.describe())
             optim.warn_if_undecayed(self.schedule, self.step, stop)
         progress = self.progress
         return {
