@@ -216,8 +216,18 @@ def third_h200_run(step: int) -> float:
         third_h200_run,
         lambda step: 0.05,  # steady
         lambda step: 0.02 if step <= 300 else 0.06,  # the machine got busy
+        # train.cuda_graphs: CUDA's start, a first epoch of eager and recorded shapes, then
+        # replays some 30 times faster
+        lambda step: 10.0 if step == 1 else 0.3 if step <= 100 else 0.01,
     ],
-    ids=["fast-after-the-first-epoch", "slow-start", "third-h200-run", "steady", "slower-later"],
+    ids=[
+        "fast-after-the-first-epoch",
+        "slow-start",
+        "third-h200-run",
+        "steady",
+        "slower-later",
+        "cuda-graphs",
+    ],
 )
 def test_a_time_budget_is_used_to_its_end_and_ends_in_its_decay(update_s) -> None:
     """Measured on an H200 (docs/benchmarks.md): the plan, timed on a first epoch whose every
