@@ -30,6 +30,7 @@ from transformer_mt.translation.decoding import translate_lines
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = multi30k_sentences(16)
+SERVER_EXIT_S = 75  # serve.drain_seconds' default (30 s), and room for a slow, busy machine
 
 
 class Server:
@@ -42,9 +43,11 @@ class Server:
             self.scratch = tempfile.mkdtemp(prefix="tmt-glossaries-")
             args = (*args, "--set", f"serve.glossary_dir={self.scratch}")
         command = ["serve", "-m", str(model), "--port", "0", *args]
+        # PYTHONFAULTHANDLER: a server that outlives its drain prints its threads' stacks on
+        # SIGABRT (stop), so that a hang says where it is.
         self.process = cli_processes.popen(
-            command, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True,
+            command, env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.log: list[str] = []
         ready = threading.Event()
@@ -66,13 +69,26 @@ class Server:
         atexit.register(self.stop)  # a test that fails before its stop leaves no server running
 
     def stop(self) -> int:
+        """SIGTERM, then the server's exit status. The wait outlasts the server's own bound (its
+        drain, serve.drain_seconds: 30 s by default; a 30-second wait once killed a server the
+        ensemble test had just used); past it the server prints where its threads are
+        (SIGABRT) and the test fails with its log."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(30)
+            return self.process.wait(SERVER_EXIT_S)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait(10)
+            self.process.send_signal(signal.SIGABRT)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+            time.sleep(0.5)  # the reader thread's last lines
+            raise AssertionError(
+                f"the server did not exit within {SERVER_EXIT_S} s of SIGTERM:\n"
+                + "".join(self.log[-120:])
+            ) from None
         finally:
             if self.scratch:
                 shutil.rmtree(self.scratch, ignore_errors=True)
