@@ -30,8 +30,9 @@
 #              batch shape's ~0.3 s goes
 #   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
 #              backend): what auto should choose
-#   train_graphs  train's tmt row with each batch shape's step recorded as a CUDA graph and
-#              replayed (train.cuda_graphs=on), the recordings within its first updates
+#   train_graphs  train with tmt's step recorded as a CUDA graph per batch shape and replayed
+#              (train.cuda_graphs=on), the recordings within its first updates; HF Marian as in
+#              train, for the ratio
 #   e2e_graphs e2e with train.cuda_graphs=on, the recordings inside the budget
 #   train_traced  train's tmt row with the model traced into CUDA graphs by torch.compile
 #              (compile_mode cudagraphs)
@@ -111,7 +112,7 @@ wanted tests && part tests 140 $PY -m pytest -q -p no:cacheprovider -m gpu tests
 wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
 wanted profile && part profile 150 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
 wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
-wanted train_graphs && train_part train_graphs --systems tmt --set train.cuda_graphs=on
+wanted train_graphs && train_part train_graphs --systems tmt,hf_marian --set train.cuda_graphs=on
 wanted e2e_graphs && part e2e_graphs 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \
   --label e2e_graphs --set train.cuda_graphs=on
 wanted train_traced && train_part train_traced --systems tmt --compile=cudagraphs
