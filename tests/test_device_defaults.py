@@ -256,7 +256,7 @@ def test_cuda_graphs_are_refused_gradients_to_accumulate(tiny_cfg: Config, tmp_p
 
 
 def test_cuda_graphs_are_recorded_on_cuda_and_refused_what_they_cannot_record(
-    tiny_cfg: Config, tmp_path: Path
+    tiny_cfg: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """train.cuda_graphs=on records a micro-batch's step on CUDA only (a CPU trains as with off)
     and is refused on CUDA, before anything is written, with torch.compile, fp16's loss scaler
@@ -266,7 +266,9 @@ def test_cuda_graphs_are_recorded_on_cuda_and_refused_what_they_cannot_record(
 
     assert tiny_cfg.train.cuda_graphs == "off"
     on = with_train(tiny_cfg, out_dir=str(tmp_path / "run"), cuda_graphs="on")
-    assert device_defaults.graphs(_Source(), Objective(0.1), on, CPU) is None
+    with caplog.at_level("INFO"):
+        assert device_defaults.graphs(_Source(), Objective(0.1), on, CPU) is None
+    assert "a cpu has no CUDA graphs to record" in caplog.text  # said, not silently ignored
     assert device_defaults.graphs(_Source(), Objective(0.1), tiny_cfg, CUDA) is None
     refused = [({"compile": "on"}, 1, "train.compile=on"),
                ({"precision": "fp16"}, 1, "train.precision=fp16"),

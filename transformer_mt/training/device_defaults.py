@@ -88,7 +88,11 @@ def graphs(
 ) -> MicroBatchGraphs | None:
     """train.cuda_graphs=on: the micro-batches' graphs on CUDA; None on a CPU, which has none to
     record, or with "off" (what dry_run.check_before_training refuses it never gets here)."""
-    if cfg.train.cuda_graphs != "on" or device.type != "cuda":
+    if cfg.train.cuda_graphs != "on":
+        return None
+    if device.type != "cuda":
+        logger.info("train.cuda_graphs=on: a %s has no CUDA graphs to record; training"
+                    " without them", device.type)  # fmt: skip
         return None
     return MicroBatchGraphs(model, objective, cfg.train.precision, device)
 
