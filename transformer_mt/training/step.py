@@ -178,18 +178,18 @@ def _forward_backward(
         with no_sync:
             poison = fault_point("loss", attempt) if attempt is not None else None
             if graphs is not None and poison is None:
+                # Its sums are read below, before another graph replays: they share memory.
                 loss_sum, nll_sum = graphs.forward_backward(batch, info.world_size / global_tokens)
-                # Read before another graph replays (they share memory): in stream order.
-                sums_of_rank += torch.stack([loss_sum.double(), nll_sum.double()])
-                return False
-            # The logits, or the last states for the fused loss to project.
-            out = model(batch.src, batch.tgt_in, project=objective.wants_logits)
-            sums = objective(out, batch.tgt_out, batch.pad_id)
-            loss = sums.loss * (info.world_size / global_tokens)
-            if poison == "nan":
-                loss = loss * float("nan")
-            with torch.autocast(device, enabled=False):
-                scaler.scale(loss).backward()
+            else:
+                # The logits, or the last states for the fused loss to project.
+                out = model(batch.src, batch.tgt_in, project=objective.wants_logits)
+                sums = objective(out, batch.tgt_out, batch.pad_id)
+                loss = sums.loss * (info.world_size / global_tokens)
+                if poison == "nan":
+                    loss = loss * float("nan")
+                with torch.autocast(device, enabled=False):
+                    scaler.scale(loss).backward()
+                loss_sum, nll_sum = sums.loss.detach(), sums.nll
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not distributed.is_out_of_memory(err):
             raise
@@ -205,7 +205,7 @@ def _forward_backward(
             with torch.autocast(device, enabled=False):
                 scaler.scale(out.float().sum() * 0.0).backward()  # joins it; the update is skipped
         return True
-    sums_of_rank += torch.stack([sums.loss.detach().double(), sums.nll.double()])
+    sums_of_rank += torch.stack([loss_sum.double(), nll_sum.double()])
     return False
 
 
