@@ -40,11 +40,18 @@ REPO = Path(__file__).resolve().parents[1]
 # Read when an interpreter starts, so a command whose value differs needs its own interpreter.
 _AT_START = ("HF_", "MALLOC_", "PYTHON", "OMP_", "MKL_", "OPENBLAS_", "LD_", "CUDA_", "TORCH")
 _THREADS = "OMP_NUM_THREADS"  # set in the child instead (torch.set_num_threads)
-# Also read at start, but the child applies them itself (its streams, sys.dont_write_bytecode);
-# and TORCHINDUCTOR_CACHE_DIR, which torch writes into the test process's environment the first
+# Also read at start, but the child applies them itself (its streams, sys.dont_write_bytecode,
+# faulthandler: tests/test_serve.py's servers print their stacks on SIGABRT, and a started
+# interpreter for each of them cost the suite 2-3 s a server); and TORCHINDUCTOR_CACHE_DIR, which torch writes into the test process's environment the first
 # time anything there asks for inductor's cache (torchao, torch.compile) and reads only when it
 # compiles: matched, it sent every later command of that worker to a started interpreter.
-_APPLIED = (_THREADS, "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "TORCHINDUCTOR_CACHE_DIR")
+_APPLIED = (
+    _THREADS,
+    "PYTHONUNBUFFERED",
+    "PYTHONDONTWRITEBYTECODE",
+    "PYTHONFAULTHANDLER",
+    "TORCHINDUCTOR_CACHE_DIR",
+)
 _READY_TIMEOUT = 300.0  # s for the server to import torch and tmt on a busy machine
 
 
@@ -319,6 +326,12 @@ def _command(request: dict, fds: list[int]) -> None:
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(
         io.BufferedWriter(io.FileIO(2, "w")), errors="backslashreplace", write_through=True
     )
+    import faulthandler  # on as the interpreter turns it on at start, or off
+
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable(all_threads=True)
+    else:
+        faulthandler.disable()
     sys.argv = [str(REPO / "transformer_mt" / "__main__.py"), *request["args"]]
     if _THREADS in os.environ:
         import torch

@@ -132,8 +132,17 @@ def test_logits_equal_transformers(
     assert theirs.final_logits_bias.abs().max() > 0.5  # the output bias is part of it
 
 
-@pytest.mark.parametrize("kind", ["multi", "separate"])
-@pytest.mark.parametrize("beam", [1, 4])
+# make test decodes each kind and each beam once ([4-multi], [1-separate]); the other two pairs
+# (3-4 s each on the 2-core machine) are in the slow set, which .ci/run runs too.
+@pytest.mark.parametrize(
+    ("beam", "kind"),
+    [
+        (1, "separate"),
+        (4, "multi"),
+        pytest.param(1, "multi", marks=pytest.mark.slow),
+        pytest.param(4, "separate", marks=pytest.mark.slow),
+    ],
+)
 def test_outputs_equal_generate_batched_and_one_by_one(
     marian_dirs: dict[str, Path], imported: dict[str, Path], kind: str, beam: int
 ) -> None:
