@@ -290,6 +290,18 @@ def test_a_command_forked_for_the_tests_shows_what_a_started_one_shows(
                                                  str(tmp_path / "inductor")},
                                 stdout=subprocess.DEVNULL)  # fmt: skip
     assert isinstance(later, cli_processes.Process) and later.wait(timeout=60) == 0
+    # PYTHONFAULTHANDLER (tests/test_serve.py's servers): forked too, and on SIGABRT the child
+    # prints its threads' stacks and dies of it, as a started interpreter would.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "TMT_FAULT": "chunk@1:hang"}
+    aborted = cli_processes.popen([*job, "-o", str(tmp_path / "c.txt")], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert isinstance(aborted, cli_processes.Process)
+    with pytest.raises(subprocess.TimeoutExpired):
+        aborted.wait(timeout=0.5)
+    aborted.send_signal(signal.SIGABRT)
+    _, stderr = aborted.communicate(timeout=60)
+    assert aborted.returncode == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in stderr and "most recent call first" in stderr, stderr
     # What an interpreter reads only as it starts must be the server's, else a real one runs.
     other = cli_processes.popen(["--help"], env={**os.environ, "HF_HOME": str(tmp_path)},
                                 stdout=subprocess.DEVNULL)  # fmt: skip
