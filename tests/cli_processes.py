@@ -42,9 +42,10 @@ _AT_START = ("HF_", "MALLOC_", "PYTHON", "OMP_", "MKL_", "OPENBLAS_", "LD_", "CU
 _THREADS = "OMP_NUM_THREADS"  # set in the child instead (torch.set_num_threads)
 # Also read at start, but the child applies them itself (its streams, sys.dont_write_bytecode,
 # faulthandler: tests/test_serve.py's servers print their stacks on SIGABRT, and a started
-# interpreter for each of them cost the suite 2-3 s a server); and TORCHINDUCTOR_CACHE_DIR, which torch writes into the test process's environment the first
-# time anything there asks for inductor's cache (torchao, torch.compile) and reads only when it
-# compiles: matched, it sent every later command of that worker to a started interpreter.
+# interpreter for each of them cost the suite 2-3 s a server); and TORCHINDUCTOR_CACHE_DIR,
+# which torch writes into the test process's environment the first time anything there asks for
+# inductor's cache (torchao, torch.compile) and reads only when it compiles: matched, it sent
+# every later command of that worker to a started interpreter.
 _APPLIED = (
     _THREADS,
     "PYTHONUNBUFFERED",
