@@ -180,8 +180,10 @@ def clocked_run(
         since = since or (step, now)
         planned = schedule.time_plan_due(budget_s, now, step, since, now)
         if planned:
+            checked = schedule.retimed
             schedule.continue_with(planned, after=step)
-            since = (step, now)
+            if checked or not schedule.retimed:  # as train._Session._replan
+                since = (step, now)
             plans.append(planned)
     return {"step": step, "lr": schedule.lr(step), "peak": schedule.peak, "plans": plans,
             "used_s": now, "peak_at": peak_at, "warmup": schedule.warmup}  # fmt: skip
@@ -206,19 +208,38 @@ def third_h200_run(step: int) -> float:
     return 0.28 if step <= 31 else 0.135 if step <= 103 else 0.07 if step <= 235 else 0.05
 
 
+def graphs_run(step: int) -> float:
+    """train.cuda_graphs: CUDA's start, a first epoch of eager and recorded shapes, then replays
+    some 30 times faster."""
+    return 10.0 if step == 1 else 0.3 if step <= 100 else 0.01
+
+
+def graphs_shapes_run(step: int) -> float:
+    """train.cuda_graphs with configs/multi30k-gpu.yaml's 35 shapes in a first epoch of ~105
+    updates: a new shape (its eager micro-batch and its recording) every third update, replays
+    between and after."""
+    if step == 1:
+        return 8.0
+    return 0.4 if step <= 105 and step % 3 == 0 else 0.008
+
+
+def first_epoch_run(step: int) -> float:
+    """A GPU's first epoch, every batch shape new, then warm."""
+    return 0.3 if step <= 115 else 0.035
+
+
 @pytest.mark.parametrize(
     "update_s",
     [
-        lambda step: 0.3 if step <= 115 else 0.035,  # a GPU's first epoch: every shape new
+        first_epoch_run,
         # the second H200 run: data and CUDA's start, 40 new shapes, then warm (a first plan of
         # 59 updates, checked at its decay at 519, ended the budget after 55 s)
         lambda step: 10.0 if step == 1 else 1.0 if step <= 5 else 0.3 if step <= 45 else 0.035,
         third_h200_run,
         lambda step: 0.05,  # steady
         lambda step: 0.02 if step <= 300 else 0.06,  # the machine got busy
-        # train.cuda_graphs: CUDA's start, a first epoch of eager and recorded shapes, then
-        # replays some 30 times faster
-        lambda step: 10.0 if step == 1 else 0.3 if step <= 100 else 0.01,
+        graphs_run,
+        graphs_shapes_run,
     ],
     ids=[
         "fast-after-the-first-epoch",
@@ -227,22 +248,32 @@ def third_h200_run(step: int) -> float:
         "steady",
         "slower-later",
         "cuda-graphs",
+        "cuda-graphs-35-shapes",
     ],
 )
 def test_a_time_budget_is_used_to_its_end_and_ends_in_its_decay(update_s) -> None:
     """Measured on an H200 (docs/benchmarks.md): the plan, timed on a first epoch whose every
-    batch shape was new, ended the 96-second budget of configs/multi30k-gpu.yaml after 66 s."""
+    batch shape was new, ended the 96-second budget of configs/multi30k-gpu.yaml after 66 s.
+    The rate of the decay is timed from the plan before the check at its start: a validation in
+    the few updates after the check timed it at a fraction of the real one (cuda-graphs: 88 s
+    used, 92 % of the budget; cuda-graphs-35-shapes: 82 s)."""
     run = clocked_run(96.0, update_s, validation_s=1.0, every=200)
-    assert run["used_s"] >= 0.9 * 96.0, run
+    assert run["used_s"] >= 0.95 * 96.0, run
     assert run["lr"] <= 0.2 * run["peak"], run
 
 
-def test_a_slow_first_update_does_not_cut_the_warmup_short() -> None:
+@pytest.mark.parametrize(
+    "update_s", [third_h200_run, first_epoch_run, graphs_run, graphs_shapes_run]
+)
+def test_slow_first_updates_do_not_cut_the_warmup_short(update_s) -> None:
     """The third H200 run: its first update (CUDA's start) took ~10 s, the first plan timed over
     it made 41 updates where 1,153 ran, and its warmup reached the peak at update 33 (the plan
     then grew to warmup 800; test2016 30.99 BLEU). Timed from the end of the first update, the
-    peak comes near the warmup of the plan the run ends with."""
-    run = clocked_run(96.0, third_h200_run, validation_s=1.0, every=200)
+    peak comes near the warmup of the plan the run ends with; and so it does when a first epoch
+    of new shapes (or of CUDA graphs recorded) is far slower than the rest: a plan that grows in
+    the warmup is made on 20 updates (over 1 % of the budget), so the warmup follows the rate
+    as it rises (the peak came at update 250 of 3,400, then at 660)."""
+    run = clocked_run(96.0, update_s, validation_s=1.0, every=200)
     assert run["peak_at"] >= 0.75 * run["warmup"], run
 
 

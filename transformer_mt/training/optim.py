@@ -132,13 +132,18 @@ class BudgetSchedule:
         the plan sooner or later (less moves with a validation or a checkpoint in the window;
         the first updates can be far slower than the rest: on a GPU every batch shape met for
         the first time costs ~0.3 s, and the first plan, timed on them, left 30 % of a
-        96-second budget unused); and once more two updates before its decay (agreed during the
-        first, applied from the second, still at the peak) at the rate since the last plan,
-        which includes the validations and checkpoints the first measure did not see; sooner,
-        when the clock would stop the run before its decay began. After that (and in a resumed
-        session) the clock may cut off at most a quarter of the decay, at the rate since the
-        last plan (5 updates at least), or the plan is made again, shorter: the run ends in its
-        decay, not at its peak, even when validations cost more than measured."""
+        96-second budget unused). In the warmup, a plan that grows is made on 20 updates over
+        1 % of the budget: the warmup then follows the rate as it rises, where a peak reached on
+        the plan of the first, slow updates came at update 250 of 3,400 (a clock profile of
+        train.cuda_graphs, tests/test_promises3.py). Once more two updates before its decay
+        (agreed during the first, applied from the second, still at the peak) at the rate since
+        the last plan, which includes the validations and checkpoints the first measure did not
+        see; sooner, when the clock would stop the run before its decay began. After that (and
+        in a resumed session) the clock may cut off at most a quarter of the decay, at the rate
+        since the plan before that check (the caller keeps its `since`: a validation in the few
+        updates after the check would time the rate at a fraction of the real one; 5 updates at
+        least), or the plan is made again, shorter: the run ends in its decay, not at its peak,
+        even when validations cost more than measured."""
         done = step - since[0]
         if done < 5:
             return 0
@@ -152,7 +157,9 @@ class BudgetSchedule:
             if not self.retimed:  # the check before the decay, or the clock stops it before
                 off = reach < self.decay_start or abs(reach - self.total) > PLAN_MOVE * self.total
                 measured = now - since[1] >= 0.1 * budget_s
-                due = step + 2 >= self.decay_start or (off and measured)
+                warming = (step < self.warmup and reach > self.total and done >= 20
+                           and now - since[1] >= 0.01 * budget_s)  # fmt: skip
+                due = step + 2 >= self.decay_start or (off and (measured or warming))
             else:  # then the clock may cut off at most a quarter of the decay
                 due = reach < self.total - 0.25 * (self.total - self.decay_start)
         return time_plan(self, budget_s, elapsed_s, step, rate) if due else 0
