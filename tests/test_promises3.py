@@ -180,9 +180,8 @@ def clocked_run(
         since = since or (step, now)
         planned = schedule.time_plan_due(budget_s, now, step, since, now)
         if planned:
-            checked = schedule.retimed
-            schedule.continue_with(planned, after=step)
-            if checked or not schedule.retimed:  # as train._Session._replan
+            _, restart = schedule.continue_with(planned, after=step)
+            if restart:
                 since = (step, now)
             plans.append(planned)
     return {"step": step, "lr": schedule.lr(step), "peak": schedule.peak, "plans": plans,
@@ -288,8 +287,8 @@ def test_a_step_budget_inside_the_time_budget_is_not_planned_again_to_itself() -
         step, now = step + 1, now + 0.05
         planned = schedule.time_plan_due(96.0, now, step, since, now)
         if planned:
-            schedule.continue_with(planned, after=step)
-            since = (step, now)
+            _, restart = schedule.continue_with(planned, after=step)
+            since = (step, now) if restart else since
             plans.append(planned)
     assert plans == [500, 500] and step == 500
 

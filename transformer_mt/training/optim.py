@@ -164,19 +164,23 @@ class BudgetSchedule:
                 due = reach < self.total - 0.25 * (self.total - self.decay_start)
         return time_plan(self, budget_s, elapsed_s, step, rate) if due else 0
 
-    def continue_with(self, planned: int, after: int) -> bool:
-        """Continue with rank 0's plan of the time budget from update `after`; True for the
-        first plan. A later plan whose decay starts now is the check before the decay
-        (retimed): after it, plans only shorten. One that moves the decay further off (the
-        rate grew: on a GPU the first updates, CUDA's start and every new batch shape, are the
-        slowest; a first plan timed on them ended a 96-second budget after 55 s) keeps the
-        run at its peak, planned again as the rate moves."""
+    def continue_with(self, planned: int, after: int) -> tuple[bool, bool]:
+        """Continue with rank 0's plan of the time budget from update `after`. A later plan
+        whose decay starts now is the check before the decay (retimed): after it, plans only
+        shorten. One that moves the decay further off (the rate grew: on a GPU the first
+        updates, CUDA's start and every new batch shape, are the slowest; a first plan timed on
+        them ended a 96-second budget after 55 s) keeps the run at its peak, planned again as
+        the rate moves. Returns (whether this is the first plan, whether the next plan's rate is
+        timed from here): not from the check before the decay, since a validation in the few
+        updates after it would time the decay's rate at a fraction of the real one and cut the
+        run short; time_plan_due's `since` stays the plan's before."""
         first, before, was_due = not self.timed, self.total, after + 2 >= self.decay_start
         self.plan(planned, after=after)
         postponed = planned > (1 + PLAN_MOVE) * before  # a move time_plan_due acts on
         at_decay = not first and (was_due or after + 2 >= self.decay_start) and not postponed
+        checking = at_decay and not self.retimed
         self.timed, self.retimed = True, self.retimed or at_decay
-        return first
+        return first, not checking
 
     def rebudget(self, before_s: float, budget_s: float) -> bool:
         """A resumed session's time budget (seconds, 0: none) against the one of the session

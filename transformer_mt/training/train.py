@@ -280,12 +280,11 @@ class _Session:
 
     def _replan(self, planned: int) -> None:
         """Continue the schedule with rank 0's plan of the time budget, agreed at this update."""
-        checked = self.schedule.retimed
-        first = self.schedule.continue_with(planned, after=self.opt.scheduler.last_epoch + 1)
-        if checked or not self.schedule.retimed:  # the next plan's rate is timed from here,
+        first, restart = self.schedule.continue_with(
+            planned, after=self.opt.scheduler.last_epoch + 1
+        )
+        if restart:  # the next plan's rate is timed from here (BudgetSchedule.continue_with)
             self.rate_from = (self.step, time.monotonic())
-        # but not from the check before the decay: a validation in the few updates after it
-        # would time the decay's rate at a fraction of the real one, and cut the run short.
         self.metrics.write({"step": self.step, "planned_updates": planned})
         fault_point("plan", 1 if first else 2)
         what = "at the rate measured" if first else "at the rate since, so that the decay fits"
