@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 
 import pytest
 import sentencepiece as spm
@@ -60,6 +61,24 @@ def test_vocab_too_large_for_the_corpus_is_explained() -> None:
         match=r"tokenizer.vocab_size=5000 is too large for this corpus: sentencepiece can build at most \d+",
     ):
         train_tokenizer(iter(SENTENCES), TokenizerConfig(vocab_size=5000, byte_fallback=False))
+
+
+@pytest.mark.parametrize("byte_fallback", [True, False])
+def test_vocab_too_small_for_the_characters_is_explained_in_tmt_settings(
+    byte_fallback: bool,
+) -> None:
+    """sentencepiece's advice names its command-line flag (--character_coverage), which tmt
+    has not; the error names the settings a tmt user changes, and the size they need."""
+    with pytest.raises(TmtError) as caught:
+        train_tokenizer(iter(SENTENCES), TokenizerConfig(vocab_size=8, byte_fallback=byte_fallback))
+    message = str(caught.value)
+    needed = int(re.search(r"need at least (\d+);", message).group(1))
+    assert message.startswith("tokenizer.vocab_size=8 is too small for this corpus")
+    assert "--" not in message and "tokenizer.character_coverage" in message
+    assert ("256 byte pieces" in message) == byte_fallback
+    # The size named is enough: a tokenizer of that many pieces trains.
+    enough = TokenizerConfig(vocab_size=needed, byte_fallback=byte_fallback)
+    assert train_tokenizer(iter(SENTENCES), enough).vocab_size == needed
 
 
 def test_no_training_text_is_explained() -> None:

@@ -438,6 +438,15 @@ def _explain_training_error(message: str, cfg: TokenizerConfig) -> str:
             f"tokenizer.vocab_size={cfg.vocab_size} is too large for this corpus:"
             f" sentencepiece can build at most {limit.group(2)} pieces from it"
         )
+    # sentencepiece's advice names its own flags; say it in tmt's settings.
+    small = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", message)
+    if small:
+        fallback = " (256 byte pieces with tokenizer.byte_fallback)" if cfg.byte_fallback else ""
+        return (
+            f"tokenizer.vocab_size={cfg.vocab_size} is too small for this corpus: its characters"
+            f" and special pieces{fallback} need at least {small.group(2)}; raise"
+            " tokenizer.vocab_size, or lower tokenizer.character_coverage"
+        )
     if "sentences_.empty()" in message or "no sentences" in message.lower():
         return "tokenizer: no training sentences (the training split is empty after filtering)"
     detail = message.strip().splitlines()[-1] if message.strip() else "unknown error"
