@@ -576,6 +576,22 @@ def table(directory: Path) -> str:
     return "\n".join(lines)
 
 
+def _busy(r: dict) -> str:
+    """A warm update's wall time against its kernels' (bench_train.py --profile-steps): bound by
+    the host or by the kernels, and which kinds of kernel."""
+    profiled = r.get("warm_profile") or {}
+    if "error" in profiled:
+        return f" (warm profile failed: {profiled['error']})"
+    if "gpu_busy_ms" not in profiled or not r.get("warm_ms_per_update"):
+        return ""
+    wall, busy = r["warm_ms_per_update"], profiled["gpu_busy_ms"]
+    kinds = ", ".join(f"{k} {v}" for k, v in list(profiled["kinds_ms"].items())[:5])
+    return (
+        f" (a warm update {wall} ms, its kernels {busy} ms: {busy / wall:.0%} busy; {kinds} ms;"
+        f" {profiled['launches']} launches)"
+    )
+
+
 def _summary(name: str, found: dict) -> str:
     if not found:
         return "(no result: see its log)"
@@ -594,7 +610,7 @@ def _summary(name: str, found: dict) -> str:
             )
             cells.append(
                 f"{system} {r['tokens_per_s']:,.0f} tok/s over the first {r['steps']}"
-                f"{mfu}{warm}; {r['batch_shapes']} shapes"
+                f"{mfu}{warm}; {r['batch_shapes']} shapes{_busy(r)}"
             )
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in found.get("ratios", {}).items())
         peak = next(iter(res.values()), {}).get("bf16_peak_tflops")

@@ -17,7 +17,9 @@
 #              37k joint vocabulary of configs/base.yaml, which the bundled corpus trains) on
 #              Multi30k en→de, at tmt's GPU batches (25,000 tokens, bounded shapes), bf16: the
 #              first STEPS updates (every new shape in them) and WARM more over shapes seen;
-#              tokens/s of real target tokens, MFU against the card's measured bf16 rate
+#              tokens/s of real target tokens, MFU against the card's measured bf16 rate; then
+#              10 warm updates profiled: the kernels' busy time against the update's wall time
+#              (bound by the host or by its kernels), by kind of kernel
 #   e2e        tmt train -c multi30k-gpu through torchrun (NCCL, one rank): wall time, updates,
 #              then test2016 BLEU (tmt evaluate)
 #   decode     10,000 lines by that model at its defaults: tmt, transformers generate on tmt's
@@ -100,7 +102,7 @@ train_part() {
   local name=$1
   shift
   part "$name" 125 $PY scripts/bench_train.py --device cuda --precision bf16 "${BASE[@]}" \
-    --cold-steps "$STEPS" --warm-steps "$WARM" --warmup 0 --rounds 1 "$@"
+    --cold-steps "$STEPS" --warm-steps "$WARM" --profile-steps 10 --warmup 0 --rounds 1 "$@"
   tail -1 "$OUT/$name.log" > "$OUT/$name.json"
 }
 # The headline figures first: a part cut off loses the least.

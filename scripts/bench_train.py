@@ -202,6 +202,7 @@ def child(system: str, args: argparse.Namespace) -> dict:
     cold_s = timed(cold)
     warm = cold[: args.warm_steps]
     warm_s = timed(warm) if warm else float("nan")
+    profiled = profile_updates(step, warm[: args.profile_steps], args.device) if warm else None
     tokens = sum(b.n_tokens for b in cold)
     result = {
         "system": system,
@@ -215,9 +216,12 @@ def child(system: str, args: argparse.Namespace) -> dict:
         "tokens_per_s": round(tokens / cold_s, 1),
         "warm_steps": len(warm),
         "warm_tokens_per_s": round(sum(b.n_tokens for b in warm) / warm_s, 1) if warm else None,
+        "warm_ms_per_update": round(1e3 * warm_s / len(warm), 2) if warm else None,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "threads": torch.get_num_threads(),
     }
+    if profiled:
+        result["warm_profile"] = profiled
     if args.device == "cuda":
         peak = matmul_peak()
         result |= {"gpu": torch.cuda.get_device_name(), "bf16_peak_tflops": round(peak / 1e12, 1)}
@@ -225,6 +229,75 @@ def child(system: str, args: argparse.Namespace) -> dict:
         if warm:
             result["warm_mfu"] = round(model_flops(cfg, tok, warm, tok.pad_id) / warm_s / peak, 4)
     return result
+
+
+# What a kernel's name says it does, first match wins (cuBLAS's, CUTLASS's and cuDNN's names
+# are templates many lines long).
+KERNEL_KINDS = (
+    ("attention", ("fmha", "flash", "attention", "sdpa", "cudnn")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+    ("layer_norm", ("layer_norm", "layernorm", "gammabeta")),
+    ("softmax", ("softmax", "logsumexp")),
+    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("dropout", ("dropout",)),
+    ("reduction", ("reduce",)),
+    ("copy", ("memcpy", "memset", "copy", "cast")),
+    ("elementwise", ("elementwise",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
+
+
+def profile_updates(step, batches, device: str) -> dict | None:
+    """Where `len(batches)` updates over shapes already seen spend their time, per update: on
+    CUDA the kernels' busy time, by kind and the top kernels, and the launches; on a CPU the
+    operators' own time. Says whether an update is bound by its host (GPU busy a small share of
+    its wall time) or by its kernels, and by which. A failure is reported, not raised: this is
+    a benchmark's extra row."""
+    if not batches:
+        return None
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    n = len(batches)
+    try:
+        with profile(activities=activities) as prof:
+            for batch in batches:
+                step(batch.to(device))
+            if cuda:
+                torch.cuda.synchronize()
+        events = prof.events()
+        top: dict[str, float] = {}
+        result: dict = {"updates": n}
+        if cuda:
+            kinds: dict[str, float] = {}
+            for e in events:
+                if e.device_type == DeviceType.CUDA:
+                    us = e.time_range.elapsed_us()
+                    top[e.name] = top.get(e.name, 0.0) + us
+                    kinds[kernel_kind(e.name)] = kinds.get(kernel_kind(e.name), 0.0) + us
+            busy = sum(kinds.values())
+            result["gpu_busy_ms"] = round(busy / n / 1e3, 2)
+            result["kinds_ms"] = {
+                k: round(v / n / 1e3, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+            }
+            result["launches"] = round(sum("Launch" in e.name for e in events) / n, 1)
+        else:
+            for e in prof.key_averages():
+                if e.key.startswith("aten::"):
+                    top[e.key] = e.self_cpu_time_total
+            result["host_op_ms"] = round(sum(top.values()) / n / 1e3, 2)
+        best = sorted(top.items(), key=lambda kv: -kv[1])[:10]
+        result["top_ms"] = {name[:100]: round(us / n / 1e3, 3) for name, us in best}
+        return result
+    except Exception as err:  # the row says what failed; the timings stand
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
 
 
 def tmt_step(model, cfg, tok, args):
@@ -329,6 +402,10 @@ def main() -> None:
     parser.add_argument("--cold-steps", "--steps", type=int, default=20, dest="cold_steps")
     parser.add_argument("--warm-steps", type=int, default=0, help="again over seen shapes")
     parser.add_argument("--warmup", type=int, default=4, help="untimed updates first (CPU)")
+    parser.add_argument(
+        "--profile-steps", type=int, default=0,
+        help="then profile this many warm updates: GPU busy time by kernel kind (CUDA)",
+    )  # fmt: skip
     parser.add_argument("--attention", default="auto", help="tmt's model.attention_backend")
     parser.add_argument(
         "--compile", nargs="?", const="default", help="tmt's step torch.compiled in this mode"

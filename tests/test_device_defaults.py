@@ -293,3 +293,45 @@ class _Source(torch.nn.Module):
         self, src: torch.Tensor, tgt_in: torch.Tensor, project: bool = True
     ) -> torch.Tensor:
         return src
+
+
+def test_the_training_benchmark_says_where_a_warm_update_spends_its_time(
+    tiny_cfg: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench_train.py --profile-steps: the profiled updates' operators (kernels and their
+    kinds on CUDA), per update; a failure is the row's message, never the benchmark's end."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_gpu import _busy
+    from bench_train import kernel_kind, profile_updates
+
+    model = torch.nn.Linear(4, 4)
+    profiled = profile_updates(lambda x: model(x).sum().backward(), [torch.ones(2, 4)] * 3, "cpu")
+    assert profiled["updates"] == 3 and profiled["host_op_ms"] > 0
+    assert "aten::addmm" in profiled["top_ms"]
+    assert profile_updates(lambda x: None, [], "cpu") is None
+
+    def fails(x: torch.Tensor) -> None:
+        raise RuntimeError("CUPTI not initialised")
+
+    assert profile_updates(fails, [torch.ones(1)], "cpu") == {
+        "error": "RuntimeError: CUPTI not initialised"
+    }
+    # Kernel names as the third H200 run's profile printed them (cuDNN's attention first: its
+    # name also holds a matrix product's mark).
+    kinds = {
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1": "attention",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel<float>": "layer_norm",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda": "copy",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>": "reduction",
+        "void at::native::embedding_backward_feature_kernel<float>": "other",
+    }  # fmt: skip
+    assert {name: kernel_kind(name) for name in kinds} == kinds
+    row = {"warm_ms_per_update": 50.0, "warm_profile": {
+        "gpu_busy_ms": 5.0, "kinds_ms": {"matmul": 3.0, "attention": 2.0}, "launches": 824.0}}  # fmt: skip
+    assert _busy(row) == (
+        " (a warm update 50.0 ms, its kernels 5.0 ms: 10% busy; matmul 3.0, attention 2.0 ms;"
+        " 824.0 launches)"
+    )
+    assert _busy({"warm_profile": {"error": "E"}}) == " (warm profile failed: E)"
