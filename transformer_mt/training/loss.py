@@ -116,29 +116,16 @@ class _ChunkedLoss(torch.autograd.Function):
         n_real = loss.clone()
         with torch.autocast(device, enabled=False):
             for start in range(0, hidden.size(0), rows):
-                y = target[start : start + rows]  # (n,)
-                real = (y != pad_id).to(exact)[:, None]  # (n, 1)
-                h = (hidden[start : start + rows] * real.to(hidden.dtype)).to(compute)  # (n, D)
-                z = F.linear(h, w, b).to(exact)  # (n, V)
-                index = y.clamp(0, vocab - 1)[:, None]  # a padding row's id: masked anyway
-                top = z.amax(dim=-1, keepdim=True)  # (n, 1): its largest score
-                # dloss/dz but its ε/V: softmax(z) less (1 - ε) at the reference, below.
-                grad_z = torch.softmax(z, dim=-1)
-                # log Σ_k exp z_k from the largest probability, exp(top - log_z): at least 1/V,
-                # so its log is exact, where torch.logsumexp would read z three more times
-                # (its max, z less it, exp) and write a copy of it.
-                log_z = top - grad_z.amax(dim=-1, keepdim=True).log()  # (n, 1)
-                nll_rows = (log_z - z.gather(1, index)) * real
-                del z
-                mean_z = h.to(exact) @ mean_w[:, None] + mean_b  # (n, 1)
-                uniform_rows = (log_z - mean_z) * real  # -mean_k log p_k
-                loss += ((1.0 - epsilon) * nll_rows + epsilon * uniform_rows).sum()
-                nll += nll_rows.sum()
+                chunk = slice(start, start + rows)
+                real = (target[chunk] != pad_id).to(exact)[:, None]  # (n, 1)
+                h = (hidden[chunk] * real.to(hidden.dtype)).to(compute)  # (n, D); padding 0
+                sums, grad_z = _chunk_loss(h, w, b, target[chunk], real, mean_w, mean_b, epsilon)
+                loss += sums[0]
+                nll += sums[1]
                 n_real += real.sum()
-                grad_z.scatter_add_(1, index, -(1.0 - epsilon) * real)
                 g = grad_z.to(compute)
                 grad_rows = (g @ w).to(exact) - smoothing  # (n, D)
-                grad_hidden[start : start + rows] = (grad_rows * real).to(hidden.dtype)
+                grad_hidden[chunk] = (grad_rows * real).to(hidden.dtype)
                 grad_weight += (g.T @ h).to(exact)  # (V, D); padding rows' h are 0
                 real_states += h.to(exact).sum(dim=0)
                 if grad_bias is not None:
@@ -158,6 +145,35 @@ class _ChunkedLoss(torch.autograd.Function):
         bias = (grad_bias * grad_loss).to(ctx.weight_dtype) if grad_bias is not None else None
         hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         return hidden, weight, bias, None, None, None, None
+
+
+def _chunk_loss(
+    h: torch.Tensor,  # (n, D), padding rows 0, in the product's precision
+    w: torch.Tensor,  # (V, D)
+    b: torch.Tensor | None,  # (V,)
+    y: torch.Tensor,  # (n,)
+    real: torch.Tensor,  # (n, 1): 1.0 on real rows, 0.0 on padding
+    mean_w: torch.Tensor,  # (D,): the mean of W's rows
+    mean_b: torch.Tensor | float,  # the mean of b
+    epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's (loss, nll) sums and dloss/dz but its ε/V: softmax(z) less (1 - ε) at the
+    reference, on real rows (padding rows: their softmax, left out by the caller)."""
+    vocab = w.size(0)
+    z = F.linear(h, w, b).to(real.dtype)  # (n, V)
+    index = y.clamp(0, vocab - 1)[:, None]  # a padding row's id: masked anyway
+    top = z.amax(dim=-1, keepdim=True)  # (n, 1): its largest score
+    grad_z = torch.softmax(z, dim=-1)
+    # log Σ_k exp z_k from the largest probability, exp(top - log_z): at least 1/V, so its log
+    # is exact, where torch.logsumexp would read z three more times (its max, z less it, exp)
+    # and write a copy of it.
+    log_z = top - grad_z.amax(dim=-1, keepdim=True).log()  # (n, 1)
+    nll_rows = (log_z - z.gather(1, index)) * real
+    mean_z = h.to(real.dtype) @ mean_w[:, None] + mean_b  # (n, 1): mean_k z_k
+    uniform_rows = (log_z - mean_z) * real  # -mean_k log p_k
+    loss = ((1.0 - epsilon) * nll_rows + epsilon * uniform_rows).sum()
+    grad_z.scatter_add_(1, index, -(1.0 - epsilon) * real)
+    return torch.stack([loss, nll_rows.sum()]), grad_z
 
 
 @dataclass(frozen=True)
