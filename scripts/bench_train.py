@@ -321,7 +321,7 @@ def tmt_step(model, cfg, tok, args):
     optimizer, scheduler = build_optimizer(model, cfg.model, cfg.optim, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     opt = step.Optimization(optimizer, scheduler, scaler)
-    fused = device_defaults.fused_loss(cfg, device)
+    fused = device_defaults.fused_loss(cfg, device, tok.vocab_size)
     objective = Objective(cfg.optim.label_smoothing, model.output_projection if fused else None)
     trained = device_defaults.compiled(model, cfg, device)  # as tmt train runs it
     graphs = device_defaults.graphs(trained, objective, cfg, device)  # train.cuda_graphs=on

@@ -118,11 +118,17 @@ def test_a_gpus_decoding_batch_is_what_half_its_free_memory_holds() -> None:
 
 
 def test_the_fused_loss_and_the_attention_kernels_by_device(tiny_cfg: Config) -> None:
-    assert not device_defaults.fused_loss(tiny_cfg, CPU)
-    assert device_defaults.fused_loss(tiny_cfg, CUDA)
+    # auto: on with CUDA; on a CPU from FUSED_LOSS_CPU_VOCAB pieces (the tiny preset has 500).
+    large = device_defaults.FUSED_LOSS_CPU_VOCAB
+    assert not device_defaults.fused_loss(tiny_cfg, CPU, 500)
+    assert not device_defaults.fused_loss(tiny_cfg, CPU, large - 1)
+    assert device_defaults.fused_loss(tiny_cfg, CPU, large)
+    assert device_defaults.fused_loss(tiny_cfg, CUDA, 500)
     fused_on = with_train(tiny_cfg, fused_loss="on")
-    assert device_defaults.fused_loss(fused_on, CPU)
-    assert not device_defaults.fused_loss(with_train(tiny_cfg, fused_loss="off"), CUDA)
+    assert device_defaults.fused_loss(fused_on, CPU, 500)
+    fused_off = with_train(tiny_cfg, fused_loss="off")
+    assert not device_defaults.fused_loss(fused_off, CUDA, large)
+    assert not device_defaults.fused_loss(fused_off, CPU, large)
     assert kernels.attention_kernels("auto", CPU) is None  # PyTorch's own choice
     names = [k.name for k in kernels.attention_kernels("auto", CUDA)]
     assert names == ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]
@@ -174,7 +180,7 @@ def test_the_training_benchmark_updates_with_the_attention_kernels_tmt_trains_wi
     )
     before = torch._C._get_sdp_priority_order()
     args = SimpleNamespace(device="cpu", precision="fp32", compile=None)
-    run = tmt_step(torch.nn.Linear(2, 2), flash, None, args)
+    run = tmt_step(torch.nn.Linear(2, 2), flash, SimpleNamespace(vocab_size=8), args)
     import gc
 
     gc.collect()  # what closed the context before

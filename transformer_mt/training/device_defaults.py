@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 
 CPU_TOKENS = 4096  # data.max_tokens on a CPU: ~2,000 updates in 30 minutes on 2 cores (multi30k)
 PAPER_TOKENS = 25_000  # §5.1 tokens an update on CUDA, whatever the number of ranks
+# train.fused_loss=auto on a CPU: the chunked loss from this target vocabulary. On the 2-core
+# AVX-512 VM it took 0.64 of the reference's time at 4,000-16,000 pieces and the multi30k
+# preset's step 6 % less; under ~500 pieces its few extra operations cost more than the passes
+# over the scores it saves (docs/benchmarks.md, scripts/bench_loss.py).
+FUSED_LOSS_CPU_VOCAB = 4000
 
 # train.compile_mode values that replay CUDA graphs on CUDA (one micro-batch an update).
 GRAPHED_MODES = ("reduce-overhead", "cudagraphs")
@@ -75,12 +80,13 @@ def shape_buckets(cfg: Config) -> ShapeBuckets | None:
     return ShapeBuckets(data.source_buckets, data.target_buckets, data.rows_multiple)
 
 
-def fused_loss(cfg: Config, device: torch.device) -> bool:
+def fused_loss(cfg: Config, device: torch.device, vocab_size: int) -> bool:
     """train.fused_loss: auto is on with CUDA (no batch × vocabulary float32 log-probabilities
-    kept for the backward pass), off on a CPU (the reference loss, the golden values')."""
-    return cfg.train.fused_loss == "on" or (
-        cfg.train.fused_loss == "auto" and device.type == "cuda"
-    )
+    kept for the backward pass), and on a CPU for a target vocabulary of FUSED_LOSS_CPU_VOCAB
+    pieces or more (faster there too); a smaller one keeps the reference loss."""
+    if cfg.train.fused_loss != "auto":
+        return cfg.train.fused_loss == "on"
+    return device.type == "cuda" or vocab_size >= FUSED_LOSS_CPU_VOCAB
 
 
 def graphs(

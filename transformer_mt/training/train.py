@@ -168,7 +168,7 @@ class _Session:
         compiled = device_defaults.compiled(self.model, cfg, info.device)
         self.trained = distributed.wrap(compiled, info)
         # The loss: from the logits, or fused with the output projection (train.fused_loss).
-        fused = device_defaults.fused_loss(cfg, info.device)
+        fused = device_defaults.fused_loss(cfg, info.device, self.model.vocab_size)
         projection = self.model.output_projection if fused else None
         self.objective = Objective(cfg.optim.label_smoothing, projection)
         self.graphs = device_defaults.graphs(self.trained, self.objective, cfg, info.device)
