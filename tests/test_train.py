@@ -194,11 +194,12 @@ def test_exact_resume_after_kill_two_gloo_ranks(train_cfg: Config, tmp_path: Pat
 # 1.41, 1.23): with clipping on every update or on none, Adam's scale invariance would hide a
 # wrongly scaled gradient; a gradient off by the factor world_size (0.5 here) would clip none.
 @pytest.mark.parametrize(
-    ("clip_norm", "bucketing"),
-    [pytest.param(0.0, "off", marks=pytest.mark.slow), (1.6, "off"), (1.6, "on")],
-)
+    ("clip_norm", "bucketing", "fused_loss"),
+    [pytest.param(0.0, "off", "off", marks=pytest.mark.slow), (1.6, "off", "off"),
+     (1.6, "on", "on")],
+)  # fmt: skip
 def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
-    train_cfg: Config, tmp_path: Path, clip_norm: float, bucketing: str
+    train_cfg: Config, tmp_path: Path, clip_norm: float, bucketing: str, fused_loss: str
 ) -> None:
     # Without dropout, rank r's micro-batch i is global batch 2i + r, and one process with
     # update_freq 2 takes global batches 2i and 2i + 1 together: the same updates.
@@ -208,7 +209,9 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
         optim=dataclasses.replace(train_cfg.optim, clip_norm=clip_norm),
     )
     cfg = with_data(cfg, bucketing=bucketing)  # on: the batches of bounded shapes (a GPU's)
-    cfg = with_train(cfg, max_steps=6, valid_every=3, save_every=0, save_every_minutes=0.0)
+    # The fused loss: a GPU's, and a CPU's from a 4,000-piece vocabulary (the tiny preset: 500).
+    cfg = with_train(cfg, max_steps=6, valid_every=3, save_every=0, save_every_minutes=0.0,
+                     fused_loss=fused_loss)  # fmt: skip
     from transformer_mt.data.batches import prepare_data
     from transformer_mt.training import device_defaults
 
