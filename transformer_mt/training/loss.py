@@ -119,7 +119,9 @@ class _ChunkedLoss(torch.autograd.Function):
                 chunk = slice(start, start + rows)
                 real = (target[chunk] != pad_id).to(exact)[:, None]  # (n, 1)
                 h = (hidden[chunk] * real.to(hidden.dtype)).to(compute)  # (n, D); padding 0
-                sums, grad_z = _chunk_loss(h, w, b, target[chunk], real, mean_w, mean_b, epsilon)
+                h_exact = h.to(exact)
+                mean_z = h_exact @ mean_w[:, None] + mean_b  # (n, 1): mean_k z_k
+                sums, grad_z = _chunk_loss(h, w, b, target[chunk], real, mean_z, epsilon)
                 loss += sums[0]
                 nll += sums[1]
                 n_real += real.sum()
@@ -127,7 +129,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 grad_rows = (g @ w).to(exact) - smoothing  # (n, D)
                 grad_hidden[chunk] = (grad_rows * real).to(hidden.dtype)
                 grad_weight += (g.T @ h).to(exact)  # (V, D); padding rows' h are 0
-                real_states += h.to(exact).sum(dim=0)
+                real_states += h_exact.sum(dim=0)
                 if grad_bias is not None:
                     grad_bias += (real.T @ grad_z)[0]  # (V,)
             grad_weight -= (epsilon / vocab) * real_states
@@ -152,13 +154,13 @@ def _chunk_loss(
     w: torch.Tensor,  # (V, D)
     b: torch.Tensor | None,  # (V,)
     y: torch.Tensor,  # (n,)
-    real: torch.Tensor,  # (n, 1): 1.0 on real rows, 0.0 on padding
-    mean_w: torch.Tensor,  # (D,): the mean of W's rows
-    mean_b: torch.Tensor | float,  # the mean of b
+    real: torch.Tensor,  # (n, 1): 1.0 on real rows, 0.0 on padding, in the sums' precision
+    mean_z: torch.Tensor,  # (n, 1): mean_k z_k, from the mean of W's rows (and of b)
     epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's (loss, nll) sums and dloss/dz but its ε/V: softmax(z) less (1 - ε) at the
-    reference, on real rows (padding rows: their softmax, left out by the caller)."""
+    reference, on real rows (padding rows: their softmax, left out by the caller). Scores and
+    sums in `real`'s precision."""
     vocab = w.size(0)
     z = F.linear(h, w, b).to(real.dtype)  # (n, V)
     index = y.clamp(0, vocab - 1)[:, None]  # a padding row's id: masked anyway
@@ -169,7 +171,6 @@ def _chunk_loss(
     # and write a copy of it.
     log_z = top - grad_z.amax(dim=-1, keepdim=True).log()  # (n, 1)
     nll_rows = (log_z - z.gather(1, index)) * real
-    mean_z = h.to(real.dtype) @ mean_w[:, None] + mean_b  # (n, 1): mean_k z_k
     uniform_rows = (log_z - mean_z) * real  # -mean_k log p_k
     loss = ((1.0 - epsilon) * nll_rows + epsilon * uniform_rows).sum()
     grad_z.scatter_add_(1, index, -(1.0 - epsilon) * real)
