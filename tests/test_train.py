@@ -289,6 +289,32 @@ def test_the_fused_loss_trains_the_model_the_reference_loss_trains(
     assert_same_model(a, b, cfg.model.d_model)
 
 
+def test_a_cpu_trains_with_the_fused_loss_from_its_vocabulary_threshold(
+    train_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.fused_loss=auto on a CPU: the losses of `on` from FUSED_LOSS_CPU_VOCAB target
+    pieces, of `off` below it, bit for bit (the tiny preset's few hundred pieces are far below;
+    the threshold is moved to the model's vocabulary here). The two losses differ in float32's
+    last bits, so each run shows which it trained with."""
+    from transformer_mt.data.tokenizer import Tokenizer
+    from transformer_mt.training import device_defaults
+
+    cfg = with_train(train_cfg, max_steps=3, log_every=1, valid_every=0, save_every=0)
+
+    def losses(name: str, fused: str) -> list[float]:
+        train(with_train(cfg, out_dir=str(tmp_path / name), fused_loss=fused))
+        return [r["loss"] for r in records(tmp_path / name) if "loss" in r]
+
+    on, off = losses("on", "on"), losses("off", "off")
+    assert on != off and on == pytest.approx(off, rel=1e-5)
+    assert losses("auto", "auto") == off
+    vocab = Tokenizer((tmp_path / "on" / "tokenizer.model").read_bytes()).vocab_size
+    monkeypatch.setattr(device_defaults, "FUSED_LOSS_CPU_VOCAB", vocab + 1)
+    assert losses("auto_below", "auto") == off
+    monkeypatch.setattr(device_defaults, "FUSED_LOSS_CPU_VOCAB", vocab)
+    assert losses("auto_at", "auto") == on
+
+
 def test_epoch_and_time_budgets(train_cfg: Config, tmp_path: Path) -> None:
     by_epoch = train(
         with_train(
