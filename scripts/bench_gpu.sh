@@ -70,6 +70,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
   export PYTHONPATH=$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
+# A GPU benchmark without a GPU would run every part to a failure of its own: say so once.
+if ! $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2> /dev/null; then
+  echo "bench_gpu.sh: no CUDA device for $PY ($($PY -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1)); on a CPU, scripts/bench_train.py and scripts/bench_decode.py measure tmt" >&2
+  exit 2
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 # part NAME SECONDS COMMAND...: runs COMMAND under a time limit, its output in OUT/NAME.log

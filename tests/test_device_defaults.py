@@ -341,3 +341,24 @@ def test_the_training_benchmark_says_where_a_warm_update_spends_its_time(
         " 824.0 launches)"
     )
     assert _busy({"warm_profile": {"error": "E"}}) == " (warm profile failed: E)"
+
+
+def test_the_gpu_benchmark_refuses_a_machine_without_cuda_in_one_line(tmp_path: Path) -> None:
+    """scripts/bench_gpu.sh on a machine with no CUDA device stops before its first part, with
+    one line that says why (it ran every part to its own failure, a traceback among them); with
+    one, no part named (PARTS=" ") is the card's line and an empty table."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PY": sys.executable, "OUT": str(tmp_path / "bench"), "PARTS": " "}
+    done = subprocess.run(["bash", "scripts/bench_gpu.sh"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    if torch.cuda.is_available():
+        assert done.returncode == 0, done.stderr
+        return
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.startswith("bench_gpu.sh:")]
+    assert len(lines) == 1 and "no CUDA device" in lines[0] and torch.__version__ in lines[0]
+    assert not (tmp_path / "bench" / "parts.jsonl").read_text()  # no part ran
