@@ -181,4 +181,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from transformer_mt.common.exits import run_script
+
+    run_script(main, "bench_data.py")

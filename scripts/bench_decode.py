@@ -628,4 +628,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from transformer_mt.common.exits import run_script
+
+    sys.exit(run_script(main, "bench_decode.py"))

@@ -688,10 +688,15 @@ def main() -> None:
     if args.part == "table":
         print(table(args.directory or args.out))
         return
+    from transformer_mt.common.distributed import resolve_device
+
+    resolve_device(args.device, key="--device")  # a GPU where there is none: one line, exit 2
     run = {"attention": attention, "compile": compiled, "profile": profile, "e2e": e2e}
     result = {**run, "decode": decode, "resume": resume}[args.part](args)
     write(args.out, args.label or args.part, {"device": args.device, **result})
 
 
 if __name__ == "__main__":
-    main()
+    from transformer_mt.common.exits import run_script
+
+    run_script(main, "bench_gpu.py")

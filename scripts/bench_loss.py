@@ -57,14 +57,24 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     args = parser.parse_args()
+    try:
+        vocabs = [int(v) for v in args.vocab.split(",")]
+    except ValueError:
+        parser.error(f"--vocab {args.vocab}: expected comma-separated integers")
+    sizes = {"--rows": args.rows, "--d-model": args.d_model, "--reps": args.reps}
+    for flag, value in [*sizes.items(), *(("--vocab", v) for v in vocabs)]:
+        if value < 1:
+            parser.error(f"{flag} {value}: expected a positive integer")
 
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [measure(args.rows, args.d_model, int(v), args.reps) for v in args.vocab.split(",")]
+    rows = [measure(args.rows, args.d_model, v, args.reps) for v in vocabs]
     print(json.dumps({"threads": torch.get_num_threads(), "rows": rows}))
 
 
 if __name__ == "__main__":
-    main()
+    from transformer_mt.common.exits import run_script
+
+    run_script(main, "bench_loss.py")

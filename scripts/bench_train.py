@@ -420,6 +420,9 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from transformer_mt.common.distributed import resolve_device
+
+    resolve_device(args.device, key="--device")  # a GPU where there is none: one line, exit 2
     if args.child:
         print(json.dumps(child(args.child, args)))
         return
@@ -430,6 +433,9 @@ def main() -> None:
         for system in order:
             command = [sys.executable, __file__, "--child", system, *sys.argv[1:]]
             out = subprocess.run(command, capture_output=True, text=True)
+            if out.returncode == 2:  # bad input (a config, an override): the child's one line
+                sys.stderr.write(out.stderr.strip().splitlines()[-1] + "\n")
+                sys.exit(2)
             if out.returncode != 0:
                 sys.exit(f"{system} failed:\n{out.stderr[-3000:]}")
             runs[system].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -475,4 +481,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from transformer_mt.common.exits import run_script
+
+    run_script(main, "bench_train.py")

@@ -102,4 +102,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from transformer_mt.common.exits import run_script
+
+    run_script(main, "bench_translate.py")

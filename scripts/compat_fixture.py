@@ -33,9 +33,11 @@ def tmt(*args: str, stdin: str = "") -> str:
         input=stdin,
         capture_output=True,
         text=True,
-        check=True,
         cwd=REPO,
     )
+    if done.returncode != 0:  # tmt's own one-line error (or its traceback), and its exit code
+        sys.stderr.write(done.stderr)
+        sys.exit(done.returncode)
     return done.stdout
 
 
@@ -74,4 +76,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from transformer_mt.common.exits import run_script
+
+    run_script(main, "compat_fixture.py")

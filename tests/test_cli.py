@@ -439,3 +439,52 @@ def test_every_command_names_its_model_with_m(command: str) -> None:
     help_text = runner.invoke(app, [command, "--help"]).stdout
     assert "--model" in help_text and "-m" in help_text
     assert "--checkpoint" not in help_text and "--average-last" not in help_text  # hidden
+
+
+SCRIPTS = sorted((REPO / "scripts").glob("*.py"))
+
+
+def test_every_script_ends_on_bad_input_as_tmt_does() -> None:
+    """The benchmarks and fixture writers users run from scripts/ end through run_script: a
+    missing model or a GPU asked for where there is none is one line and exit 2, not a traceback
+    (bench_train.py --device cuda was torch's AssertionError, bench_decode.py a TmtError's)."""
+    main_blocks = {path.name: path.read_text().partition('if __name__ == "__main__":')[2]
+                   for path in SCRIPTS}  # fmt: skip
+    assert len(main_blocks) >= 15
+    assert [name for name, block in main_blocks.items() if "run_script(main" not in block] == []
+    cases = [
+        (["bench_decode.py", "--checkpoint", str(REPO / "no-such-run")], "no-such-run: no such"),
+        (["bench_loss.py", "--vocab", "-5"], "--vocab -5: expected a positive integer"),
+    ]
+    import torch
+
+    if not torch.cuda.is_available():
+        cases.append((["bench_train.py", "--device", "cuda"], "--device=cuda: no CUDA device"))
+    for args, message in cases:
+        done = subprocess.run([sys.executable, f"scripts/{args[0]}", *args[1:]], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and message in done.stderr.splitlines()[-1]
+
+
+def test_an_error_ends_a_command_on_one_line_unless_it_is_a_bug(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """exits.user_error, what the CLI and the scripts end with: bad input and failed writes on
+    one line with their exit codes; a bug, a broken pipe and TMT_DEBUG=1 keep the traceback."""
+    import errno
+
+    from transformer_mt.common import exits
+
+    monkeypatch.delenv("TMT_DEBUG", raising=False)
+    named = exits.TmtError("exists", param="output")
+    assert exits.user_error(named, lambda name: "--" + name) == ("--output exists", 2)
+    assert exits.user_error(named) == ("output exists", 2)
+    full = OSError(errno.ENOSPC, "No space left on device", "out.txt")
+    assert exits.user_error(full) == ("out.txt: No space left on device", exits.NO_ROOM)
+    denied = PermissionError(errno.EACCES, "Permission denied", "/root/x")
+    assert exits.user_error(denied) == ("/root/x: Permission denied", exits.BAD_INPUT)
+    assert exits.user_error(BrokenPipeError(errno.EPIPE, "Broken pipe")) is None
+    assert exits.user_error(KeyError("bug")) is None
+    monkeypatch.setenv("TMT_DEBUG", "1")
+    assert exits.user_error(named) is None

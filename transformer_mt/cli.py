@@ -60,18 +60,12 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         logging.basicConfig(level=logging.INFO, format="tmt: %(message)s", stream=sys.stderr)
         try:
             return command(*args, **kwargs)
-        except TmtError as err:
-            if os.environ.get("TMT_DEBUG"):
+        except (TmtError, OSError) as err:  # an OSError the library did not name: still one line
+            ended = exits.user_error(err, _flag)
+            if ended is None:
                 raise
-            typer.echo(f"tmt: error: {err.render(_flag)}", err=True)
-            raise typer.Exit(err.exit_code) from None
-        except OSError as err:  # what the library did not name itself: still one line
-            if os.environ.get("TMT_DEBUG") or isinstance(err, BrokenPipeError):
-                raise
-            where = f"{err.filename}: " if err.filename else ""
-            reason, code = exits.write_failed(err)
-            typer.echo(f"tmt: error: {where}{reason}", err=True)
-            raise typer.Exit(code) from None
+            typer.echo(f"tmt: error: {ended[0]}", err=True)
+            raise typer.Exit(ended[1]) from None
 
     return run
 

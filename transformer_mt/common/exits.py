@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -80,6 +81,36 @@ class TmtError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:  # sent between ranks whole, not as its text alone
         return (type(self), (self.message, self.exit_code, self.param, self.mentions))
+
+
+def user_error(err: BaseException, name_of: Callable[[str], str] = str) -> tuple[str, int] | None:
+    """The one line and exit code a command ends with for `err`: bad input (a TmtError, its
+    parameters written as name_of writes them) or an OSError (named by its file; a write that
+    found no room exits NO_ROOM). None where the traceback is wanted instead: any other
+    exception (a bug), a broken pipe (Python's own quiet exit), or TMT_DEBUG=1 in the
+    environment."""
+    if os.environ.get("TMT_DEBUG"):
+        return None
+    if isinstance(err, TmtError):
+        return err.render(name_of), err.exit_code
+    if isinstance(err, OSError) and not isinstance(err, BrokenPipeError):
+        where = f"{err.filename}: " if err.filename else ""
+        reason, code = write_failed(err)
+        return where + reason, code
+    return None
+
+
+def run_script(main: Callable[[], Any], prog: str) -> Any:
+    """A script's main(), ended as a tmt command ends on bad input: "PROG: error: ..." on one
+    line of stderr and its exit code (user_error), not a traceback."""
+    try:
+        return main()
+    except (TmtError, OSError) as err:
+        ended = user_error(err)
+        if ended is None:
+            raise
+        print(f"{prog}: error: {ended[0]}", file=sys.stderr)
+        raise SystemExit(ended[1]) from None
 
 
 class StopSignals:
