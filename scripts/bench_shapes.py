@@ -12,6 +12,7 @@ packing), on this machine. The last line printed is one JSON object with every f
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -21,6 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
+    # No options; --help says what it does, before anything is written.
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     sys.path.insert(0, str(REPO / "tests"))
     from test_sampler import multi30k_lengths, wmt_lengths
 

@@ -11,6 +11,7 @@ and tokenizer, no optimizer state). Run it from the repository root when the rec
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 import tempfile
@@ -20,6 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
+    # No options; --help says what it does, before anything is written.
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     sys.path.insert(0, str(REPO / "tests"))
     import test_alignment  # the recipe, in one place
 

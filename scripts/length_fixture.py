@@ -11,6 +11,7 @@ recipe's tokenizer or filters change:
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -21,6 +22,8 @@ FIXTURE = REPO / "tests" / "fixtures" / "multi30k_lengths.npz"
 
 
 def main() -> None:
+    # No options; --help says what it does, before anything is written.
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     from transformer_mt.config import load_config
     from transformer_mt.data.batches import prepare_data
 

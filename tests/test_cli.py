@@ -452,6 +452,13 @@ def test_every_script_ends_on_bad_input_as_tmt_does() -> None:
                    for path in SCRIPTS}  # fmt: skip
     assert len(main_blocks) >= 15
     assert [name for name, block in main_blocks.items() if "run_script(main" not in block] == []
+    # Each reads its options with argparse: copy_fixture.py, which read none, took --help for a
+    # run and rewrote tests/fixtures/copy_model.
+    assert [path.name for path in SCRIPTS if "ArgumentParser(" not in path.read_text()] == []
+    for name in ("copy_fixture.py", "length_fixture.py", "compat_fixture.py"):  # they write
+        done = subprocess.run([sys.executable, f"scripts/{name}", "--help"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0 and done.stdout.startswith(f"usage: {name}"), done.stderr
     cases = [
         (["bench_decode.py", "--checkpoint", str(REPO / "no-such-run")], "no-such-run: no such"),
         (["bench_loss.py", "--vocab", "-5"], "--vocab -5: expected a positive integer"),
