@@ -9,6 +9,8 @@
 # .venv. Each command is bounded by LIMIT seconds (default 300): a slower one is reported killed.
 # The inputs: one line of CHARS characters ("Hund " repeated, default 2 * 10^8), and the first
 # 2,000 pairs of Multi30k's train with one line of 10^7 "Hund " (50 MB) added.
+# -h, --help: the comment above.
+case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)

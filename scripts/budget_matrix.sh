@@ -10,6 +10,9 @@
 # Results: runs/budget/<pair>_<variant>_<steps>/: train.json; valid_last{1,3,8}.json (α 0.6);
 # valid_last<n>_lp<α>.json; the choices, chosen_last and chosen_lenpen; test.json (α 0.6) or
 # test_lp<α>.json; a table on stdout.
+# -h, --help: the comment above. Its settings come from the environment, not arguments.
+case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+[ $# -eq 0 ] || { echo "$(basename "$0"): no arguments (settings come from the environment; --help)" >&2; exit 2; }
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TMT=${TMT:-.venv/bin/tmt}

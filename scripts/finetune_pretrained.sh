@@ -16,6 +16,8 @@
 # TARGET_LANG: a multi-target model's target language (its >>xxx<< token, put first).
 # Each step is skipped when its output exists, and an interrupted fine-tuning resumes: run the
 # same command again. Results: OUT/comparison.json (and the table on stdout).
+# -h, --help: the comment above.
+case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: $0 HF_MODEL_DIR [OUT]" >&2; exit 2; }

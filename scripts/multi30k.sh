@@ -6,6 +6,9 @@
 # Results: runs/multi30k_<src>-<tgt>/test.json; the summary table on stdout.
 #   bash scripts/multi30k.sh            # both directions, 30 minutes each
 #   MINUTES=10 bash scripts/multi30k.sh de-en
+# -h, --help: the comment above. Its settings come from the environment, not arguments.
+case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+[ $# -eq 0 ] || { echo "$(basename "$0"): no arguments (settings come from the environment; --help)" >&2; exit 2; }
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TMT=${TMT:-.venv/bin/tmt}
