@@ -231,6 +231,8 @@ def main() -> None:
         speed = glossary_speed(args.out, read(DATA / "train.de.gz"), args.entries)
         print(json.dumps({"machine": isa, "glossary_100k": speed}))
         return
+    # The model first: a wrong path ends before the dictionary's work and its files.
+    plain = translate.load_translator(args.model, [f"decode.beam_size={args.beam}"])
     sources = read(DATA / f"{SPLITS[args.split]}.de.gz")
     refs = read(DATA / f"{SPLITS[args.split]}.en.gz")
     train_src, train_tgt = read(DATA / "train.de.gz"), read(DATA / "train.en.gz")
@@ -242,7 +244,6 @@ def main() -> None:
     print(f"dictionary: {len(found)} source words; lists: "
           + ", ".join(f"{k} {len(v)}" for k, v in lists.items()), file=sys.stderr)  # fmt: skip
 
-    plain = translate.load_translator(args.model, [f"decode.beam_size={args.beam}"])
     modes = {"none": plain}
     for name in lists:
         for mode in ("check", "strict"):
