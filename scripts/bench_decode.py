@@ -630,4 +630,4 @@ def main() -> None:
 if __name__ == "__main__":
     from transformer_mt.common.exits import run_script
 
-    sys.exit(run_script(main, "bench_decode.py"))
+    sys.exit(run_script(main))

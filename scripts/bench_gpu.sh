@@ -53,8 +53,7 @@
 # the 64 MiB a run may carry. ctranslate2's wheel (43 MB) would pass it, so the decode row's
 # CTranslate2 column runs only where the machine has ctranslate2 (else the row says why).
 # -h, --help: the comment above. Its settings come from the environment, not arguments.
-case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
-[ $# -eq 0 ] || { echo "$(basename "$0"): no arguments (settings come from the environment; --help)" >&2; exit 2; }
+NO_ARGS=1 . "$(dirname "$0")/args.sh"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/bench_gpu}

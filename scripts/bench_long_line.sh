@@ -10,7 +10,7 @@
 # The inputs: one line of CHARS characters ("Hund " repeated, default 2 * 10^8), and the first
 # 2,000 pairs of Multi30k's train with one line of 10^7 "Hund " (50 MB) added.
 # -h, --help: the comment above.
-case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+. "$(dirname "$0")/args.sh"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)

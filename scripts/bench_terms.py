@@ -296,4 +296,4 @@ def main() -> None:
 if __name__ == "__main__":
     from transformer_mt.common.exits import run_script
 
-    run_script(main, "bench_terms.py")
+    run_script(main)

@@ -104,4 +104,4 @@ def main() -> None:
 if __name__ == "__main__":
     from transformer_mt.common.exits import run_script
 
-    run_script(main, "bench_translate.py")
+    run_script(main)

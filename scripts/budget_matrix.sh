@@ -11,8 +11,7 @@
 # valid_last<n>_lp<α>.json; the choices, chosen_last and chosen_lenpen; test.json (α 0.6) or
 # test_lp<α>.json; a table on stdout.
 # -h, --help: the comment above. Its settings come from the environment, not arguments.
-case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
-[ $# -eq 0 ] || { echo "$(basename "$0"): no arguments (settings come from the environment; --help)" >&2; exit 2; }
+NO_ARGS=1 . "$(dirname "$0")/args.sh"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TMT=${TMT:-.venv/bin/tmt}

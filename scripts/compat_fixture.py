@@ -78,4 +78,4 @@ def main() -> None:
 if __name__ == "__main__":
     from transformer_mt.common.exits import run_script
 
-    run_script(main, "compat_fixture.py")
+    run_script(main)

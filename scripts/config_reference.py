@@ -164,4 +164,4 @@ def main() -> None:
 if __name__ == "__main__":
     from transformer_mt.common.exits import run_script
 
-    run_script(main, "config_reference.py")
+    run_script(main)

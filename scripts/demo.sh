@@ -7,8 +7,7 @@
 # and the length penalty α 1.0: at both budgets they beat the preset's 0.3 and the paper's α 0.6
 # on the validation split. The run's config keeps α, so translate and evaluate decode with it.
 # -h, --help: the comment above. Its settings come from the environment, not arguments.
-case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
-[ $# -eq 0 ] || { echo "$(basename "$0"): no arguments (settings come from the environment; --help)" >&2; exit 2; }
+NO_ARGS=1 . "$(dirname "$0")/args.sh"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TMT=${TMT:-.venv/bin/tmt}

@@ -8,8 +8,7 @@
 #   bash scripts/finetune.sh
 #   PARENT_STEPS=300 CHILD_STEPS=200 bash scripts/finetune.sh    # a quicker look
 # -h, --help: the comment above. Its settings come from the environment, not arguments.
-case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
-[ $# -eq 0 ] || { echo "$(basename "$0"): no arguments (settings come from the environment; --help)" >&2; exit 2; }
+NO_ARGS=1 . "$(dirname "$0")/args.sh"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TMT=${TMT:-.venv/bin/tmt}

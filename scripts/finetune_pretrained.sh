@@ -17,7 +17,7 @@
 # Each step is skipped when its output exists, and an interrupted fine-tuning resumes: run the
 # same command again. Results: OUT/comparison.json (and the table on stdout).
 # -h, --help: the comment above.
-case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+. "$(dirname "$0")/args.sh"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: $0 HF_MODEL_DIR [OUT]" >&2; exit 2; }

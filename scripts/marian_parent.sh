@@ -7,7 +7,7 @@
 # The pairs after PART are left for the child: OUT/data/rest.{de,en}.
 #   bash scripts/marian_parent.sh [OUT]      # then: TRAIN=OUT/data/rest ... finetune_pretrained.sh
 # -h, --help: the comment above.
-case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+. "$(dirname "$0")/args.sh"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TMT=${TMT:-.venv/bin/tmt}

@@ -103,4 +103,4 @@ def main() -> None:
 if __name__ == "__main__":
     from transformer_mt.common.exits import run_script
 
-    run_script(main, "noisy_corpus.py")
+    run_script(main)

@@ -190,4 +190,4 @@ def main() -> None:
 if __name__ == "__main__":
     from transformer_mt.common.exits import run_script
 
-    run_script(main, "terms_quality.py")
+    run_script(main)

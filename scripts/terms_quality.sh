@@ -9,8 +9,7 @@
 #   ANNOTATE=0.1 bash scripts/terms_quality.sh        # Dinu et al.'s 10 %
 # Results: runs/terms/{multi30k_terms.tsv,plain_2100,hints_2100}, runs/terms_quality_{test,valid}.json
 # -h, --help: the comment above. Its settings come from the environment, not arguments.
-case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
-[ $# -eq 0 ] || { echo "$(basename "$0"): no arguments (settings come from the environment; --help)" >&2; exit 2; }
+NO_ARGS=1 . "$(dirname "$0")/args.sh"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TMT=${TMT:-.venv/bin/tmt}

@@ -100,16 +100,16 @@ def user_error(err: BaseException, name_of: Callable[[str], str] = str) -> tuple
     return None
 
 
-def run_script(main: Callable[[], Any], prog: str) -> Any:
-    """A script's main(), ended as a tmt command ends on bad input: "PROG: error: ..." on one
-    line of stderr and its exit code (user_error), not a traceback."""
+def run_script(main: Callable[[], Any]) -> Any:
+    """A script's main(), ended as a tmt command ends on bad input: "SCRIPT: error: ..." on one
+    line of stderr (as argparse names it) and its exit code (user_error), not a traceback."""
     try:
         return main()
     except (TmtError, OSError) as err:
         ended = user_error(err)
         if ended is None:
             raise
-        print(f"{prog}: error: {ended[0]}", file=sys.stderr)
+        print(f"{os.path.basename(sys.argv[0])}: error: {ended[0]}", file=sys.stderr)
         raise SystemExit(ended[1]) from None
 
 
