@@ -84,6 +84,26 @@ def test_over_long_lines_are_truncated_with_a_warning(
     assert any("line 2" in r.message and "truncated to 127" in r.message for r in caplog.records)
 
 
+def test_a_truncated_line_is_named_by_its_place_in_the_input_not_in_its_chunk(
+    trained_run: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream is decoded a chunk at a time (decode.buffer_lines); its warnings named a long
+    line by its place in the chunk ("line 1" for the input's 6th), a prefix too."""
+    t = translator(trained_run, "decode.buffer_lines=2")
+    long_line = " ".join([SOURCES[0]] * 100)  # past model.max_positions (128)
+    lines = [SOURCES[0], "", SOURCES[1], SOURCES[2], SOURCES[3], long_line, long_line]
+    with caplog.at_level(logging.WARNING):
+        streams.translate_stream(t, io.BytesIO(("\n".join(lines) + "\n").encode()), io.StringIO())
+    warned = [r.message.split(":")[0] for r in caplog.records if "truncated to" in r.message]
+    assert warned == ["line 6", "line 7"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        decoding.translate_lines(t, [SOURCES[0], SOURCES[1]], first_line=40,
+                                 prefixes=["", long_line])  # fmt: skip
+    warned = [r.message.split(":")[0] for r in caplog.records if "truncated to" in r.message]
+    assert warned == ["prefix 42"]
+
+
 def test_a_line_far_past_the_positions_is_read_from_its_head_with_the_same_tokens(
     trained_run: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

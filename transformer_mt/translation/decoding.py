@@ -112,8 +112,10 @@ def translate_lines(
         matches = translator.glossary.match_lines(lines)
     mode = translator.config.glossary.mode
     hinted = matches is not None and mode in ("hint", "auto") and any(matches)
-    ids = source_ids(translator, _hinted(translator, lines, matches) if hinted else lines)
-    forced = source_ids(translator, prefixes, "prefix") if prefixes else [[] for _ in lines]
+    ids = source_ids(translator, _hinted(translator, lines, matches) if hinted else lines,
+                     first_line=first_line)  # fmt: skip
+    forced = (source_ids(translator, prefixes, "prefix", first_line) if prefixes
+              else [[] for _ in lines])  # fmt: skip
     # empty input: empty output (or its prefix alone), no model call
     results = [[Hypothesis(p, 0.0, 0.0)] if p else [] for p in forced]
     todo = [i for i, seq in enumerate(ids) if seq]

@@ -40,11 +40,14 @@ def readable(translator: Any, lines: Sequence[str], first_line: int = 0) -> list
     return cut
 
 
-def source_ids(translator: Any, lines: Sequence[str], what: str = "line") -> list[list[int]]:
+def source_ids(
+    translator: Any, lines: Sequence[str], what: str = "line", first_line: int = 0
+) -> list[list[int]]:
     """The subword ids of each line as the model reads it: lone surrogates (possible in Python
     strings, never in UTF-8, fatal to sentencepiece) replaced, a multi-target model's language
     token first (decode.target_lang), and cut to the model's positions (source tokens + EOS, or a
-    target prefix + EOS, must fit them) with a warning. A prefix (`what`) is target text."""
+    target prefix + EOS, must fit them) with a warning naming the line in the whole input
+    (`first_line`: the index of lines[0] there). A prefix (`what`) is target text."""
     limit = max_positions(translator) - 1
     side = "target" if what == "prefix" else "source"
     texts = [_SURROGATES.sub("\ufffd", line) for line in lines]
@@ -57,8 +60,8 @@ def source_ids(translator: Any, lines: Sequence[str], what: str = "line") -> lis
     for i, seq in enumerate(ids):
         if len(seq) > limit:
             read = f"{len(seq)} tokens" if whole[i] else f"{len(texts[i])} characters"
-            logger.warning("%s %d: %s, truncated to %d tokens (model.max_positions)", what, i + 1,
-                           read, limit)  # fmt: skip
+            logger.warning("%s %d: %s, truncated to %d tokens (model.max_positions)", what,
+                           first_line + i + 1, read, limit)  # fmt: skip
             ids[i] = seq[:limit]
     return ids
 
