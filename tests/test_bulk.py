@@ -209,7 +209,22 @@ def test_a_second_job_on_the_same_output_is_refused(
             bulk.translate_job(translator, str(big_input), str(out))
         refused = runner.invoke(app, translate_args(trained_run, big_input, out))
         assert refused.exit_code == 2 and "translate into another --output" in refused.stderr
+        assert refused.stderr.startswith(f"tmt: error: --output {out} (its job directory ")
     finally:
         holder.release()
     assert not out.exists()
     assert bulk.translate_job(translator, str(big_input), str(out))["lines"] == 47
+
+
+def test_an_output_where_its_job_directory_cannot_be_made_is_named_as_the_user_named_it(
+    trained_run: Path, big_input: Path, tmp_path: Path
+) -> None:
+    """The job directory beside the output is tmt's: a refusal names the output given."""
+    (tmp_path / f"out.txt{bulk.JOB_SUFFIX}").write_text("a file, where the job's directory goes\n")
+    for out in (tmp_path / "out.txt", Path("/proc/out.txt")):
+        result = runner.invoke(app, translate_args(trained_run, big_input, out))
+        assert result.exit_code == 2, result.stderr
+        assert result.stderr.startswith(f"tmt: error: --output {out} (its job directory"), (
+            result.stderr
+        )
+        assert "cannot write there" in result.stderr and not out.exists()

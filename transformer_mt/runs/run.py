@@ -132,9 +132,14 @@ class RunLock:
         run_dir: Path,
         hint: str = "or train into another train.out_dir",
         mentions: Sequence[str] = (),
+        named: str = "",
     ) -> None:
+        """`hint`: what else a refused user can do; `named`: how messages name the directory
+        (its path, unless it belongs to what the user named: a file job's to its output);
+        `mentions`: the parameters either writes as "{name}"."""
         self.path = run_dir / LOCK_FILE
-        self.hint, self.mentions = hint, mentions  # what else the refused user can do
+        self.hint, self.mentions = hint, mentions
+        self.named = named or str(run_dir)
         self.lock = files.Lock(self.path)
         self.fd: int | None = None
         self.made: list[Path] = []  # directories made for the lock: gone again if left empty
@@ -145,15 +150,16 @@ class RunLock:
             self.lock.acquire()
         except files.Busy as err:
             raise TmtError(
-                f"{self.path.parent}: in use by {err.holder}; wait for it to end, stop it,"
-                f" {self.hint}",
+                f"{self.named}: in use by {err.holder}; wait for it to end, stop it, {self.hint}",
                 mentions=self.mentions,
             ) from None
         except OSError as err:
             files.remove_made(self.made)
             reason, code = exits.write_failed(err)
             raise TmtError(
-                f"{self.path.parent}: cannot write there ({reason})", exit_code=code
+                f"{self.named}: cannot write there ({reason})",
+                exit_code=code,
+                mentions=self.mentions,
             ) from None
         if not self.lock.locked:  # a filesystem without locks: train, but say so
             logger.warning("%s: cannot lock; make sure no other trainer uses it", self.path)

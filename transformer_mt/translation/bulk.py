@@ -92,8 +92,9 @@ def translate_job(
     textio.check_path(output_path)  # before the job directory beside it is named
     info = distributed.setup(str(translator.device), timeout_s=86_400.0)  # ranks finish unevenly
     output = Path(output_path)
-    lock = run.RunLock(output.with_name(output.name + JOB_SUFFIX),
-                       hint="or translate into another {output}", mentions=["output"])  # fmt: skip
+    job_dir = output.with_name(output.name + JOB_SUFFIX)
+    lock = run.RunLock(job_dir, hint="or translate into another {output}", mentions=["output"],
+                       named=f"{{output}} {output_path} (its job directory {job_dir})")  # fmt: skip
     try:
         plan = _agree(info, lambda: _plan(translator, input_path, output_path, overwrite, lock,
                                            prefix_path, report_path))  # fmt: skip
