@@ -5,6 +5,7 @@
     python scripts/bench_gpu.py profile --out DIR       # where a new batch shape's time goes
     python scripts/bench_gpu.py e2e --out DIR            # tmt train -c multi30k-gpu via torchrun
     python scripts/bench_gpu.py decode --model RUN --out DIR --lines 10000
+    python scripts/bench_gpu.py decode_profile --model RUN --out DIR --lines 2500
     python scripts/bench_gpu.py resume --out DIR         # a kill and resume on the GPU
     python scripts/bench_gpu.py table DIR                # one table of every part's JSON
 
@@ -493,6 +494,50 @@ def decode(args: argparse.Namespace) -> dict:
     return result()
 
 
+def decode_profile(args: argparse.Namespace) -> dict:
+    """Where decoding's time goes: `lines` Multi30k training sources (default 2,500: about one
+    batch at the default decode.max_tokens on a GPU) decoded by the model at its defaults, timed
+    (synchronized), then again under the profiler: the kernels' busy time against the wall time
+    (bound by the host, or by which kernels: the decoder cache's reorder is index_select's
+    copies), the top kernels (on a CPU, operators), the search's steps and rows a step (the
+    output projection's calls). The decode part says how fast; this says why."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import torch
+    from bench_train import profile_calls
+
+    from transformer_mt.translation import translate
+
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sources, _ = _training_lines(args.lines)
+    translator = translate.load_translator(args.model, [f"decode.device={args.device}"])
+    steps, rows = [0], [0]
+
+    def counted(module, inputs, output) -> None:  # one call a search step (and batch)
+        steps[0] += 1
+        rows[0] += inputs[0].shape[:-1].numel()
+
+    def decode() -> None:
+        translate.translate_text(translator, sources)
+
+    translate.translate_text(translator, sources[:256])  # warm-up
+    hook = translator.model.output_projection.register_forward_hook(counted)
+    sync()
+    start = time.perf_counter()
+    decode()
+    sync()
+    wall = time.perf_counter() - start
+    hook.remove()
+    profiled = profile_calls([decode], args.device)
+    per_step = max(steps[0], 1)
+    result = {"lines": len(sources), "wall_s": round(wall, 3), "steps": steps[0],
+              "rows_per_step": round(rows[0] / per_step, 1),
+              "ms_per_step": round(1e3 * wall / per_step, 3), "profile": profiled}  # fmt: skip
+    if "gpu_busy_ms" in profiled:
+        result["gpu_busy_share"] = round(profiled["gpu_busy_ms"] / 1e3 / wall, 3)
+    return result
+
+
 def _training_lines(n: int) -> tuple[list[str], list[str]]:
     from transformer_mt.data.corpus import BUNDLED_DIR
 
@@ -648,6 +693,19 @@ def _summary(name: str, found: dict) -> str:
         )
     if name.startswith("e2e"):
         return ", ".join(f"{k} {v}" for k, v in found.items())
+    if name == "decode_profile":
+        profiled = found.get("profile", {})
+        kinds = ", ".join(f"{k} {v}" for k, v in list(profiled.get("kinds_ms", {}).items())[:5])
+        busy = (
+            f"; kernels busy {found['gpu_busy_share']:.0%} of it ({kinds} ms;"
+            f" {profiled.get('launches')} launches)"
+            if "gpu_busy_share" in found
+            else f"; {profiled.get('error') or 'no GPU figures'}"
+        )
+        return (
+            f"{found.get('lines')} lines in {found.get('wall_s')} s, {found.get('steps')} steps"
+            f" of {found.get('rows_per_step')} rows, {found.get('ms_per_step')} ms a step{busy}"
+        )
     if name == "decode":
         rows = "; ".join(
             f"{k} {v['sentences_per_s']:,.0f} sent/s BLEU {v['bleu']:.2f}"
@@ -666,13 +724,16 @@ def _summary(name: str, found: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ("attention", "compile", "profile", "e2e", "decode", "resume", "table")
+    parts = ("attention", "compile", "profile", "e2e", "decode", "decode_profile", "resume",
+             "table")  # fmt: skip
     parser.add_argument("part", choices=parts)
     parser.add_argument("directory", nargs="?", type=Path, help="table: the results' directory")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_gpu")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", type=Path, help="decode: the model (a run directory)")
-    parser.add_argument("--lines", type=int, default=10000)
+    parser.add_argument(
+        "--lines", type=int, help="decode: lines (default 10,000); decode_profile (2,500)"
+    )
     parser.add_argument(
         "--sizes", type=lambda v: [int(x) for x in v.split(",") if x], default=[65536, 131072],
         help="decode: tmt again at these decode.max_tokens",
@@ -692,7 +753,12 @@ def main() -> None:
 
     resolve_device(args.device, key="--device")  # a GPU where there is none: one line, exit 2
     run = {"attention": attention, "compile": compiled, "profile": profile, "e2e": e2e}
-    result = {**run, "decode": decode, "resume": resume}[args.part](args)
+    if args.part in ("decode", "decode_profile") and args.model is None:
+        parser.error(f"{args.part} decodes a model: name it with --model (a run directory)")
+    if args.lines is None:
+        args.lines = 2500 if args.part == "decode_profile" else 10000
+    parts_run = {**run, "decode": decode, "decode_profile": decode_profile, "resume": resume}
+    result = parts_run[args.part](args)
     write(args.out, args.label or args.part, {"device": args.device, **result})
 
 

@@ -31,6 +31,9 @@
 #   profile    the GPU recipe's model: its first updates (new shapes) timed one by one, then
 #              the profiler's tables of new-shape and warm updates (profile.txt): where a new
 #              batch shape's ~0.3 s goes
+#   decode_profile  the e2e model decoding 2,500 lines (about one batch) timed, then under the
+#              profiler: kernels busy against wall time (bound by the host or by which kernels),
+#              the search's steps and rows a step
 #   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
 #              backend): what auto should choose
 #   train_graphs  train with tmt's step recorded as a CUDA graph per batch shape and replayed
@@ -121,6 +124,8 @@ wanted decode && part decode 110 $PY scripts/bench_gpu.py decode --out "$OUT" \
 wanted tests && part tests 140 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
 wanted profile && part profile 150 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
+wanted decode_profile && part decode_profile 60 $PY scripts/bench_gpu.py decode_profile \
+  --out "$OUT" --model "$OUT/multi30k"
 wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
 wanted train_graphs && train_part train_graphs --systems tmt,hf_marian --set train.cuda_graphs=on
 wanted e2e_graphs && part e2e_graphs 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \

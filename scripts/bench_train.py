@@ -253,29 +253,35 @@ def kernel_kind(name: str) -> str:
 
 
 def profile_updates(step, batches, device: str) -> dict | None:
-    """Where `len(batches)` updates over shapes already seen spend their time, per update: on
-    CUDA the kernels' busy time, by kind and the top kernels, and the launches; on a CPU the
-    operators' own time. Says whether an update is bound by its host (GPU busy a small share of
-    its wall time) or by its kernels, and by which. A failure is reported, not raised: this is
-    a benchmark's extra row."""
+    """Where `len(batches)` updates over shapes already seen spend their time, per update
+    (profile_calls). Says whether an update is bound by its host (GPU busy a small share of its
+    wall time) or by its kernels, and by which."""
     if not batches:
         return None
+    profiled = profile_calls([lambda b=b: step(b.to(device)) for b in batches], device)
+    return profiled if "error" in profiled else {"updates": len(batches), **profiled}
+
+
+def profile_calls(calls, device: str) -> dict:
+    """The calls run under the profiler, per call: on CUDA the kernels' busy time, by kind and
+    the top kernels, and the launches; on a CPU the operators' own time. A failure is reported,
+    not raised: this is a benchmark's extra row."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    n = len(batches)
+    n = len(calls)
     try:
         with profile(activities=activities) as prof:
-            for batch in batches:
-                step(batch.to(device))
+            for call in calls:
+                call()
             if cuda:
                 torch.cuda.synchronize()
         events = prof.events()
         top: dict[str, float] = {}
-        result: dict = {"updates": n}
+        result: dict = {}
         if cuda:
             kinds: dict[str, float] = {}
             for e in events:

@@ -343,6 +343,34 @@ def test_the_training_benchmark_says_where_a_warm_update_spends_its_time(
     assert _busy({"warm_profile": {"error": "E"}}) == " (warm profile failed: E)"
 
 
+def test_the_decoding_profile_counts_the_search_steps_it_times(
+    trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench_gpu.py decode_profile on the CPU (what it can check there: the script, not a
+    figure): the steps are the output projection's calls, one a search step; its row in the
+    table says what it found. Its GPU figures (kernels busy against wall time) are a GPU's."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_gpu import _summary, _training_lines, decode_profile
+
+    from transformer_mt.translation import translate
+
+    args = SimpleNamespace(device="cpu", model=trained_run, lines=12, out=tmp_path)
+    found = decode_profile(args)
+    # The 12 lines decoded again, their steps counted alone (the warm-up's not among them).
+    translator = translate.load_translator(trained_run, ["decode.device=cpu"])
+    calls: list[int] = []
+    translator.model.output_projection.register_forward_hook(lambda *_: calls.append(1))
+    translate.translate_text(translator, _training_lines(12)[0])
+    assert found["steps"] == len(calls)
+    assert found["lines"] == 12 and found["steps"] > 0 and found["rows_per_step"] >= 1
+    assert found["wall_s"] > 0 and found["profile"]["host_op_ms"] > 0
+    assert "gpu_busy_share" not in found
+    row = _summary("decode_profile", found)
+    assert row.startswith(f"12 lines in {found['wall_s']} s, {found['steps']} steps of") and (
+        row.endswith("; no GPU figures")
+    )
+
+
 def test_the_gpu_benchmark_refuses_a_machine_without_cuda_in_one_line(tmp_path: Path) -> None:
     """scripts/bench_gpu.sh on a machine with no CUDA device stops before its first part, with
     one line that says why (it ran every part to its own failure, a traceback among them); with
