@@ -380,9 +380,10 @@ def decode(args: argparse.Namespace) -> dict:
     the device: tmt; transformers `generate` on tmt's export (AutoModelForSeq2SeqLM), the same
     beam and length penalty, batches of 256 sentences in tmt's length order; CTranslate2 on the
     GPU if its wheel runs there. Sentences/s, BLEU against the references, one timed pass each
-    after a warm-up on 256 lines. tmt's default length penalty is GNMT's, generate's |Y|^α: tmt
-    again with decode.length_penalty_form=power searches for what generate searches for, and
-    the lines where the two differ are counted (0 of 300 on a CPU); with generate's stopping rule
+    after a warm-up on 256 lines. generate's length penalty is |Y|^α (decode.length_penalty_form
+    power: the GPU recipe's), tmt's default GNMT's: a model of another form is decoded again with
+    power (`tmt_power`), which searches for what generate searches for; the lines where a tmt
+    row differs from generate are counted (0 of 300 on a CPU). Then with generate's stopping rule
     too (decode.early_stopping=current: HF's default; tmt's exact bound costs steps, ~20 % more
     on a CPU, where one batch's last sentences hold a GPU's host to its step rate); and at the
     larger batches of `sizes` (decode.max_tokens), above the default's 32,768-token cap."""
@@ -462,8 +463,10 @@ def decode(args: argparse.Namespace) -> dict:
 
         ratio = rows["tmt"]["sentences_per_s"] / rows["hf_generate"]["sentences_per_s"]
         return {
-            "tmt_power_lines_unlike_generate": unlike_generate("tmt_power"),
-            "tmt_power_current_lines_unlike_generate": unlike_generate("tmt_power_current"),
+            "length_penalty_form": decode_cfg.length_penalty_form,
+            "lines_unlike_generate": {
+                name: unlike_generate(name) for name in outputs if name.startswith("tmt")
+            },
             "lines": len(sources),
             "beam": decode_cfg.beam_size,
             "max_tokens": batch_tokens(translator),
@@ -476,10 +479,8 @@ def decode(args: argparse.Namespace) -> dict:
     (args.out / "decode.json").write_text(json.dumps(result(), indent=1))
     # generate's length penalty; larger batches than the default's (GPU_BATCH_TOKENS)
     power = ["decode.length_penalty_form=power"]
-    variants = [
-        ("tmt_power", power),
-        ("tmt_power_current", [*power, "decode.early_stopping=current"]),
-    ]
+    variants = [] if decode_cfg.length_penalty_form == "power" else [("tmt_power", power)]
+    variants.append(("tmt_power_current", [*power, "decode.early_stopping=current"]))
     variants += [(f"tmt_{n}", [f"decode.max_tokens={n}"]) for n in args.sizes or []]
     for name, settings in variants:
         variant = translate.load_translator(args.model, [f"decode.device={args.device}", *settings])
@@ -715,9 +716,9 @@ def _summary(name: str, found: dict) -> str:
         )
         return (
             f"{found['lines']} lines, beam {found['beam']}: {rows}; tmt/generate"
-            f" {found['tmt_over_generate']}x; tmt_power's lines unlike generate's:"
-            f" {found.get('tmt_power_lines_unlike_generate')}, tmt_power_current's:"
-            f" {found.get('tmt_power_current_lines_unlike_generate')}"
+            f" {found['tmt_over_generate']}x (length penalty {found.get('length_penalty_form')});"
+            " lines unlike generate's: "
+            + ", ".join(f"{k} {v}" for k, v in found.get("lines_unlike_generate", {}).items())
         )
     return ", ".join(f"{k} {v}" for k, v in found.items())
 
