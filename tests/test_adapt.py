@@ -429,6 +429,32 @@ def test_plot_overlays_runs_into_a_png_with_every_curve(tmp_path: Path) -> None:
     assert not (tmp_path / "x.png").exists()
 
 
+def test_damaged_lines_of_a_metrics_log_are_named_and_a_torn_last_one_is_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kill may tear the log's last line: skipped quietly. Lines that do not read anywhere
+    else (the log was damaged: its curves miss those points) are skipped with a warning that
+    names them."""
+    import logging
+
+    from transformer_mt.runs import plot
+
+    run_dir = write_metrics(tmp_path / "torn", 1.0)
+    with caplog.at_level(logging.WARNING):
+        whole = plot.read_curves(run_dir)
+    assert not caplog.records and [s for s, _ in whole["loss"]] == list(range(10, 110, 10))
+    log = run_dir / "metrics.jsonl"
+    lines = log.read_text().split("\n")
+    lines[2:2] = ["\x00\x00 garbage", '{"step": "x"}', "[1, 2]"]  # lines 3-5
+    log.write_text("\n".join(lines) + "\n")  # the torn line is no longer the last: damaged too
+    with caplog.at_level(logging.WARNING):
+        damaged = plot.read_curves(run_dir)
+    assert damaged == whole
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{log}: 4 damaged lines skipped (lines 3, 4, 5, {len(lines)})"
+    ]
+
+
 def test_tmt_plot_command(tmp_path: Path, trained_run: Path) -> None:
     runs = [write_metrics(tmp_path / "a", 1.0), write_metrics(tmp_path / "b", 1.3)]
     done = tmt("plot", "-m", str(runs[0]), "-m", str(runs[1]), "-o", str(tmp_path / "both.png"),

@@ -99,23 +99,35 @@ def check_run_dir(run_dir: Path) -> Path:
 
 def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Each metric's (step, value) points from a run's metrics.jsonl, in step order. Lines that
-    do not read (a torn last line after a kill) are skipped."""
+    do not read are skipped: a torn last line (a kill mid-write) quietly, any other with a
+    warning naming them (the log was damaged: its curves miss those points)."""
     path = check_run_dir(Path(run_dir))
     points: dict[str, list[tuple[int, float]]] = {}
     try:
-        lines = [line for line in read_log(path) if line]
+        raw = read_log(path)
     except OSError as err:
         raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
-    for line in lines:
+    numbered = [(n, line) for n, line in enumerate(raw, 1) if line]
+    lines = [line for _, line in numbered]
+    damaged = []
+    for n, line in numbered:
         try:
             record = json.loads(line)
             step = int(record["step"])
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+            damaged.append(n)
             continue
         for name, value in record.items():
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if number and name not in ("step", "epoch") and math.isfinite(value):
                 points.setdefault(name, []).append((step, float(value)))
+    if damaged and damaged[-1] == len(raw):  # no newline after it: a write a kill cut short
+        damaged.pop()
+    if damaged:
+        listed = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
+        logger.warning("%s: %d damaged line%s skipped (%s %s)", path, len(damaged),
+                       "s" * (len(damaged) > 1), "lines" if len(damaged) > 1 else "line",
+                       listed)  # fmt: skip
     if not points:
         raise TmtError(f"{path}: no records to plot ({len(lines)} lines, none readable)")
     return {name: sorted(values) for name, values in points.items()}
