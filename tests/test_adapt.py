@@ -433,8 +433,8 @@ def test_damaged_lines_of_a_metrics_log_are_named_and_a_torn_last_one_is_not(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A kill may tear the log's last line: skipped quietly. Lines that do not read anywhere
-    else (the log was damaged: its curves miss those points) are skipped with a warning that
-    names them."""
+    else (the log was damaged: its curves miss those points) are skipped by tmt plot, and
+    dropped by a resume, with a warning that names them."""
     import logging
 
     from transformer_mt.runs import plot
@@ -453,6 +453,16 @@ def test_damaged_lines_of_a_metrics_log_are_named_and_a_torn_last_one_is_not(
     assert [r.getMessage() for r in caplog.records] == [
         f"{log}: 4 damaged lines skipped (lines 3, 4, 5, {len(lines)})"
     ]
+    # A resume at step 60 drops the records past it, and the damaged lines, saying so.
+    from transformer_mt.runs import metrics
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        metrics.trim(run_dir, 60)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{log}: 4 damaged lines dropped (lines 3, 4, 5, {len(lines)})"
+    ]
+    assert max(s for s, _ in plot.read_curves(run_dir)["loss"]) == 60
 
 
 def test_tmt_plot_command(tmp_path: Path, trained_run: Path) -> None:

@@ -6,6 +6,7 @@ validation, skipped update and event), the progress bar, and the same curves as 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
@@ -18,6 +19,8 @@ from transformer_mt.common import distributed, exits, files
 from transformer_mt.common.distributed import DistInfo
 from transformer_mt.common.exits import TmtError
 
+logger = logging.getLogger(__name__)
+
 METRICS_FILE = files.METRICS_FILE  # OUT_DIR/metrics.jsonl
 
 
@@ -26,12 +29,27 @@ def trim(run_dir: Path, step: int) -> None:
     The partial record a session wrote when it stopped at `step` goes too: the checkpoint holds
     its sums, so the resumed run's next record covers those updates as an uninterrupted run's
     does (the record of why it stopped stays). A line that does not read as a record of a step
-    (torn by a kill, or damaged) is dropped."""
+    (torn by a kill, or damaged: said) is dropped."""
     path = run_dir / METRICS_FILE
     if path.exists() or path.is_symlink():
         lines = read_log(path)
+        warn_damaged(path, lines, "dropped")
         kept = [line for line in lines if _record_step(line) < step or _kept_at(line, step)]
         files.atomic_write(path, "".join(line + "\n" for line in kept).encode())
+
+
+def warn_damaged(path: Path, lines: list[str], done: str) -> None:
+    """A warning naming the lines of a metrics log (read_log's `lines`) that do not read as a
+    record of a step, and what was `done` with them; a torn last line (no newline after it: a
+    write a kill cut short) is no damage, and is not named."""
+    damaged = [n for n, line in enumerate(lines, 1) if line and _record_step(line) == sys.maxsize]
+    if damaged and damaged[-1] == len(lines):
+        damaged.pop()
+    if damaged:
+        listed = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
+        logger.warning("%s: %d damaged line%s %s (%s %s)", path, len(damaged),
+                       "s" * (len(damaged) > 1), done, "lines" if len(damaged) > 1 else "line",
+                       listed)  # fmt: skip
 
 
 def read_log(path: Path) -> list[str]:

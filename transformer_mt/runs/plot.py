@@ -16,7 +16,7 @@ from typing import Any
 
 from transformer_mt.common import files, textio
 from transformer_mt.common.exits import TmtError
-from transformer_mt.runs.metrics import METRICS_FILE, read_log
+from transformer_mt.runs.metrics import METRICS_FILE, read_log, warn_damaged
 
 RUN_CURVES = "curves.png"  # what training draws into its run directory (RunCurves)
 FORMATS = (".png", ".svg", ".pdf")
@@ -107,27 +107,18 @@ def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
         raw = read_log(path)
     except OSError as err:
         raise TmtError(f"{path}: cannot read: {err.strerror or err}") from None
-    numbered = [(n, line) for n, line in enumerate(raw, 1) if line]
-    lines = [line for _, line in numbered]
-    damaged = []
-    for n, line in numbered:
+    warn_damaged(path, raw, "skipped")
+    lines = [line for line in raw if line]
+    for line in lines:
         try:
             record = json.loads(line)
             step = int(record["step"])
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-            damaged.append(n)
             continue
         for name, value in record.items():
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if number and name not in ("step", "epoch") and math.isfinite(value):
                 points.setdefault(name, []).append((step, float(value)))
-    if damaged and damaged[-1] == len(raw):  # no newline after it: a write a kill cut short
-        damaged.pop()
-    if damaged:
-        listed = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
-        logger.warning("%s: %d damaged line%s skipped (%s %s)", path, len(damaged),
-                       "s" * (len(damaged) > 1), "lines" if len(damaged) > 1 else "line",
-                       listed)  # fmt: skip
     if not points:
         raise TmtError(f"{path}: no records to plot ({len(lines)} lines, none readable)")
     return {name: sorted(values) for name, values in points.items()}
