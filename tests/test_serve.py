@@ -415,6 +415,59 @@ def test_sigterm_lets_the_request_in_flight_finish_and_exits_0(trained_run: Path
         httpx.get(draining.url + "/health", timeout=5)
 
 
+# The main thread waits idle (tmt serve's decoder for a request; tmt translate for stdin's next
+# line) while a signal arrives. The kernel may hand a process's signal to any thread that does
+# not block it: here the main thread blocks it, so another thread takes it, as one did when a
+# test's server ignored SIGTERM for 75 s. Python runs the handler on the main thread only: its
+# wait must wake for it.
+_SIGNAL_ELSEWHERE = """
+import signal, sys, threading, time
+elsewhere = threading.Thread(target=time.sleep, args=(600,), daemon=True)
+elsewhere.start()  # a thread that takes the signal: started before the main thread blocks it
+{setup}
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.{signal}}})
+print("waiting", flush=True)
+{wait}
+print("stopped", flush=True)
+"""
+_IDLE_WAITS = {
+    "serve's idle decoder": (
+        "SIGTERM",
+        "from transformer_mt.serving.batching import Batcher\n"
+        "class Quiet:\n"
+        "    def queued(self, n): pass\n"
+        "batcher = Batcher(max_tokens=100, max_wait_s=0.01, max_queue=10, metrics=Quiet())\n"
+        "batcher.open()\n"
+        "signal.signal(signal.SIGTERM, lambda *_: batcher.stop())",
+        "batcher.run()",
+    ),
+    "translate waiting for a line": (
+        "SIGINT",
+        "from transformer_mt.common import textio\n"
+        "def lines():\n"
+        "    time.sleep(600)  # stdin that sends nothing\n"
+        "    yield 'never'",
+        "try:\n    next(textio.waiting_chunks(lines(), 4))\nexcept KeyboardInterrupt:\n    pass",
+    ),
+}
+
+
+@pytest.mark.parametrize("idle", list(_IDLE_WAITS))
+def test_a_signal_another_thread_takes_still_ends_the_main_thread_s_wait(idle: str) -> None:
+    name, setup, wait = _IDLE_WAITS[idle]
+    script = _SIGNAL_ELSEWHERE.format(setup=setup, signal=name, wait=wait)
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               cwd=REPO)  # fmt: skip
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "waiting\n"
+        time.sleep(0.3)  # in its wait
+        process.send_signal(getattr(signal, name))
+        out, _ = process.communicate(timeout=30)  # was: no end (the wait had no timeout)
+    finally:
+        process.kill()
+    assert process.returncode == 0 and out == "stopped\n"
+
+
 def test_a_port_in_use_is_one_line_and_exit_2(trained_run: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

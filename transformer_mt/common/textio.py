@@ -154,7 +154,7 @@ def waiting_chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
 
     threading.Thread(target=reader, daemon=True).start()
     while True:
-        first = waiting.get()
+        first = _next(waiting)
         if first is end:
             return
         chunk = [first]
@@ -168,6 +168,17 @@ def waiting_chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
                 return
             chunk.append(item)
         yield chunk
+
+
+def _next(waiting: queue.Queue[Any]) -> Any:
+    """The queue's next item, waited for in steps: Python runs a signal's handler (Ctrl-C's
+    KeyboardInterrupt) on the main thread only between bytecodes, and one the kernel gave the
+    reader thread (the C handler ran there) would wait for the next line, however long."""
+    while True:
+        try:
+            return waiting.get(timeout=0.25)
+        except queue.Empty:
+            continue
 
 
 # --- writing -----------------------------------------------------------------------------------

@@ -38,6 +38,13 @@ class QueueFull(Exception):
     """The queue holds serve.max_queue sentences already: the caller should come back later."""
 
 
+# How often an idle worker wakes. tmt serve decodes on the main thread, where Python runs a
+# signal's handler, and only between bytecodes: a SIGTERM the kernel gave another thread (the
+# C handler ran there) waited for the next request, however long (a test's server ignored one
+# for 75 s). Waking to find no job costs nothing.
+SIGNAL_POLL_S = 0.25
+
+
 @dataclass
 class Job:
     lines: list[str]
@@ -133,7 +140,7 @@ class Batcher:
         free = time.monotonic()
         with self._ready:
             while self._running and not self._jobs:
-                self._ready.wait()
+                self._ready.wait(SIGNAL_POLL_S)
             if not self._running:
                 return None
             # The clients the last batch answered may come back, unless the worker has been idle
