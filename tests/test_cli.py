@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import cli_processes
@@ -245,6 +246,39 @@ def test_translate_streams_stdin_before_eof(trained: Path) -> None:
         assert process.wait(timeout=60) == 0
     finally:
         process.kill()
+
+
+def test_ctrl_c_ends_translate_waiting_on_stdin_with_130_and_a_closed_stdin_is_one_line(
+    trained: Path,
+) -> None:
+    """Ctrl-C while translate waits for stdin's next line (read on a thread) aborted Python
+    ("Fatal Python error: _enter_buffered_busy", exit -6): exiting, it closed sys.stdin, whose
+    lock the blocked read held. stdin closed at the start (<&-) was a traceback."""
+    command = [sys.executable, "-m", "transformer_mt", "translate", "-m", str(trained)]
+
+    def as_from_a_terminal() -> None:  # a test runner's worker may ignore or block SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=REPO, preexec_fn=as_from_a_terminal)  # fmt: skip
+    try:
+        process.stdin.write(b"kalo mi nu\n")
+        process.stdin.flush()
+        assert process.stdout.readline().endswith(b"\n")  # translated; now it waits for more
+        time.sleep(1)  # in its wait
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)  # stdin still open: closed, the read would end and let go
+        err = process.stderr.read()
+    finally:
+        process.kill()
+        process.stdin.close()
+    assert process.returncode == 130 and b"Fatal Python error" not in err, err
+    closed = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            cwd=REPO, timeout=120, preexec_fn=lambda: os.close(0))  # fmt: skip
+    assert closed.returncode == 2 and closed.stderr.splitlines()[-1] == (
+        "tmt: error: --input -: stdin is closed; pipe the input in, or name a file"
+    ), closed.stderr
 
 
 def test_a_command_forked_for_the_tests_shows_what_a_started_one_shows(

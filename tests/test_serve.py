@@ -422,6 +422,7 @@ def test_sigterm_lets_the_request_in_flight_finish_and_exits_0(trained_run: Path
 # wait must wake for it.
 _SIGNAL_ELSEWHERE = """
 import signal, sys, threading, time
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.{signal}}})  # a test runner may block it
 elsewhere = threading.Thread(target=time.sleep, args=(600,), daemon=True)
 elsewhere.start()  # a thread that takes the signal: started before the main thread blocks it
 {setup}
@@ -444,6 +445,7 @@ _IDLE_WAITS = {
     "translate waiting for a line": (
         "SIGINT",
         "from transformer_mt.common import textio\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # a test runner may ignore it\n"
         "def lines():\n"
         "    time.sleep(600)  # stdin that sends nothing\n"
         "    yield 'never'",

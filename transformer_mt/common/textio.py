@@ -121,9 +121,23 @@ def count_lines(path: str | Path, param: str = "input") -> int:
 
 @contextlib.contextmanager
 def open_input(path: str, param: str = "input") -> Iterator[BinaryIO]:
-    """stdin ("-") or the file at `path`, in binary."""
+    """stdin ("-") or the file at `path`, in binary.
+
+    stdin is read through a reader of its own on fd 0, not sys.stdin's: a stream is read on a
+    thread (waiting_chunks), and a thread blocked in a read holds its reader's lock, which
+    Python, exiting on Ctrl-C, needed to close sys.stdin: it aborted ("Fatal Python error:
+    _enter_buffered_busy", exit -6). closefd=False: fd 0 stays open, the reader is never
+    closed by anyone (closing it would wait for that read)."""
     if path == STDIO:
-        yield sys.stdin.buffer
+        if sys.stdin is None:  # started with stdin closed (<&-)
+            raise TmtError(f"{path}: stdin is closed; pipe the input in, or name a file",
+                           param=param)  # fmt: skip
+        try:
+            fd = sys.stdin.fileno()
+        except (OSError, ValueError):  # a stdin with no descriptor (a test's, in memory)
+            yield sys.stdin.buffer
+            return
+        yield open(fd, "rb", closefd=False)  # noqa: SIM115
         return
     try:
         handle = open(path, "rb")  # noqa: SIM115
