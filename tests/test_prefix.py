@@ -116,6 +116,11 @@ def test_a_prefix_file_of_another_length_is_one_line(multi30k_run: Path, tmp_pat
     missing = runner.invoke(app, [*base[:-1], str(tmp_path / "nope"), "-i", str(source), "-o",
                                   str(tmp_path / "out.en")])  # fmt: skip
     assert missing.exit_code == 2 and "nope: no such file" in missing.stderr
+    # Prefixes and input both from stdin: the prefixes took every line ("the input has 0").
+    both = runner.invoke(app, [*base[:-1], "-"], input=source.read_text())
+    assert both.exit_code == 2 and both.stderr.splitlines()[-1] == (
+        "tmt: error: --prefix -: the input reads stdin too; give one of them as a file"
+    ), both.stderr
 
 
 def test_a_job_resumed_with_another_prefix_file_is_refused(

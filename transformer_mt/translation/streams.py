@@ -113,6 +113,9 @@ def _read_prefixes(prefix_path: str, input_path: str) -> tuple[Prefixes, BinaryI
     """The prefix file read whole and checked against the input's line count; an input that is
     no regular file (stdin, a FIFO) is read whole here too, to be counted before anything is
     written (returned as a stream), so --prefix gives up streaming stdin."""
+    if prefix_path == input_path == textio.STDIO:  # the prefixes would take every line
+        raise TmtError("-: the input reads stdin too; give one of them as a file",
+                       param="prefix")  # fmt: skip
     with textio.open_input(prefix_path, param="prefix") as handle:
         prefixes = list(textio.stream_lines(handle, prefix_path))
     held = None
