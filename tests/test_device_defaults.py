@@ -347,21 +347,27 @@ def test_the_decoding_profile_counts_the_search_steps_it_times(
     trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bench_gpu.py decode_profile on the CPU (what it can check there: the script, not a
-    figure): the steps are the output projection's calls, one a search step; its row in the
-    table says what it found. Its GPU figures (kernels busy against wall time) are a GPU's."""
+    figure): the steps it counts (the output projection's calls) are the search's steps; its
+    row in the table says what it found. Its GPU figures (kernels busy against wall time) are a
+    GPU's."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
     from bench_gpu import _summary, _training_lines, decode_profile
 
-    from transformer_mt.translation import translate
+    from transformer_mt.translation import decoding, translate
 
     args = SimpleNamespace(device="cpu", model=trained_run, lines=12, out=tmp_path)
     found = decode_profile(args)
-    # The 12 lines decoded again, their steps counted alone (the warm-up's not among them).
-    translator = translate.load_translator(trained_run, ["decode.device=cpu"])
-    calls: list[int] = []
-    translator.model.output_projection.register_forward_hook(lambda *_: calls.append(1))
-    translate.translate_text(translator, _training_lines(12)[0])
-    assert found["steps"] == len(calls)
+    # The oracle: the same 12 lines decoded again, counting the steps the beam search asks of
+    # the model (the warm-up's not among them).
+    asked: list[int] = []
+    real = decoding.beam_search
+
+    def counting(step_fn, *rest, **options):
+        return real(lambda *a: asked.append(1) or step_fn(*a), *rest, **options)
+
+    monkeypatch.setattr(decoding, "beam_search", counting)
+    translate.translate_text(translate.load_translator(trained_run), _training_lines(12)[0])
+    assert found["steps"] == len(asked) > 0
     assert found["lines"] == 12 and found["steps"] > 0 and found["rows_per_step"] >= 1
     assert found["wall_s"] > 0 and found["profile"]["host_op_ms"] > 0
     assert "gpu_busy_share" not in found

@@ -113,6 +113,14 @@ def run_script(main: Callable[[], Any]) -> Any:
         raise SystemExit(ended[1]) from None
 
 
+# How often a main thread that waits (for a request, a line, a thread) wakes. Python runs a
+# signal's handler on the main thread only, between bytecodes: a signal the kernel handed to
+# another thread (its C handler ran there) waited for whatever the main thread waited for, with
+# no timeout, however long (a server ignored SIGTERM for 75 s). Waking to find nothing costs
+# nothing.
+SIGNAL_POLL_S = 0.25
+
+
 class StopSignals:
     """SIGTERM and SIGINT only set a flag: training stops at the next step boundary (every rank
     agrees through the step's collective), saves that step and exits 143 or 130. A second signal,

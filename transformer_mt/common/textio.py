@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from transformer_mt.common import files
-from transformer_mt.common.exits import NO_ROOM, NO_ROOM_ERRNOS, TmtError
+from transformer_mt.common.exits import NO_ROOM, NO_ROOM_ERRNOS, SIGNAL_POLL_S, TmtError
 
 logger = logging.getLogger(__name__)
 
@@ -185,12 +185,10 @@ def waiting_chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
 
 
 def _next(waiting: queue.Queue[Any]) -> Any:
-    """The queue's next item, waited for in steps: Python runs a signal's handler (Ctrl-C's
-    KeyboardInterrupt) on the main thread only between bytecodes, and one the kernel gave the
-    reader thread (the C handler ran there) would wait for the next line, however long."""
+    """The queue's next item, waited for in steps (Ctrl-C's KeyboardInterrupt: SIGNAL_POLL_S)."""
     while True:
         try:
-            return waiting.get(timeout=0.25)
+            return waiting.get(timeout=SIGNAL_POLL_S)
         except queue.Empty:
             continue
 

@@ -33,16 +33,21 @@ def trim(run_dir: Path, step: int) -> None:
     path = run_dir / METRICS_FILE
     if path.exists() or path.is_symlink():
         lines = read_log(path)
-        warn_damaged(path, lines, "dropped")
-        kept = [line for line in lines if _record_step(line) < step or _kept_at(line, step)]
+        steps = [_record_step(line) for line in lines]
+        warn_damaged(path, lines, "dropped", steps)
+        kept = [line for line, at in zip(lines, steps, strict=True)
+                if at < step or _kept_at(line, step)]  # fmt: skip
         files.atomic_write(path, "".join(line + "\n" for line in kept).encode())
 
 
-def warn_damaged(path: Path, lines: list[str], done: str) -> None:
+def warn_damaged(path: Path, lines: list[str], done: str, steps: list[int] | None = None) -> None:
     """A warning naming the lines of a metrics log (read_log's `lines`) that do not read as a
-    record of a step, and what was `done` with them; a torn last line (no newline after it: a
-    write a kill cut short) is no damage, and is not named."""
-    damaged = [n for n, line in enumerate(lines, 1) if line and _record_step(line) == sys.maxsize]
+    record of a step (`steps`: each line's, if the caller has read them), and what was `done`
+    with them; a torn last line (no newline after it: a write a kill cut short) is no damage,
+    and is not named."""
+    steps = steps if steps is not None else [_record_step(line) for line in lines]
+    damaged = [n for n, (line, at) in enumerate(zip(lines, steps, strict=True), 1)
+               if line and at == sys.maxsize]  # fmt: skip
     if damaged and damaged[-1] == len(lines):
         damaged.pop()
     if damaged:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformer_mt.common.exits import first_line
+from transformer_mt.common.exits import SIGNAL_POLL_S, first_line
 from transformer_mt.network.search import Hypothesis
 from transformer_mt.translation.translate import Translator, translate_lines
 
@@ -36,13 +36,6 @@ logger = logging.getLogger(__name__)
 
 class QueueFull(Exception):
     """The queue holds serve.max_queue sentences already: the caller should come back later."""
-
-
-# How often an idle worker wakes. tmt serve decodes on the main thread, where Python runs a
-# signal's handler, and only between bytecodes: a SIGTERM the kernel gave another thread (the
-# C handler ran there) waited for the next request, however long (a test's server ignored one
-# for 75 s). Waking to find no job costs nothing.
-SIGNAL_POLL_S = 0.25
 
 
 @dataclass
@@ -140,7 +133,7 @@ class Batcher:
         free = time.monotonic()
         with self._ready:
             while self._running and not self._jobs:
-                self._ready.wait(SIGNAL_POLL_S)
+                self._ready.wait(SIGNAL_POLL_S)  # tmt serve runs this on its main thread
             if not self._running:
                 return None
             # The clients the last batch answered may come back, unless the worker has been idle

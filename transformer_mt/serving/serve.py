@@ -49,11 +49,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from transformer_mt.common.exits import TmtError
+from transformer_mt.common.exits import SIGNAL_POLL_S, TmtError
 from transformer_mt.config import ServeConfig, apply_overrides
 from transformer_mt.network.alignment import pharaoh
 from transformer_mt.serving import libretranslate
-from transformer_mt.serving.batching import SIGNAL_POLL_S, Batcher
+from transformer_mt.serving.batching import Batcher
 from transformer_mt.serving.gate import Gate
 from transformer_mt.serving.glossary_store import GlossaryStore, StoreError
 from transformer_mt.serving.service import (
@@ -444,6 +444,6 @@ def _run(translator: Translator, cfg: ServeConfig, api_key: str, store: Glossary
     logger.info("serving %s on http://%s:%d%s", translator.origin, where, port,
                 " (API key required)" if api_key else "")  # fmt: skip
     batcher.run()
-    while http_thread.is_alive():  # a timed wait, for a second signal (batching.SIGNAL_POLL_S)
+    while http_thread.is_alive():  # a timed wait, for a second signal (exits.SIGNAL_POLL_S)
         http_thread.join(SIGNAL_POLL_S)
     logger.info("stopped")
