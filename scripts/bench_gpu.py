@@ -758,6 +758,8 @@ def main() -> None:
         parser.error(f"{args.part} decodes a model: name it with --model (a run directory)")
     if args.lines is None:
         args.lines = 2500 if args.part == "decode_profile" else 10000
+    if args.lines < 1:  # a slice [:-5] would be every line but five
+        parser.error(f"--lines {args.lines}: expected a number of lines >= 1")
     parts_run = {**run, "decode": decode, "decode_profile": decode_profile, "resume": resume}
     result = parts_run[args.part](args)
     write(args.out, args.label or args.part, {"device": args.device, **result})

@@ -496,6 +496,11 @@ def test_every_script_ends_on_bad_input_as_tmt_does() -> None:
     cases = [
         (["bench_decode.py", "--checkpoint", str(REPO / "no-such-run")], "no-such-run: no such"),
         (["bench_loss.py", "--vocab", "-5"], "--vocab -5: expected a positive integer"),
+        (
+            ["bench_gpu.py", "decode_profile", "--device", "cpu", "--model", "m", "--lines", "-5"],
+            "--lines -5: expected a number of lines >= 1",
+        ),  # a slice [:-5]: all but five
+        (["bench_gpu.py", "decode", "--device", "cpu"], "decode decodes a model: name it with"),
     ]
     import torch
 
