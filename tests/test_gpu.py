@@ -226,7 +226,7 @@ def test_a_replayed_update_waits_for_the_gpu_nowhere(tiny_cfg: Config) -> None:
     the graph's, the replay, the sums) never make the host wait for the GPU."""
     from transformer_mt.training import step
 
-    _, (_, _, graphs), _, cfg, info, feeder = _graph_twins(tiny_cfg, passes=1)
+    (_, (_, _, graphs)), _, cfg, info, feeder = _graph_twins(tiny_cfg, passes=1)
     model, objective = graphs.model, graphs.objective
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     feeder = type(feeder)(cfg, feeder.data, None, info)
