@@ -315,8 +315,8 @@ def _timed_lines(command: list[str], log: Path) -> subprocess.CompletedProcess:
 
 def e2e(args: argparse.Namespace) -> dict:
     """`tmt train -c multi30k-gpu` through torchrun (NCCL, one rank): its wall time from the
-    command's start to its end; then test2016 BLEU of what it made (tmt evaluate, its own
-    decoding settings, on the GPU)."""
+    command's start to its end; then test2016 and validation BLEU of what it made (tmt
+    evaluate, its own decoding settings, on the GPU)."""
     label = args.label or "e2e"  # e2e's run is the decode part's model; a variant's its own
     run_dir = args.out / ("multi30k" if label == "e2e" else label)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -359,16 +359,18 @@ def e2e(args: argparse.Namespace) -> dict:
     summary = json.loads(trained.stdout.strip().splitlines()[-1])
     result |= {"updates": summary["step"], "stop": summary["stop"]}
     device = "cuda" if args.device == "cuda" else "cpu"
-    scored = subprocess.run(
-        [*TMT, "evaluate", "-m", str(run_dir), "--split", "test", "--json", "--device", device],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    if scored.returncode != 0:
-        return result | {"evaluate_error": scored.stderr.strip().splitlines()[-1:]}
-    report = json.loads(scored.stdout.strip().splitlines()[-1])
-    return result | {"test2016_bleu": report.get("bleu")}
+    # Both splits: the recipe's choices are made on the validation split, the goal is test2016.
+    for split, key in (("test", "test2016_bleu"), ("valid", "valid_bleu")):
+        scored = subprocess.run(
+            [*TMT, "evaluate", "-m", str(run_dir), "--split", split, "--json", "--device", device],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
+        if scored.returncode != 0:
+            return result | {"evaluate_error": scored.stderr.strip().splitlines()[-1:]}
+        result[key] = json.loads(scored.stdout.strip().splitlines()[-1]).get("bleu")
+    return result
 
 
 def _sets(items: list[str] | None) -> list[str]:
@@ -386,7 +388,8 @@ def decode(args: argparse.Namespace) -> dict:
     row differs from generate are counted (0 of 300 on a CPU). Then with generate's stopping rule
     too (decode.early_stopping=current: HF's default; tmt's exact bound costs steps, ~20 % more
     on a CPU, where one batch's last sentences hold a GPU's host to its step rate); and at the
-    larger batches of `sizes` (decode.max_tokens), above the default's 32,768-token cap."""
+    larger batches of `sizes` (decode.max_tokens), above the default's 32,768-token cap; on CUDA
+    also in bf16 (decode.precision)."""
     import torch
     import transformers
 
@@ -481,6 +484,8 @@ def decode(args: argparse.Namespace) -> dict:
     power = ["decode.length_penalty_form=power"]
     variants = [] if decode_cfg.length_penalty_form == "power" else [("tmt_power", power)]
     variants.append(("tmt_power_current", [*power, "decode.early_stopping=current"]))
+    if args.device == "cuda":  # the fourth run's matrix products were float32 without tensor cores
+        variants.append(("tmt_bf16", ["decode.precision=bf16"]))
     variants += [(f"tmt_{n}", [f"decode.max_tokens={n}"]) for n in args.sizes or []]
     for name, settings in variants:
         variant = translate.load_translator(args.model, [f"decode.device={args.device}", *settings])
@@ -552,7 +557,8 @@ def _training_lines(n: int) -> tuple[list[str], list[str]]:
 def resume(args: argparse.Namespace) -> dict:
     """configs/tiny.yaml on the device for 8 updates, straight; and killed after its checkpoint
     at step 4 (TMT_FAULT), then the same command again: every logged loss and every weight of
-    step 8 must be the straight run's, bit for bit."""
+    step 8 must be the straight run's, bit for bit. --set adds overrides to both runs
+    (train.cuda_graphs=on: a resumed run records its shapes again)."""
     import torch
 
     from transformer_mt.runs import checkpoint
@@ -572,6 +578,7 @@ def resume(args: argparse.Namespace) -> dict:
         "train.save_every=4",
         "--set",
         "train.log_every=1",
+        *_sets(args.set),
         "--json",
     ]
 
@@ -580,7 +587,8 @@ def resume(args: argparse.Namespace) -> dict:
         cmd = [*TMT, *base, "--set", f"train.out_dir={run_dir}"]
         return subprocess.run(cmd, env=env, capture_output=True, cwd=REPO).returncode
 
-    straight, resumed = args.out / "resume_straight", args.out / "resume_resumed"
+    label = args.label or "resume"
+    straight, resumed = args.out / f"{label}_straight", args.out / f"{label}_resumed"
     for path in (straight, resumed):
         shutil.rmtree(path, ignore_errors=True)
     codes = [tmt(straight), tmt(resumed, "after_save@4:kill"), tmt(resumed)]
@@ -745,7 +753,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=50, help="compile: the compiled run's limit")
     parser.add_argument("--set", action="append", help="a config override for the part")
     parser.add_argument("--first-only", action="store_true", help="profile: its first phase")
-    parser.add_argument("--label", help="the result's name (default: the part's), e.g. e2e_graphs")
+    parser.add_argument("--label", help="the result's name (default: the part's), e.g. e2e_eager")
     args = parser.parse_args()
     if args.part == "table":
         print(table(args.directory or args.out))

@@ -22,11 +22,12 @@
 #              10 warm updates profiled: the kernels' busy time against the update's wall time
 #              (bound by the host or by its kernels), by kind of kernel
 #   e2e        tmt train -c multi30k-gpu through torchrun (NCCL, one rank): wall time, updates,
-#              then test2016 BLEU (tmt evaluate)
+#              then test2016 and validation BLEU (tmt evaluate)
 #   decode     10,000 lines by that model at its defaults: tmt, transformers generate on tmt's
 #              export, CTranslate2 on the GPU if its wheel runs there
 #   tests      tests/test_gpu.py
 #   resume     configs/tiny.yaml killed after its checkpoint at step 4 and resumed: bit-exact
+#   resume_graphs  the same with train.cuda_graphs=on (what making them the default waits for)
 # and, when PARTS names them:
 #   profile    the GPU recipe's model: its first updates (new shapes) timed one by one, then
 #              the profiler's tables of new-shape and warm updates (profile.txt): where a new
@@ -39,7 +40,7 @@
 #   train_graphs  train with tmt's step recorded as a CUDA graph per batch shape and replayed
 #              (train.cuda_graphs=on), the recordings within its first updates; HF Marian as in
 #              train, for the ratio
-#   e2e_graphs e2e with train.cuda_graphs=on, the recordings inside the budget
+#   e2e_eager  e2e with train.cuda_graphs=off: what the recipe's CUDA graphs buy
 #   train_traced  train's tmt row with the model traced into CUDA graphs by torch.compile
 #              (compile_mode cudagraphs)
 #   compile    the GPU recipe's model (configs/multi30k-gpu.yaml) eager, recorded as CUDA
@@ -123,13 +124,15 @@ wanted decode && part decode 110 $PY scripts/bench_gpu.py decode --out "$OUT" \
   --model "$OUT/multi30k" --lines "$LINES"
 wanted tests && part tests 140 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
+wanted resume_graphs && part resume_graphs 45 $PY scripts/bench_gpu.py resume --out "$OUT" \
+  --label resume_graphs --set train.cuda_graphs=on
 wanted profile && part profile 150 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
 wanted decode_profile && part decode_profile 60 $PY scripts/bench_gpu.py decode_profile \
   --out "$OUT" --model "$OUT/multi30k"
 wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
 wanted train_graphs && train_part train_graphs --systems tmt,hf_marian --set train.cuda_graphs=on
-wanted e2e_graphs && part e2e_graphs 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \
-  --label e2e_graphs --set train.cuda_graphs=on
+wanted e2e_eager && part e2e_eager 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \
+  --label e2e_eager --set train.cuda_graphs=off
 wanted train_traced && train_part train_traced --systems tmt --compile=cudagraphs
 wanted compile && part compile 250 $PY scripts/bench_gpu.py compile --out "$OUT" --steps 60 \
   --seconds 60
