@@ -153,8 +153,14 @@ def test_the_compiled_step_is_the_eager_step_within_bf16(
     assert len(eager) == 3 and compiled == pytest.approx(eager, rel=2e-2)
 
 
-def test_the_fused_loss_on_cuda_is_the_reference_within_bf16() -> None:
-    hidden, projection, target = projected(5, torch.float32, bias=False, vocab=300, d=64)
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fused_loss_on_cuda_is_the_reference_within_bf16(bias: bool) -> None:
+    """Its products from bf16 factors written in float32 by cuBLAS (torch.mm's out_dtype: no
+    conversion of the scores), the bias added after: the reference's loss and gradients."""
+    from transformer_mt.training.loss import _writes_float32
+
+    hidden, projection, target = projected(5, torch.float32, bias=bias, vocab=300, d=64)
+    assert _writes_float32(hidden.cuda().bfloat16(), torch.float32)
     hidden = hidden.detach().cuda().requires_grad_()
     projection = projection.cuda()
     target = target.cuda()

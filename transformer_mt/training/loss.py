@@ -126,9 +126,9 @@ class _ChunkedLoss(torch.autograd.Function):
                 nll += sums[1]
                 n_real += real.sum()
                 g = grad_z.to(compute)
-                grad_rows = (g @ w).to(exact) - smoothing  # (n, D)
+                grad_rows = _product(g, w, exact) - smoothing  # (n, D)
                 grad_hidden[chunk] = (grad_rows * real).to(hidden.dtype)
-                grad_weight += (g.T @ h).to(exact)  # (V, D); padding rows' h are 0
+                grad_weight += _product(g.T, h, exact)  # (V, D); padding rows' h are 0
                 real_states += h_exact.sum(dim=0)
                 if grad_bias is not None:
                     grad_bias += (real.T @ grad_z)[0]  # (V,)
@@ -162,7 +162,11 @@ def _chunk_loss(
     reference, on real rows (padding rows: their softmax, left out by the caller). Scores and
     sums in `real`'s precision."""
     vocab = w.size(0)
-    z = F.linear(h, w, b).to(real.dtype)  # (n, V)
+    if _writes_float32(h, real.dtype):
+        z = torch.mm(h, w.T, out_dtype=torch.float32)  # (n, V)
+        z = z if b is None else z.add_(b)
+    else:  # the bias inside the product, as the CPU's golden losses were made
+        z = F.linear(h, w, b).to(real.dtype)
     index = y.clamp(0, vocab - 1)[:, None]  # a padding row's id: masked anyway
     top = z.amax(dim=-1, keepdim=True)  # (n, 1): its largest score
     grad_z = torch.softmax(z, dim=-1)
@@ -175,6 +179,22 @@ def _chunk_loss(
     loss = ((1.0 - epsilon) * nll_rows + epsilon * uniform_rows).sum()
     grad_z.scatter_add_(1, index, -(1.0 - epsilon) * real)
     return torch.stack([loss, nll_rows.sum()]), grad_z
+
+
+def _writes_float32(a: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a product of bf16 or fp16 factors like `a` is written in float32 by cuBLAS
+    itself (torch.mm's out_dtype, CUDA only), where a low-precision product would be written and
+    then converted: that conversion of the scores was 5.0 of the 53 ms an update of the base
+    model took on an H200 (docs/benchmarks.md, the fourth run), the largest kernel of its
+    profile. A CPU has no such product."""
+    return a.dtype != dtype and dtype == torch.float32 and a.is_cuda and bool(torch.version.cuda)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b in `dtype` (float32 written by the product where _writes_float32)."""
+    if _writes_float32(a, dtype):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).to(dtype)
 
 
 @dataclass(frozen=True)
