@@ -20,6 +20,7 @@ import dataclasses
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -768,6 +769,10 @@ def main() -> None:
         args.lines = 2500 if args.part == "decode_profile" else 10000
     if args.lines < 1:  # a slice [:-5] would be every line but five
         parser.error(f"--lines {args.lines}: expected a number of lines >= 1")
+    # A label names files and run directories inside --out, which e2e and resume remove first:
+    # "..", or one with a slash, would name (and remove) something outside it.
+    if args.label is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.label):
+        parser.error(f"--label {args.label!r}: expected a plain name (letters, digits, _ . -)")
     parts_run = {**run, "decode": decode, "decode_profile": decode_profile, "resume": resume}
     result = parts_run[args.part](args)
     write(args.out, args.label or args.part, {"device": args.device, **result})

@@ -501,6 +501,10 @@ def test_every_script_ends_on_bad_input_as_tmt_does() -> None:
             "--lines -5: expected a number of lines >= 1",
         ),  # a slice [:-5]: all but five
         (["bench_gpu.py", "decode", "--device", "cpu"], "decode decodes a model: name it with"),
+        (  # a run directory OUT/.. that e2e would have removed first
+            ["bench_gpu.py", "e2e", "--device", "cpu", "--out", "x", "--label", ".."],
+            "--label '..': expected a plain name",
+        ),
     ]
     import torch
 
