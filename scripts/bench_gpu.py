@@ -507,7 +507,9 @@ def decode_profile(args: argparse.Namespace) -> dict:
     (synchronized), then again under the profiler: the kernels' busy time against the wall time
     (bound by the host, or by which kernels: the decoder cache's reorder is index_select's
     copies), the top kernels (on a CPU, operators), the search's steps and rows a step (the
-    output projection's calls). The decode part says how fast; this says why."""
+    output projection's calls), and the share of the wall time the host spent inside the
+    model's decoder steps (the rest: the search, the encoder, the text). The decode part says
+    how fast; this says why."""
     sys.path.insert(0, str(REPO / "scripts"))
     import torch
     from bench_train import profile_calls
@@ -529,17 +531,30 @@ def decode_profile(args: argparse.Namespace) -> dict:
 
     translate.translate_text(translator, sources[:256])  # warm-up
     hook = translator.model.output_projection.register_forward_hook(counted)
+    model_s = [0.0]  # the host's time inside the model's decoder steps (no sync: launches)
+    model_decode = translator.model.decode
+
+    def timed_decode(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return model_decode(*args, **kwargs)
+        finally:
+            model_s[0] += time.perf_counter() - begin
+
+    translator.model.decode = timed_decode  # this instance only, until the timing ends
     sync()
     start = time.perf_counter()
     decode()
     sync()
     wall = time.perf_counter() - start
+    del translator.model.decode
     hook.remove()
     profiled = profile_calls([decode], args.device)
     per_step = max(steps[0], 1)
     result = {"lines": len(sources), "wall_s": round(wall, 3), "steps": steps[0],
               "rows_per_step": round(rows[0] / per_step, 1),
-              "ms_per_step": round(1e3 * wall / per_step, 3), "profile": profiled}  # fmt: skip
+              "ms_per_step": round(1e3 * wall / per_step, 3),
+              "model_step_share": round(model_s[0] / wall, 3), "profile": profiled}  # fmt: skip
     if "gpu_busy_ms" in profiled:
         result["gpu_busy_share"] = round(profiled["gpu_busy_ms"] / 1e3 / wall, 3)
     return result
@@ -714,7 +729,8 @@ def _summary(name: str, found: dict) -> str:
         )
         return (
             f"{found.get('lines')} lines in {found.get('wall_s')} s, {found.get('steps')} steps"
-            f" of {found.get('rows_per_step')} rows, {found.get('ms_per_step')} ms a step{busy}"
+            f" of {found.get('rows_per_step')} rows, {found.get('ms_per_step')} ms a step"
+            f" ({found.get('model_step_share', 0):.0%} of it in the model's step){busy}"
         )
     if name == "decode":
         rows = "; ".join(

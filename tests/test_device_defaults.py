@@ -370,6 +370,7 @@ def test_the_decoding_profile_counts_the_search_steps_it_times(
     assert found["steps"] == len(asked) > 0
     assert found["lines"] == 12 and found["steps"] > 0 and found["rows_per_step"] >= 1
     assert found["wall_s"] > 0 and found["profile"]["host_op_ms"] > 0
+    assert 0 < found["model_step_share"] < 1  # the search and the encoder take the rest
     assert "gpu_busy_share" not in found
     row = _summary("decode_profile", found)
     assert row.startswith(f"12 lines in {found['wall_s']} s, {found['steps']} steps of") and (
