@@ -598,16 +598,20 @@ def resume(args: argparse.Namespace) -> dict:
         "--json",
     ]
 
-    def tmt(run_dir: Path, fault: str = "") -> int:
+    def tmt(run_dir: Path, fault: str = "") -> subprocess.CompletedProcess:
         env = {**os.environ, **({"TMT_FAULT": fault} if fault else {})}
         cmd = [*TMT, *base, "--set", f"train.out_dir={run_dir}"]
-        return subprocess.run(cmd, env=env, capture_output=True, cwd=REPO).returncode
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
 
     label = args.label or "resume"
     straight, resumed = args.out / f"{label}_straight", args.out / f"{label}_resumed"
     for path in (straight, resumed):
         shutil.rmtree(path, ignore_errors=True)
-    codes = [tmt(straight), tmt(resumed, "after_save@4:kill"), tmt(resumed)]
+    runs = [tmt(straight), tmt(resumed, "after_save@4:kill"), tmt(resumed)]
+    codes = [run.returncode for run in runs]
+    failed = [run for run in (runs[0], runs[2]) if run.returncode != 0]
+    if failed:  # a setting or a device the runs refuse: their own line, not a missing file
+        return {"exit_codes": codes, "error": failed[0].stderr.strip().splitlines()[-1:]}
 
     def losses(run_dir: Path) -> list:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()

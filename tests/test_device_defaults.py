@@ -378,6 +378,20 @@ def test_the_decoding_profile_counts_the_search_steps_it_times(
     )
 
 
+def test_the_gpu_benchmark_s_resume_part_names_what_its_runs_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench_gpu.py resume with a setting its training runs refuse: their own one-line error in
+    its result, where it read a checkpoint the runs never wrote ("no such file")."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_gpu import resume
+
+    args = SimpleNamespace(device="cpu", out=tmp_path, label=None, set=["train.nope=1"])
+    found = resume(args)
+    assert found["exit_codes"] == [2, 2, 2]
+    assert "unknown key train.nope" in found["error"][0]
+
+
 def test_the_gpu_benchmark_refuses_a_machine_without_cuda_in_one_line(tmp_path: Path) -> None:
     """scripts/bench_gpu.sh on a machine with no CUDA device stops before its first part, with
     one line that says why (it ran every part to its own failure, a traceback among them); with
