@@ -199,3 +199,20 @@ def test_the_chunked_loss_repeats_itself_bit_for_bit() -> None:
         sums = chunked_label_smoothed_nll(hidden, projection, target, PAD, 0.1, chunk_rows=4)
         runs.append([sums.loss.detach(), sums.nll, *gradients(sums.loss, hidden, projection)])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_a_torch_that_refuses_float32_products_is_asked_once_and_the_loss_converts(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On CUDA the fused loss asks cuBLAS for float32 products of bf16 factors (torch.mm's
+    out_dtype); where that is refused (this CPU's torch has no such product: a real refusal), the
+    loss says so once and converts its scores as before, the same sums."""
+    from transformer_mt.training import loss as module
+
+    monkeypatch.setitem(module._FLOAT32_PRODUCTS, "work", True)
+    a, b = torch.randn(4, 8).bfloat16(), torch.randn(8, 3).bfloat16()
+    with caplog.at_level("WARNING", logger=module.__name__):
+        assert module._float32_product(a, b) is None
+    assert module._FLOAT32_PRODUCTS["work"] is False
+    assert "converts its scores to float32" in caplog.text
+    assert torch.equal(module._product(a, b, torch.float32), (a @ b).float())

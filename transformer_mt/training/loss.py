@@ -11,12 +11,15 @@ same).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 class LossSums(NamedTuple):
@@ -162,11 +165,11 @@ def _chunk_loss(
     reference, on real rows (padding rows: their softmax, left out by the caller). Scores and
     sums in `real`'s precision."""
     vocab = w.size(0)
-    if _writes_float32(h, real.dtype):
-        z = torch.mm(h, w.T, out_dtype=torch.float32)  # (n, V)
-        z = z if b is None else z.add_(b)
-    else:  # the bias inside the product, as the CPU's golden losses were made
+    z = _float32_product(h, w.T) if _writes_float32(h, real.dtype) else None  # (n, V)
+    if z is None:  # the bias inside the product, as the CPU's golden losses were made
         z = F.linear(h, w, b).to(real.dtype)
+    elif b is not None:
+        z.add_(b)
     index = y.clamp(0, vocab - 1)[:, None]  # a padding row's id: masked anyway
     top = z.amax(dim=-1, keepdim=True)  # (n, 1): its largest score
     grad_z = torch.softmax(z, dim=-1)
@@ -187,14 +190,32 @@ def _writes_float32(a: torch.Tensor, dtype: torch.dtype) -> bool:
     then converted: that conversion of the scores was 5.0 of the 53 ms an update of the base
     model took on an H200 (docs/benchmarks.md, the fourth run), the largest kernel of its
     profile. A CPU has no such product."""
-    return a.dtype != dtype and dtype == torch.float32 and a.is_cuda and bool(torch.version.cuda)
+    return (a.dtype != dtype and dtype == torch.float32 and a.is_cuda and bool(torch.version.cuda)
+            and _FLOAT32_PRODUCTS["work"])  # fmt: skip
+
+
+# Whether torch.mm's out_dtype has worked in this process: a torch or card that refuses it is
+# asked once (a step's first micro-batch is eager, before any CUDA graph records one), then the
+# loss converts as before.
+_FLOAT32_PRODUCTS = {"work": True}
+
+
+def _float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a @ b written in float32 by the product itself; None (and never again asked) where this
+    torch or device refuses it."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError) as err:
+        _FLOAT32_PRODUCTS["work"] = False
+        logger.warning("the fused loss converts its scores to float32 (torch.mm's out_dtype:"
+                       " %s)", str(err).splitlines()[0][:200])  # fmt: skip
+        return None
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """a @ b in `dtype` (float32 written by the product where _writes_float32)."""
-    if _writes_float32(a, dtype):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).to(dtype)
+    out = _float32_product(a, b) if _writes_float32(a, dtype) else None
+    return out if out is not None else (a @ b).to(dtype)
 
 
 @dataclass(frozen=True)
