@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -612,6 +613,10 @@ def resume(args: argparse.Namespace) -> dict:
     failed = [run for run in (runs[0], runs[2]) if run.returncode != 0]
     if failed:  # a setting or a device the runs refuse: their own line, not a missing file
         return {"exit_codes": codes, "error": failed[0].stderr.strip().splitlines()[-1:]}
+    if codes[1] != -signal.SIGKILL:  # no kill, no resume: "bit-exact" would say nothing
+        return {"exit_codes": codes, "error": [
+            f"the run to be killed after its step-4 checkpoint ended with exit {codes[1]}"
+            " (another run in the same --out?)"]}  # fmt: skip
 
     def losses(run_dir: Path) -> list:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -390,6 +390,11 @@ def test_the_gpu_benchmark_s_resume_part_names_what_its_runs_refused(
     found = resume(args)
     assert found["exit_codes"] == [2, 2, 2]
     assert "unknown key train.nope" in found["error"][0]
+    # Runs that end before the checkpoint the kill waits for (as when another run in the same
+    # --out had it): no kill, no resume, so no verdict on one (it said "bit_exact": true).
+    found = resume(SimpleNamespace(**{**vars(args), "set": ["train.max_steps=2"]}))
+    assert found["exit_codes"] == [0, 0, 0] and "bit_exact" not in found
+    assert "ended with exit 0" in found["error"][0]
 
 
 def test_the_gpu_benchmark_refuses_a_machine_without_cuda_in_one_line(tmp_path: Path) -> None:
