@@ -482,12 +482,18 @@ def decode(args: argparse.Namespace) -> dict:
     timed("hf_generate", generate)
     # The goal's ratio kept at once: the part's limit may cut the variants off.
     (args.out / "decode.json").write_text(json.dumps(result(), indent=1))
-    # generate's length penalty; larger batches than the default's (GPU_BATCH_TOKENS)
+    # On CUDA first: the decoder's step as CUDA graphs (the fourth run's steps were host-bound),
+    # then bf16 (its matrix products were float32 without tensor cores); generate's length
+    # penalty; larger batches than the default's (GPU_BATCH_TOKENS).
+    variants = []
+    if args.device == "cuda":
+        graphs, bf16 = ["decode.cuda_graphs=on"], ["decode.precision=bf16"]
+        variants += [("tmt_graphs", graphs), ("tmt_graphs_bf16", [*graphs, *bf16]),
+                     ("tmt_bf16", bf16)]  # fmt: skip
     power = ["decode.length_penalty_form=power"]
-    variants = [] if decode_cfg.length_penalty_form == "power" else [("tmt_power", power)]
+    if decode_cfg.length_penalty_form != "power":
+        variants.append(("tmt_power", power))
     variants.append(("tmt_power_current", [*power, "decode.early_stopping=current"]))
-    if args.device == "cuda":  # the fourth run's matrix products were float32 without tensor cores
-        variants.append(("tmt_bf16", ["decode.precision=bf16"]))
     variants += [(f"tmt_{n}", [f"decode.max_tokens={n}"]) for n in args.sizes or []]
     for name, settings in variants:
         variant = translate.load_translator(args.model, [f"decode.device={args.device}", *settings])
@@ -510,17 +516,21 @@ def decode_profile(args: argparse.Namespace) -> dict:
     copies), the top kernels (on a CPU, operators), the search's steps and rows a step (the
     output projection's calls), and the share of the wall time the host spent inside the
     model's decoder steps (the rest: the search, the encoder, the text). The decode part says
-    how fast; this says why."""
+    how fast; this says why. --set: decoding settings (decode.cuda_graphs=on: the recorded
+    steps, counted and timed at DecoderGraphs.step)."""
     sys.path.insert(0, str(REPO / "scripts"))
     import torch
     from bench_train import profile_calls
 
+    from transformer_mt.network.decoder_graphs import DecoderGraphs
     from transformer_mt.translation import translate
 
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sources, _ = _training_lines(args.lines)
-    translator = translate.load_translator(args.model, [f"decode.device={args.device}"])
+    translator = translate.load_translator(
+        args.model, [f"decode.device={args.device}", *(args.set or [])]
+    )
     steps, rows = [0], [0]
 
     def counted(module, inputs, output) -> None:  # one call a search step (and batch)
@@ -542,11 +552,25 @@ def decode_profile(args: argparse.Namespace) -> dict:
         finally:
             model_s[0] += time.perf_counter() - begin
 
+    graphed_step = DecoderGraphs.step  # decode.cuda_graphs=on: the step, timed and counted
+
+    def timed_graphed_step(self, tokens):
+        begin = time.perf_counter()
+        try:
+            return graphed_step(self, tokens)
+        finally:
+            model_s[0] += time.perf_counter() - begin
+            steps[0], rows[0] = steps[0] + 1, rows[0] + len(tokens)
+
     translator.model.decode = timed_decode  # this instance only, until the timing ends
+    DecoderGraphs.step = timed_graphed_step
     sync()
     start = time.perf_counter()
-    decode()
-    sync()
+    try:
+        decode()
+        sync()
+    finally:
+        DecoderGraphs.step = graphed_step
     wall = time.perf_counter() - start
     del translator.model.decode
     hook.remove()

@@ -12,8 +12,8 @@
 # Parts, each under its own time limit (a part that runs out shows its exit status 124 in the
 # table, and its log says how far it got); the default ones end in about 7 minutes (the fourth
 # H200 run's took 123, 104, 92 s for e2e, decode, tests, train_graphs 94; the recipe's training
-# has since dropped from 108 s to 54 with its CUDA graphs, and decode gained a bf16 row, its
-# limit 110 s -> 120 s), their limits add up to 580 s:
+# has since dropped from 108 s to 54 with its CUDA graphs, and decode gained rows for bf16 and
+# the decoder's CUDA graphs, its limit 110 s -> 150 s), their limits add up to 610 s:
 #   train      bench_train.py: tmt and HF Marian, the base model (d_model 512, 6+6 layers, the
 #              37k joint vocabulary of configs/base.yaml, which the bundled corpus trains) on
 #              Multi30k en→de, at tmt's GPU batches (25,000 tokens, bounded shapes), bf16: the
@@ -24,7 +24,8 @@
 #   e2e        tmt train -c multi30k-gpu through torchrun (NCCL, one rank): wall time, updates,
 #              then test2016 and validation BLEU (tmt evaluate)
 #   decode     10,000 lines by that model at its defaults: tmt, transformers generate on tmt's
-#              export, CTranslate2 on the GPU if its wheel runs there
+#              export, CTranslate2 on the GPU if its wheel runs there; tmt again with the
+#              decoder's step as CUDA graphs (decode.cuda_graphs=on), bf16, both, and others
 #   tests      tests/test_gpu.py
 #   resume     configs/tiny.yaml killed after its checkpoint at step 4 and resumed: bit-exact
 #   resume_graphs  the same with train.cuda_graphs=on (what making them the default waits for)
@@ -35,6 +36,7 @@
 #   decode_profile  the e2e model decoding 2,500 lines (about one batch) timed, then under the
 #              profiler: kernels busy against wall time (bound by the host or by which kernels),
 #              the search's steps and rows a step
+#   decode_profile_graphs  the same with decode.cuda_graphs=on
 #   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
 #              backend): what auto should choose
 #   train_graphs  train with tmt's step recorded as a CUDA graph per batch shape and replayed
@@ -120,7 +122,7 @@ train_part() {
 # The headline figures first: a part cut off loses the least.
 wanted train && train_part train --systems tmt,hf_marian
 wanted e2e && part e2e 135 $PY scripts/bench_gpu.py e2e --out "$OUT"
-wanted decode && part decode 120 $PY scripts/bench_gpu.py decode --out "$OUT" \
+wanted decode && part decode 150 $PY scripts/bench_gpu.py decode --out "$OUT" \
   --model "$OUT/multi30k" --lines "$LINES"
 wanted tests && part tests 140 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 wanted resume && part resume 45 $PY scripts/bench_gpu.py resume --out "$OUT"
@@ -129,6 +131,9 @@ wanted resume_graphs && part resume_graphs 45 $PY scripts/bench_gpu.py resume --
 wanted profile && part profile 150 $PY scripts/bench_gpu.py profile --out "$OUT" --steps 40
 wanted decode_profile && part decode_profile 60 $PY scripts/bench_gpu.py decode_profile \
   --out "$OUT" --model "$OUT/multi30k"
+wanted decode_profile_graphs && part decode_profile_graphs 60 $PY scripts/bench_gpu.py \
+  decode_profile --out "$OUT" --model "$OUT/multi30k" --label decode_profile_graphs \
+  --set decode.cuda_graphs=on
 wanted attention && part attention 50 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
 wanted train_graphs && train_part train_graphs --systems tmt,hf_marian --set train.cuda_graphs=on
 wanted e2e_eager && part e2e_eager 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \

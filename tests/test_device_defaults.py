@@ -355,7 +355,7 @@ def test_the_decoding_profile_counts_the_search_steps_it_times(
 
     from transformer_mt.translation import decoding, translate
 
-    args = SimpleNamespace(device="cpu", model=trained_run, lines=12, out=tmp_path)
+    args = SimpleNamespace(device="cpu", model=trained_run, lines=12, out=tmp_path, set=None)
     found = decode_profile(args)
     # The oracle: the same 12 lines decoded again, counting the steps the beam search asks of
     # the model (the warm-up's not among them).

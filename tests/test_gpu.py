@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import with_data
+from test_decoder_graphs import BOS, EOS, PAD, batch, eager, fixed, limits, model_of, same
 from test_loss import gradients, projected
 from test_train import records, with_train
 
 from transformer_mt.common.distributed import DistInfo
 from transformer_mt.config import Config, load_config
 from transformer_mt.data.batches import prepare_data
-from transformer_mt.network import kernels
+from transformer_mt.network import kernels, search
 from transformer_mt.network.model import Transformer
 from transformer_mt.training import device_defaults
 from transformer_mt.training.loss import Objective, chunked_label_smoothed_nll, label_smoothed_nll
@@ -285,3 +286,39 @@ def test_each_replay_draws_new_dropout(tiny_cfg: Config) -> None:
     assert len(graphs) == 1 and all(math.isfinite(x) for x in losses)
     assert losses[1] != losses[2]
     feeder.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_replayed_decoder_steps_search_as_eager_ones(precision: str) -> None:
+    """decode.cuda_graphs: beam search and greedy over the decoder's recorded steps give what the
+    same fixed-shape steps give run eagerly, to the bit (the same kernels), through every key's
+    recording (finished sentences shrink the buffers, outputs pass 16, 32 and 64 positions); in
+    fp32 also the tokens of DecoderCache's steps."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    model, src = model_of().to("cuda", dtype), batch(23).cuda()
+    with torch.inference_mode():
+        runs, states = [], []
+        for build in (eager, fixed, lambda m, s: fixed(m, s, record=True)):
+            step, state = build(model, src)
+            runs.append(search.beam_search(step, state, limits(23), BOS, EOS, beam_size=3,
+                                           nbest=3, banned=(PAD, BOS)))  # fmt: skip
+            states.append(state)
+        step, state = fixed(model, src, record=True)
+        greedy = search.greedy(step, state, limits(23), BOS, EOS, banned=(PAD, BOS))
+        step, state = fixed(model, src)
+        assert greedy == search.greedy(step, state, limits(23), BOS, EOS, banned=(PAD, BOS))
+    assert runs[2] == runs[1]
+    if precision == "fp32":
+        same(runs[0], runs[2])
+    recorded = states[2]
+    assert recorded.recorded >= 5 and recorded.replays > recorded.recorded
+
+
+def test_translation_with_decode_cuda_graphs_is_the_same(trained_run: Path) -> None:
+    from transformer_mt.translation import decoding, translate
+
+    path = trained_run / "checkpoints" / "step_00000030"
+    lines = [" ".join("abcdefghij"[: 1 + i % 9]) for i in range(40)]
+    off = translate.load_translator(path, ["decode.device=cuda"])
+    on = translate.load_translator(path, ["decode.device=cuda", "decode.cuda_graphs=on"])
+    assert decoding.translate_lines(on, lines) == decoding.translate_lines(off, lines)

@@ -233,6 +233,9 @@ class DecoderCache:
     cross_k: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H, S, K)
     cross_v: list[torch.Tensor] = field(default_factory=list)
     spare: torch.Tensor | None = None  # the buffer a reorder writes into
+    # Which past positions a step may attend to (1, 1, 1, capacity): None, all of them. A cache
+    # of fixed shapes (decoder_graphs.py) holds positions not yet decoded, masked out.
+    past_mask: torch.Tensor | None = None
 
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -313,7 +316,8 @@ class DecoderLayer(nn.Module):
             cross_k, cross_v = self.cross_attn.project_key_value(memory)
         else:
             k, v = cache.append(layer, k, v)  # (B, H, t + 1, K): the past plus this step
-            attended = self.self_attn.attend(q, k, v, few_queries=True)  # the past: no mask
+            # The past: no mask, unless the cache holds positions not yet decoded.
+            attended = self.self_attn.attend(q, k, v, mask=cache.past_mask, few_queries=True)
             cross_k, cross_v = cache.cross_k[layer], cache.cross_v[layer]
         y = self.self_sub.output(y, attended)
         q = self.cross_attn.project_query(self.cross_sub.input(y))

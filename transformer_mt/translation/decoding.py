@@ -28,6 +28,7 @@ from transformer_mt.data.sampler import TokenBucketSampler
 from transformer_mt.data.tokenizer import Tokenizer
 from transformer_mt.network import alignment, constraints, ensemble, kernels
 from transformer_mt.network.candidates import Candidates
+from transformer_mt.network.decoder_graphs import DecoderGraphs
 from transformer_mt.network.model import DecoderCache, Transformer, make_src_mask
 from transformer_mt.network.search import (
     Hypothesis,
@@ -419,6 +420,10 @@ def _step_function(
     ensemble's mean of probabilities (ensemble.py); with a shortlist, over its candidates."""
     src_mask = make_src_mask(src, translator.tokenizer.source_pad_id)
     models = [m for m in (translator.model, *translator.ensemble) if m is not None]
+    if _records_graphs(translator.config, src.device, len(models), shortlist is not None):
+        graphs = DecoderGraphs(models[0], models[0].encode(src, src_mask), src_mask,
+                               normalise=normalise, record=True)  # fmt: skip
+        return (lambda tokens, s: (s.step(tokens), s)), graphs
     allowed = shortlist.allowed if shortlist is not None else None
     # One decoder row per sentence; beam search makes k (B·k), the source stays (B, S, D).
     states = [_DecodeState(m.start_cache(m.encode(src, src_mask)), src_mask, allowed)
@@ -445,3 +450,20 @@ def _step_function(
         return ensemble.mean_log_probs(each, log_weights), s
 
     return step, ensemble.EnsembleState(states)
+
+
+_NO_GRAPHS_LOGGED: set[str] = set()
+
+
+def _records_graphs(cfg: Config, device: torch.device, models: int, shortlist: bool) -> bool:
+    """Whether decode.cuda_graphs=on records the decoder's step here; where it cannot, why is
+    logged once a process."""
+    if cfg.decode.cuda_graphs != "on":
+        return False
+    why = ("a " + device.type + " has no CUDA graphs" if device.type != "cuda"
+           else "an ensemble's steps are not recorded" if models > 1
+           else "a shortlist's steps are not recorded" if shortlist else "")  # fmt: skip
+    if why and why not in _NO_GRAPHS_LOGGED:
+        _NO_GRAPHS_LOGGED.add(why)
+        logger.info("decode.cuda_graphs=on: %s; decoding without them", why)
+    return not why

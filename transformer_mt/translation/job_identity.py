@@ -19,7 +19,7 @@ JOB_FILE = "job.json"
 JOB_FORMAT = 1
 # Decoding options that do not change what is written: where, in what batches and with which
 # kernels it runs.
-NOT_IN_IDENTITY = ("device", "max_tokens", "buffer_lines", "cpu_linear")
+NOT_IN_IDENTITY = ("device", "max_tokens", "buffer_lines", "cpu_linear", "cuda_graphs")
 
 
 def identity_of(
