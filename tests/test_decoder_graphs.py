@@ -177,5 +177,5 @@ def test_a_recording_that_fails_warns_once_and_decodes_eagerly(
             assert state.recorded == 0
     assert runs[0] == runs[1] == runs[2]
     (said,) = [r.getMessage() for r in caplog.records]
-    assert "recording the decoder's step of key (11, 1, 16) failed" in said
+    assert "recording the decoder's step of key (11, 2, 16) failed" in said
     assert "(operation not permitted when stream is capturing)" in said

@@ -15,10 +15,11 @@ buffers of a fixed shape, a *key* (sentences, rows a sentence, positions):
 - rows a sentence: 1 at the first step of a beam search, k after it.
 
 A key holds for a run of steps: positions only grow and sentences only leave, so a key once
-left never comes back. Each key's step is recorded once (its first step) and replayed until
-the key changes; the buffers are then made anew at the new key's shape, the live part copied
-over. On the Multi30k bench (10,000 lines, beam 5, 32,768-token batches) a batch of ~33 steps
-has ~6 keys; its rows are 1.14x the live ones.
+left never comes back. Each key's step is recorded once (at its first step; the search's very
+first step runs eagerly) and replayed until the key changes; the buffers are then made anew at
+the new key's shape, the live part copied over. Estimated from the lengths of the GPU bench's
+10,000 Multi30k lines (beam 5, 32,768-token batches): a batch of ~33 steps has ~7 keys, and it
+computes 1.14x the live rows.
 
 The step is the model's own layers (DecoderLayer.forward with this cache); the embedding's
 position is read from the device, and the output projection writes its logits into a buffer
@@ -126,7 +127,9 @@ class DecoderGraphs:
             self._refit(key, rows)
         self.cache.tokens[:rows].copy_(tokens)
         self.cache.position.fill_(self.length)
-        if self.record and self.graph is None and not _REFUSED:
+        # The first step runs eagerly: in beam search its key (one row a sentence) is never
+        # seen again, and it warms up what a recording must not start (kernels, cuBLAS).
+        if self.record and self.graph is None and self.length > 0 and not _REFUSED:
             self.graph = self._recorded()
         if self.graph is None:
             self._forward()
