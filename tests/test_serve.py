@@ -679,3 +679,33 @@ def test_an_ensemble_is_served_as_tmt_translate_decodes_it(multi30k_run: Path) -
     finally:
         assert served.stop() == 0
     assert not any("Traceback" in line for line in served.log), "".join(served.log)
+
+
+def test_a_cut_line_is_named_by_its_place_in_its_request_once(
+    trained_run: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The batcher decodes several requests' lines as one batch; a line cut to the model's
+    positions was named by its place in that batch ("line 3" for a second request's second
+    line), and warned of twice (the request's count of tokens warned first)."""
+    import logging
+
+    from transformer_mt.serving import batching
+    from transformer_mt.translation import sources
+
+    t = translate.load_translator(trained_run / "checkpoints" / "step_00000030")
+    long_line = " ".join(["a b c d"] * 100)  # past model.max_positions (128)
+
+    class Quiet:
+        def queued(self, n: int) -> None: ...
+
+        def observe_batch(self, sentences: int, seconds: float) -> None: ...
+
+    batcher = batching.Batcher(max_tokens=10_000, max_wait_s=0.0, max_queue=10, metrics=Quiet())
+    jobs = [batching.Job(lines=lines, translator=t, key=(), tokens=10)
+            for lines in (["a b", "c"], ["d", long_line])]  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        assert len(sources.source_ids(t, jobs[1].lines, warn=False)[1]) == 127  # as the service
+        batcher._decode(jobs)
+    assert [len(job.result.result(timeout=0)) for job in jobs] == [2, 2]
+    warned = [r.getMessage() for r in caplog.records if "truncated" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("line 2: ")

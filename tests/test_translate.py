@@ -104,6 +104,22 @@ def test_a_truncated_line_is_named_by_its_place_in_the_input_not_in_its_chunk(
     assert warned == ["prefix 42"]
 
 
+def test_lines_not_consecutive_in_the_input_are_named_by_their_own_places(
+    trained_run: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank translates every world_size-th validation line: its warnings named a line by its
+    place in the rank's share ("line 2" for the split's 4th at 2 ranks)."""
+    t = translator(trained_run)
+    long_line = " ".join([SOURCES[0]] * 100)  # past model.max_positions (128)
+    with caplog.at_level(logging.WARNING):
+        out = translate.translate_text(t, [SOURCES[0], long_line], lines_at=range(1, 5, 2))
+    assert len(out) == 2
+    warned = [r.message.split(":")[0] for r in caplog.records if "truncated to" in r.message]
+    assert warned == ["line 4"]
+    with pytest.raises(TmtError, match="1 line indices for 2 lines"):
+        translate.translate_text(t, [SOURCES[0], long_line], lines_at=[3])
+
+
 def test_a_line_far_past_the_positions_is_read_from_its_head_with_the_same_tokens(
     trained_run: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -141,7 +157,7 @@ def test_a_line_far_past_the_positions_is_matched_and_reported_on_what_the_model
     size = sources._READ_CHARS * (sources.max_positions(t) + 64)
     giant = ("Katze " * 99 + "Hund ") * (size // 500 + 20)  # a match every 100 words
     with caplog.at_level(logging.WARNING):
-        cut = sources.readable(t, [SOURCES[0], giant], first_line=7)
+        cut = sources.readable(t, [SOURCES[0], giant], at=[7, 8])
     assert cut[0] == SOURCES[0] and giant.startswith(cut[1]) and size - 5 <= len(cut[1]) <= size
     assert not cut[1].endswith(" ")  # a whole word last
     assert f"line 9: {len(giant)} characters, read as its first {len(cut[1])}" in caplog.text

@@ -183,8 +183,10 @@ class Batcher:
         try:
             translator = jobs[0].translator  # an answer carries scores with n-best lists only
             nbest = translator.config.decode.nbest if translator is not None else 1
+            # Warnings name a line by its place in its own request, not in this batch.
+            lines_at = [i for job in jobs for i in range(len(job.lines))]
             results = translate_lines(translator, lines, prefixes=prefixes, matches=matches,
-                                      scores=nbest > 1)  # fmt: skip
+                                      scores=nbest > 1, lines_at=lines_at)  # fmt: skip
         except Exception as err:
             logger.error(
                 "decoding %d lines failed: %s: %s", len(lines), type(err).__name__, first_line(err)

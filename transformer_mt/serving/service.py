@@ -150,8 +150,9 @@ class Service:
         if rows > cfg.max_beam:
             raise ServeError(422, f"{rows} hypotheses a sentence (beam_size, nbest); at most"
                                   f" {cfg.max_beam} (serve.max_beam)")  # fmt: skip
-        # as the model reads them: lone surrogates replaced, cut to its positions
-        tokens = sum(len(ids) + 1 for ids in source_ids(translator, lines))
+        # as the model reads them: lone surrogates replaced, cut to its positions (the batch
+        # that decodes them warns of a cut line)
+        tokens = sum(len(ids) + 1 for ids in source_ids(translator, lines, warn=False))
         key = (id(translator), id(lines) if sampled else None)
         matches = self.matches_of(lines, translator, glossary)
         job = Job(lines=lines, translator=translator, key=key, tokens=tokens, prefixes=prefixes,

@@ -93,9 +93,13 @@ def translate_lines(
     prefixes: Sequence[str] | None = None,
     matches: Sequence[Sequence[glossaries.Match]] | None = None,
     scores: bool = True,
+    lines_at: Sequence[int] | None = None,
 ) -> list[list[Hypothesis]]:
     """The n-best hypotheses (token ids) of each line, in input order; [] for an empty line.
-    `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling);
+    `first_line`: the index of lines[0] in the whole input (it seeds each line's sampling, and
+    warnings name lines by it); `lines_at`: each line's index there instead, for lines that
+    are not consecutive in it (a rank's share of the validation lines; a server's batch of
+    several requests, each line's index in its own);
     `prefixes`: a target prefix for each line ("" for none) that every output starts with;
     `matches`: the glossary entries each line matched (default: the translator's glossary's),
     obeyed as glossary.mode says (_obey), each hypothesis telling which it uses (.terms);
@@ -107,22 +111,25 @@ def translate_lines(
         raise TmtError(f"{len(prefixes)} target prefixes for {len(lines)} lines: give one a line")
     if matches is not None and len(matches) != len(lines):
         raise TmtError(f"{len(matches)} glossary matches for {len(lines)} lines")
+    if lines_at is not None and len(lines_at) != len(lines):
+        raise TmtError(f"{len(lines_at)} line indices for {len(lines)} lines")
+    at = list(lines_at) if lines_at is not None else range(first_line, first_line + len(lines))
     if matches is None:  # else the caller read them (output_and_report)
-        lines = readable(translator, lines, first_line)
+        lines = readable(translator, lines, at)
     if matches is None and translator.glossary is not None:
         matches = translator.glossary.match_lines(lines)
     mode = translator.config.glossary.mode
     hinted = matches is not None and mode in ("hint", "auto") and any(matches)
     ids = source_ids(translator, _hinted(translator, lines, matches) if hinted else lines,
-                     first_line=first_line)  # fmt: skip
-    forced = (source_ids(translator, prefixes, "prefix", first_line) if prefixes
+                     at=at)  # fmt: skip
+    forced = (source_ids(translator, prefixes, "prefix", at) if prefixes
               else [[] for _ in lines])  # fmt: skip
     # empty input: empty output (or its prefix alone), no model call
     results = [[Hypothesis(p, 0.0, 0.0)] if p else [] for p in forced]
     todo = [i for i, seq in enumerate(ids) if seq]
-    _decode_all(translator, ids, forced, todo, first_line, results, scores=scores)
+    _decode_all(translator, ids, forced, todo, at, results, scores=scores)
     if matches is not None and any(matches):
-        _obey(translator, ids, forced, todo, results, matches, first_line)
+        _obey(translator, ids, forced, todo, results, matches, at)
     return results
 
 
@@ -144,14 +151,14 @@ def _decode_all(
     ids: list[list[int]],
     forced: list[list[int]],
     todo: list[int],
-    first_line: int,
+    at: Sequence[int],
     results: list[list[Hypothesis]],
     terms: dict[int, constraints.Terms] | None = None,
     scores: bool = True,
 ) -> None:
     """results[i] = the hypotheses of line i for each i in `todo`, decoded in batches of
     decode.max_tokens source tokens (fewer with constraints, `terms` by line: their beam is
-    wider)."""
+    wider); `at`: each line's index in the whole input (its sampling seed)."""
     if not todo:
         return
     decode = translator.config.decode
@@ -167,7 +174,7 @@ def _decode_all(
         for batch in sampler.epoch_batches(0):
             chosen = [todo[j] for j in batch]
             sources = [ids[i] for i in chosen]
-            line_ids, prefix = [first_line + i for i in chosen], [forced[i] for i in chosen]
+            line_ids, prefix = [at[i] for i in chosen], [forced[i] for i in chosen]
             batch_terms = [terms[i] for i in chosen] if terms is not None else None
             try:
                 hypotheses = _translate_batch(
@@ -190,7 +197,7 @@ def _obey(
     todo: list[int],
     results: list[list[Hypothesis]],
     matches: Sequence[Sequence[glossaries.Match]],
-    first_line: int = 0,
+    at: Sequence[int],
 ) -> None:
     """The glossary step (glossary.mode): each hypothesis of a line with matches learns which
     entries its text uses; with strict, a line one of whose outputs misses an entry is decoded
@@ -210,7 +217,7 @@ def _obey(
     terms = {i: constraints.compile_terms(tok, matches[i]) for i in redo}
     again = [i for i in redo if any(terms[i])]  # an entry the model cannot write stays out
     if again:
-        _decode_all(_torch_side(translator), ids, forced, again, 0, results,
+        _decode_all(_torch_side(translator), ids, forced, again, at, results,
                     {i: [t for t in terms[i] if t] for i in again})  # fmt: skip
     for i in with_terms:
         annotated = []
@@ -223,7 +230,7 @@ def _obey(
                 for e, alt in enumerate(uses)
             )))  # fmt: skip
         results[i] = annotated
-        _warn_misses(translator, first_line + i + 1, matches[i], annotated, i in again)
+        _warn_misses(translator, at[i] + 1, matches[i], annotated, i in again)
 
 
 def _why_missed(

@@ -25,9 +25,10 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 _READ_CHARS = 1024
 
 
-def readable(translator: Any, lines: Sequence[str], first_line: int = 0) -> list[str]:
-    """`lines`, each cut to what the model can read of it (with a warning); the same lines, as a
-    list, when none is that long."""
+def readable(translator: Any, lines: Sequence[str], at: Sequence[int] | None = None) -> list[str]:
+    """`lines`, each cut to what the model can read of it (with a warning naming the line by
+    `at`, each line's index in the whole input; default its index in `lines`); the same lines,
+    as a list, when none is that long."""
     positions = max_positions(translator)
     size = _READ_CHARS * (positions + 64)
     cut = list(lines)
@@ -35,19 +36,24 @@ def readable(translator: Any, lines: Sequence[str], first_line: int = 0) -> list
         if len(line) > size:
             cut[i] = head(line, size)
             logger.warning("line %d: %d characters, read as its first %d (the model reads at most"
-                           " %d tokens)", first_line + i + 1, len(line), len(cut[i]),
-                           positions - 1)  # fmt: skip
+                           " %d tokens)", (at[i] if at is not None else i) + 1, len(line),
+                           len(cut[i]), positions - 1)  # fmt: skip
     return cut
 
 
 def source_ids(
-    translator: Any, lines: Sequence[str], what: str = "line", first_line: int = 0
+    translator: Any,
+    lines: Sequence[str],
+    what: str = "line",
+    at: Sequence[int] | None = None,
+    warn: bool = True,
 ) -> list[list[int]]:
     """The subword ids of each line as the model reads it: lone surrogates (possible in Python
     strings, never in UTF-8, fatal to sentencepiece) replaced, a multi-target model's language
     token first (decode.target_lang), and cut to the model's positions (source tokens + EOS, or a
-    target prefix + EOS, must fit them) with a warning naming the line in the whole input
-    (`first_line`: the index of lines[0] there). A prefix (`what`) is target text."""
+    target prefix + EOS, must fit them) with a warning naming the line in the whole input (`at`:
+    each line's index there, default its index in `lines`; none where not `warn`: a count of
+    tokens before the lines are decoded, which warns then). A prefix (`what`) is target text."""
     limit = max_positions(translator) - 1
     side = "target" if what == "prefix" else "source"
     texts = [_SURROGATES.sub("\ufffd", line) for line in lines]
@@ -60,8 +66,9 @@ def source_ids(
     for i, seq in enumerate(ids):
         if len(seq) > limit:
             read = f"{len(seq)} tokens" if whole[i] else f"{len(texts[i])} characters"
-            logger.warning("%s %d: %s, truncated to %d tokens (model.max_positions)", what,
-                           first_line + i + 1, read, limit)  # fmt: skip
+            if warn:
+                logger.warning("%s %d: %s, truncated to %d tokens (model.max_positions)", what,
+                               (at[i] if at is not None else i) + 1, read, limit)  # fmt: skip
             ids[i] = seq[:limit]
     return ids
 

@@ -76,7 +76,8 @@ def output_and_report(
 ) -> list[tuple[str, str]]:
     """Per line: what translate writes for it (output_rows) and its glossary report line."""
     glossary, decode = translator.glossary, translator.config.decode
-    lines = readable(translator, lines, first)  # what the model reads: matched, reported
+    # what the model reads: matched, reported
+    lines = readable(translator, lines, range(first, first + len(lines)))
     matches = glossary.match_lines(lines) if glossary is not None else [[] for _ in lines]
     # Scores are printed with n-best lists only.
     hypotheses = translate_lines(

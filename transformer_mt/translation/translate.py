@@ -426,11 +426,15 @@ def fingerprint(translator: Translator) -> str:
 
 
 def translate_text(
-    translator: Translator, lines: Sequence[str], prefixes: Sequence[str] | None = None
+    translator: Translator,
+    lines: Sequence[str],
+    prefixes: Sequence[str] | None = None,
+    lines_at: Sequence[int] | None = None,
 ) -> list[str]:
     """Detokenized best translation of each line, in input order (each starting with its target
-    prefix, if given)."""
-    hypotheses = translate_lines(translator, lines, prefixes=prefixes, scores=False)
+    prefix, if given; `lines_at`: as translate_lines's)."""
+    hypotheses = translate_lines(translator, lines, prefixes=prefixes, scores=False,
+                                 lines_at=lines_at)  # fmt: skip
     return detokenize(translator, [hyps[0].tokens if hyps else [] for hyps in hypotheses])
 
 
