@@ -553,14 +553,19 @@ def decode_profile(args: argparse.Namespace) -> dict:
             model_s[0] += time.perf_counter() - begin
 
     graphed_step = DecoderGraphs.step  # decode.cuda_graphs=on: the step, timed and counted
+    graphs = {"batches": 0, "recorded": 0, "replays": 0}  # the timed decode's, not the profiled
 
     def timed_graphed_step(self, tokens):
+        before = self.recorded, self.replays
+        graphs["batches"] += self.length == 0  # a batch's first step
         begin = time.perf_counter()
         try:
             return graphed_step(self, tokens)
         finally:
             model_s[0] += time.perf_counter() - begin
             steps[0], rows[0] = steps[0] + 1, rows[0] + len(tokens)
+            graphs["recorded"] += self.recorded - before[0]
+            graphs["replays"] += self.replays - before[1]
 
     translator.model.decode = timed_decode  # this instance only, until the timing ends
     DecoderGraphs.step = timed_graphed_step
@@ -582,6 +587,8 @@ def decode_profile(args: argparse.Namespace) -> dict:
               "model_step_share": round(model_s[0] / wall, 3), "profile": profiled}  # fmt: skip
     if "gpu_busy_ms" in profiled:
         result["gpu_busy_share"] = round(profiled["gpu_busy_ms"] / 1e3 / wall, 3)
+    if graphs["batches"]:
+        result["graphs"] = graphs
     return result
 
 

@@ -378,6 +378,33 @@ def test_the_decoding_profile_counts_the_search_steps_it_times(
     )
 
 
+def test_the_decoding_profile_counts_the_steps_of_the_decoder_s_graphs(
+    trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_profile --set decode.cuda_graphs=on times and counts the fixed-shape steps
+    (DecoderGraphs.step), with their batches, recordings and replays. A CPU records none: the
+    steps run eagerly here, chosen as a GPU would choose them."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_gpu import decode_profile
+
+    from transformer_mt.network.decoder_graphs import DecoderGraphs
+    from transformer_mt.translation import decoding
+
+    class Eager(DecoderGraphs):
+        def __init__(self, *args, record: bool = False, **options) -> None:
+            super().__init__(*args, record=False, **options)
+
+    monkeypatch.setattr(decoding, "DecoderGraphs", Eager)
+    monkeypatch.setattr(decoding, "_records_graphs", lambda cfg, *_: cfg.decode.cuda_graphs == "on")
+    args = SimpleNamespace(device="cpu", model=trained_run, lines=12, out=tmp_path,
+                           set=["decode.cuda_graphs=on"])  # fmt: skip
+    found = decode_profile(args)
+    plain = decode_profile(SimpleNamespace(**{**vars(args), "set": None}))
+    assert found["steps"] == plain["steps"] > 0 and found["rows_per_step"] == plain["rows_per_step"]
+    assert found["graphs"] == {"batches": 1, "recorded": 0, "replays": 0}
+    assert 0 < found["model_step_share"] < 1 and "graphs" not in plain
+
+
 def test_the_gpu_benchmark_s_resume_part_names_what_its_runs_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
