@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_mt.config import ModelConfig
-from transformer_mt.network import decoder_graphs, search
+from transformer_mt.network import beam_graphs, decoder_graphs, search
 from transformer_mt.network.decoder_graphs import DecoderGraphs
 from transformer_mt.network.model import Transformer, make_src_mask
 from transformer_mt.translation import decoding, translate
@@ -179,3 +179,55 @@ def test_a_recording_that_fails_warns_once_and_decodes_eagerly(
     (said,) = [r.getMessage() for r in caplog.records]
     assert "recording the decoder's step of key (11, 2, 16) failed" in said
     assert "(operation not permitted when stream is capturing)" in said
+
+
+def searched_both(model: Transformer, src: torch.Tensor, lengths: list[int], **options):
+    """beam_search over the fixed-shape steps, and graphed_beam_search over them (eager on the
+    CPU), with the same options."""
+    step, state = fixed(model, src)
+    _, graphs = fixed(model, src)
+    with torch.inference_mode():
+        plain = search.beam_search(step, state, lengths, BOS, EOS, **options)
+        graphed = beam_graphs.graphed_beam_search(graphs, lengths, BOS, EOS, **options)
+    return plain, graphed, graphs
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"beam_size": 3, "nbest": 3},
+        {"beam_size": 4, "early_stopping": "current", "alpha": 1.0, "form": "power"},
+        {"beam_size": 2, "early_stopping": "k_finished", "forced_eos": "zero", "nbest": 2},
+        {"beam_size": 5, "alpha": 0.0},
+    ],
+)
+def test_graphed_beam_search_equals_beam_search(options: dict) -> None:
+    """Every step one graph: finished sentences stay in the batch until the live ones fit a
+    smaller bucket, the step's number and the count of live sentences stay on the device. The
+    same hypotheses, scores and order as search.beam_search, through gathers to smaller buckets
+    and positions past 16, 32 and 64."""
+    model, src = model_of(), batch(23)
+    plain, graphed, graphs = searched_both(model, src, limits(23), banned=(PAD, BOS), **options)
+    assert graphed == plain
+    assert graphs.key[0] < 23 and graphs.key[2] >= 64  # gathered, and grown
+    step, state = eager(model, src)  # DecoderCache's steps: the same within float32's rounding
+    with torch.inference_mode():
+        same(search.beam_search(step, state, limits(23), BOS, EOS, banned=(PAD, BOS), **options),
+             graphed)  # fmt: skip
+
+
+@pytest.mark.parametrize("vocab", [40, 130])
+def test_graphed_beam_search_with_prefixes_and_a_vocabulary_past_whole_blocks(vocab: int) -> None:
+    """Forced steps (prefixes, EOS at a maximum length) are keys of their own; a vocabulary that
+    is no multiple of 64 leaves past-the-end candidates in place (-inf ones, never kept)."""
+    torch.manual_seed(3)
+    model = Transformer(TINY, vocab, PAD).eval()
+    with torch.no_grad():
+        model.embedding.weight[EOS] *= 3
+    src = batch(13, seed=8)
+    prefixes = [[5 + row, 6, 7][: row % 4] for row in range(13)]
+    lengths = [2 + (row * 5) % 30 for row in range(13)]
+    plain, graphed, _ = searched_both(model, src, lengths, beam_size=4, nbest=2, banned=(PAD,),
+                                      prefixes=prefixes)  # fmt: skip
+    assert graphed == plain
+    assert [hyps[0].tokens[: row % 4] for row, hyps in enumerate(graphed)] == prefixes

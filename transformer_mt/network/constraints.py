@@ -87,13 +87,14 @@ def constrained_beam_search(
     satisfied = _Finished(n, k, forcing.steps, device)
     unmet = _Finished(n, 1, forcing.steps, device)  # the best unmet: where no output can hold all
     auto = None
+    banned_ids = torch.tensor(list(banned), dtype=torch.long, device=device)
     for t in range(1, forcing.steps + 1):
         log_probs, state = step_fn(beams.tokens, state)  # (N·width, V)
         if auto is None:  # the vocabulary is the model's output width
             auto = Automata(terms, log_probs.size(-1), device)
             beams.node, beams.met = auto.root.clone(), auto.real.new_zeros(auto.real.shape)
         forced = forcing.tokens(beams.live, t, beams.width)
-        log_probs = _mask(log_probs, banned, forced)
+        log_probs = _mask(log_probs, banned_ids, forced)
         if forced_eos == "zero":
             forcing.zero_eos(log_probs, beams.live, t, beams.width)
         moves = _Moves.of(auto, beams, log_probs, forced, eos_id, continues, k)

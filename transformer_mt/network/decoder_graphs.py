@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +130,7 @@ class DecoderGraphs:
         self.cache.position.fill_(self.length)
         # The first step runs eagerly: in beam search its key (one row a sentence) is never
         # seen again, and it warms up what a recording must not start (kernels, cuBLAS).
-        if self.record and self.graph is None and self.length > 0 and not _REFUSED:
+        if self.graph is None and self.length > 0 and self.can_record():
             self.graph = self._recorded()
         if self.graph is None:
             self._forward()
@@ -149,6 +150,10 @@ class DecoderGraphs:
             sentences = None
         key = self._key(len(index) // beam, beam, self.length + 1)
         self._refit(key, len(index), index, sentences)
+
+    def can_record(self) -> bool:
+        """Whether steps are to be recorded: asked for, and no recording failed before."""
+        return self.record and not _REFUSED
 
     # --- buffers ----------------------------------------------------------------------------
 
@@ -214,10 +219,11 @@ class DecoderGraphs:
         else:
             torch.addmm(projection.bias, y, projection.weight.t(), out=self.logits)
 
-    def _recorded(self) -> torch.cuda.CUDAGraph | None:
-        """The step at the current key, recorded (not run), or None where recording failed
-        (logged once a process; decoding goes on eagerly). Its intermediates live in the
-        graphs' shared pool (one graph alive at a time), its inputs and outputs outside it."""
+    def _recorded(self, body: Callable[[], None] | None = None) -> torch.cuda.CUDAGraph | None:
+        """The step at the current key (`body`, default the decoder's step), recorded (not run),
+        or None where recording failed (logged once a process; decoding goes on eagerly). Its
+        intermediates live in the graphs' shared pool (one graph alive at a time), its inputs
+        and outputs outside it."""
         device = self.logits.device
         try:
             if self.stream is None:
@@ -232,7 +238,7 @@ class DecoderGraphs:
                     # recording, which a batch's ~6 recordings would pay for in allocations.
                     graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                     try:
-                        self._forward()
+                        (body or self._forward)()
                     finally:
                         graph.capture_end()
             finally:

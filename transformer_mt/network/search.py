@@ -181,10 +181,11 @@ def _one_path(
     outputs = torch.empty(n, steps, dtype=torch.long, device=device)  # (n, T), by sentence
     sums = torch.zeros(n, dtype=torch.float64, device=device)
     ends = torch.zeros(n, dtype=torch.long, device=device)  # the step that chose EOS
+    banned_ids = torch.tensor(list(banned), dtype=torch.long, device=device)
     for t in range(1, steps + 1):
         log_probs, state = step_fn(tokens, state)  # (N, V)
         forced = forcing.tokens(live, t, width=1) if forcing.any_at(t) else None
-        log_probs = _mask(log_probs, banned, forced)
+        log_probs = _mask(log_probs, banned_ids, forced)
         if forced_eos == "zero":
             forcing.zero_eos(log_probs, live, t, width=1)
         best, choice = choose(log_probs, live, t)  # (N,)
@@ -260,10 +261,11 @@ def beam_search(
     beam_scores = torch.zeros(n, width, device=device)
     finished = _Finished(n, k, steps, device)
     beams = torch.arange(k, device=device)
+    banned_ids = torch.tensor(list(banned), dtype=torch.long, device=device)
     for t in range(1, steps + 1):
         log_probs, state = step_fn(tokens, state)  # (N·width, V)
         forced = forcing.tokens(live, t, width) if forcing.any_at(t) else None
-        log_probs = _mask(log_probs, banned, forced)
+        log_probs = _mask(log_probs, banned_ids, forced)
         if forced_eos == "zero":
             forcing.zero_eos(log_probs, live, t, width)
         m, vocab = len(live), log_probs.size(-1)
@@ -272,9 +274,10 @@ def beam_search(
         is_eos = top_token == eos_id
         # EOS continuations ranked within the top k of their sentence are finished.
         ends = is_eos[:, :k] & (top_scores[:, :k] > -math.inf)  # (m, k)
-        rows = torch.arange(m, device=device)[:, None] * width + top_beam[:, :k]  # (m, k)
         penalty = float(length_penalty(t, alpha, form))
-        finished.add(live, ends, top_scores[:, :k].double(), penalty, history[rows], length=t - 1)
+        if bool(ends.any()):  # (the add's own check, before its arguments are gathered)
+            rows = torch.arange(m, device=device)[:, None] * width + top_beam[:, :k]  # (m, k)
+            finished.add(live, ends, top_scores[:, :k].double(), penalty, history[rows], t - 1)
         # The first k non-EOS continuations live on (at most k of the 2k are EOS: one per beam).
         order = is_eos.to(torch.uint8).sort(dim=-1, stable=True).indices[:, :k]  # (m, k)
         beam_scores = top_scores.gather(1, order)
@@ -285,7 +288,8 @@ def beam_search(
         history[:, t - 1] = tokens
         width = k
         # Sentences that are done leave the batch; the rest of the state follows its beams.
-        horizon_lp = {"bound": bound_lp[live], "current": penalty}.get(early_stopping)
+        horizon_lp = (bound_lp[live] if early_stopping == "bound"
+                      else penalty if early_stopping == "current" else None)  # fmt: skip
         done = _done(finished, live, beam_scores, limits[live], t=t, k=k, horizon_lp=horizon_lp)
         keep = (~done).nonzero().squeeze(1)  # the one host sync of a step
         if len(keep) == 0:
@@ -298,7 +302,7 @@ def beam_search(
 
 
 def _best_continuations(
-    log_probs: torch.Tensor, beam_scores: torch.Tensor, count: int
+    log_probs: torch.Tensor, beam_scores: torch.Tensor, count: int, settled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `count` best continuations of each sentence, best first: (scores, index) (m, count),
     index = beam · V + token, score = beam score + log-probability, ties to the lower index.
@@ -310,7 +314,9 @@ def _best_continuations(
     On the demo model this is 2x faster than topk over (m, w·V) (scripts/bench_decode.py).
     A vocabulary that is no multiple of B (OPUS-MT's 58,101 tokens) ends each row with a shorter
     block, whose missing tokens score -inf. Fewer than `count` candidates (a tiny vocabulary) are
-    padded with -inf ones."""
+    padded with -inf ones. `settled` (a CUDA graph's step, beam_graphs.py): no look at the
+    device, so the missing tokens stay in their places and may be among the -inf candidates
+    chosen, which no search keeps or finishes: the finite ones are the same."""
     rows, vocab = log_probs.shape
     m, block = beam_scores.size(0), 64
     blocks, full = -(-vocab // block), vocab - vocab % block  # per row; tokens in whole blocks
@@ -327,7 +333,9 @@ def _best_continuations(
     candidates = scores.size(1)
     if full < vocab:  # whole blocks have no token past a row's end: no check, no device wait
         past = (token >= vocab).view(m, -1)  # past a row's end: after every token, -inf ones too
-        if bool(past.any()):
+        if settled:
+            scores = scores.masked_fill(past, -math.inf)
+        elif bool(past.any()):
             last = past.to(torch.uint8).sort(dim=1, stable=True).indices
             scores, index = scores.gather(1, last).masked_fill(past.gather(1, last), -math.inf), (
                 index.gather(1, last))  # fmt: skip
@@ -387,13 +395,16 @@ class _Forcing:
 
 
 def _mask(
-    log_probs: torch.Tensor, banned: Sequence[int], forced: torch.Tensor | None
+    log_probs: torch.Tensor, banned: Sequence[int] | torch.Tensor, forced: torch.Tensor | None
 ) -> torch.Tensor:
-    """Never emit `banned` ids (pad, bos); a row with a forced token (>= 0) may emit it only
+    """Never emit `banned` ids (pad, bos; a tensor of them on the device: a search makes it
+    once, not a copy to the device a step); a row with a forced token (>= 0) may emit it only
     (`forced` None: no row has one)."""
     log_probs = log_probs.float()
-    if banned:
-        log_probs[:, list(banned)] = -math.inf
+    if len(banned):
+        if not isinstance(banned, torch.Tensor):
+            banned = torch.tensor(list(banned), dtype=torch.long, device=log_probs.device)
+        log_probs.index_fill_(1, banned, -math.inf)
     if forced is None:
         return log_probs
     rows = forced >= 0
@@ -420,13 +431,16 @@ class _Finished:
         live: torch.Tensor,
         ends: torch.Tensor,
         raw: torch.Tensor,
-        penalty: float,
+        penalty: float | torch.Tensor,
         tokens: torch.Tensor,
-        length: int,
+        length: int | torch.Tensor,
+        settled: bool = False,
     ) -> None:
         """Merge the hypotheses where `ends` (m, k) into the pools of sentences `live` (m,):
-        raw (m, k) their sums, tokens (m, k, T) their outputs of `length` tokens."""
-        if not bool(ends.any()):
+        raw (m, k) their sums, tokens (m, k, T) their outputs of `length` tokens. `settled` (a
+        CUDA graph's step): merged whether any ends or not, no look at the device; `penalty`
+        and `length` may then be tensors (1,)."""
+        if not settled and not bool(ends.any()):
             return
         score = torch.where(ends, raw / penalty, -math.inf)  # (m, k)
         merged = torch.cat([self.score[live], score], dim=1)  # (m, 2k): earlier ones first
@@ -434,7 +448,7 @@ class _Finished:
         self.score[live] = merged.gather(1, order)
         log_prob = torch.cat([self.log_prob[live], raw], dim=1)
         self.log_prob[live] = log_prob.gather(1, order)
-        new_length = torch.full_like(self.length[live], length)
+        new_length = torch.zeros_like(self.length[live]) + length  # an int, or (1,) in a graph
         self.length[live] = torch.cat([self.length[live], new_length], dim=1).gather(1, order)
         both = torch.cat([self.tokens[live], tokens], dim=1)  # (m, 2k, T)
         self.tokens[live] = both.gather(1, order[:, :, None].expand(-1, -1, both.size(2)))

@@ -27,6 +27,7 @@ from transformer_mt.data import hints
 from transformer_mt.data.sampler import TokenBucketSampler
 from transformer_mt.data.tokenizer import Tokenizer
 from transformer_mt.network import alignment, constraints, ensemble, kernels
+from transformer_mt.network.beam_graphs import graphed_beam_search
 from transformer_mt.network.candidates import Candidates
 from transformer_mt.network.decoder_graphs import DecoderGraphs
 from transformer_mt.network.model import DecoderCache, Transformer, make_src_mask
@@ -399,6 +400,9 @@ def _search(
         return [hypotheses[i : i + samples] for i in range(0, len(hypotheses), samples)]
     if decode.beam_size == 1:
         return [[h] for h in greedy(step, state, limits, logits=logits, **common)]
+    if isinstance(state, DecoderGraphs):  # every step of the search one CUDA graph
+        return graphed_beam_search(state, limits, beam_size=decode.beam_size, nbest=decode.nbest,
+                                   early_stopping=decode.early_stopping, **common)  # fmt: skip
     return beam_search(
         step, state, limits, beam_size=decode.beam_size, nbest=decode.nbest,
         early_stopping=decode.early_stopping, **common,
