@@ -517,11 +517,13 @@ def decode_profile(args: argparse.Namespace) -> dict:
     output projection's calls), and the share of the wall time the host spent inside the
     model's decoder steps (the rest: the search, the encoder, the text). The decode part says
     how fast; this says why. --set: decoding settings (decode.cuda_graphs=on: the recorded
-    steps, counted and timed at DecoderGraphs.step)."""
+    steps counted and timed at DecoderGraphs.step, or for beam search the whole search at
+    beam_graphs' run, its rows those it computed, finished sentences' included)."""
     sys.path.insert(0, str(REPO / "scripts"))
     import torch
     from bench_train import profile_calls
 
+    from transformer_mt.network.beam_graphs import _Search
     from transformer_mt.network.decoder_graphs import DecoderGraphs
     from transformer_mt.translation import translate
 
@@ -567,15 +569,29 @@ def decode_profile(args: argparse.Namespace) -> dict:
             graphs["recorded"] += self.recorded - before[0]
             graphs["replays"] += self.replays - before[1]
 
+    graphed_search = _Search.run  # decode.cuda_graphs=on, beam search: every step a graph
+
+    def timed_graphed_search(self, nbest):
+        before = self.graphs.recorded, self.graphs.replays
+        graphs["batches"] += 1
+        begin = time.perf_counter()
+        try:
+            return graphed_search(self, nbest)
+        finally:
+            model_s[0] += time.perf_counter() - begin
+            steps[0], rows[0] = steps[0] + self.steps_run, rows[0] + self.rows_run
+            graphs["recorded"] += self.graphs.recorded - before[0]
+            graphs["replays"] += self.graphs.replays - before[1]
+
     translator.model.decode = timed_decode  # this instance only, until the timing ends
-    DecoderGraphs.step = timed_graphed_step
+    DecoderGraphs.step, _Search.run = timed_graphed_step, timed_graphed_search
     sync()
     start = time.perf_counter()
     try:
         decode()
         sync()
     finally:
-        DecoderGraphs.step = graphed_step
+        DecoderGraphs.step, _Search.run = graphed_step, graphed_search
     wall = time.perf_counter() - start
     del translator.model.decode
     hook.remove()

@@ -72,10 +72,27 @@ class FixedCache:
         self.position = torch.zeros(1, dtype=torch.long, device=like.device)
         self.slots = torch.arange(positions, device=like.device)
         self.past_mask: torch.Tensor | None = None  # set by each step, inside its recording
-        self.self_k = [self.kv[i, 0] for i in range(layers)]  # per layer (rows, H, positions, K)
-        self.self_v = [self.kv[i, 1] for i in range(layers)]
+        self.spare: torch.Tensor | None = None  # where a reorder writes the kv (beam_graphs.py)
+        self._views()
         self.cross_k = [k.mT for k in self.cross_kt]  # (sentences, H, S, K), Kᵀ contiguous
         self.cross_v = list(self.cross_values)
+
+    def _views(self) -> None:
+        self.self_k = [kv[0] for kv in self.kv]  # per layer (rows, H, positions, K)
+        self.self_v = [kv[1] for kv in self.kv]
+
+    def with_spare(self) -> torch.Tensor:
+        """A buffer like kv, made once (before any recording reads it), that a reorder fills
+        with the surviving rows: one copy a step, where gathering into kv itself takes two."""
+        if self.spare is None:
+            self.spare = torch.zeros_like(self.kv)
+        return self.spare
+
+    def swap(self) -> None:
+        """The spare, filled by a reorder, becomes the cache; the cache the spare."""
+        assert self.spare is not None
+        self.kv, self.spare = self.spare, self.kv
+        self._views()
 
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
