@@ -439,9 +439,10 @@ class DecodeConfig:
     # float32 linear layers on a CPU, set at load: oneDNN with packed weights (1.4x faster beam
     # search on AVX-512, kernels.py), or "torch", PyTorch's own kernels (MKL on x86).
     cpu_linear: Literal["onednn", "torch"] = "onednn"
-    # The decoder's step recorded as a CUDA graph per batch shape and replayed, one launch where
-    # the host launched ~250 kernels a step (network/decoder_graphs.py): "on" takes effect on
-    # CUDA for one PyTorch model without a shortlist; elsewhere decoding runs as "off" (logged).
+    # Each search step recorded as a CUDA graph per batch shape and replayed, one launch where
+    # the host launched ~250 kernels a step: beam search's whole step (network/beam_graphs.py),
+    # greedy's and sampling's decoder step (decoder_graphs.py). "on" takes effect on CUDA for
+    # one PyTorch model without a shortlist; elsewhere decoding runs as "off" (logged).
     cuda_graphs: Literal["off", "on"] = "off"
     # Sampling instead of search (back-translation): "none", "full", "topk:K" or "topp:P", at
     # `temperature` (0 = greedy); nbest N = N independent samples per line. Each line's random

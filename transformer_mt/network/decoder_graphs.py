@@ -28,8 +28,10 @@ its sentences in their order (search.SearchState), so a reorder is the surviving
 into the front of the buffers, and, when sentences finished, their cross-attention K/V and
 source mask too.
 
-Without recording (record=False, the CPU) the same step runs eagerly: the tests compare it with
-DecoderCache's step on the CPU; tests/test_gpu.py compares the replayed step on CUDA.
+Beam search records more than this step: beam_graphs.py makes its whole step one graph over
+these buffers. Without recording (record=False, the CPU) the same step runs eagerly: the tests
+compare it with DecoderCache's step on the CPU; tests/test_gpu.py compares the replayed step on
+CUDA.
 """
 
 from __future__ import annotations
