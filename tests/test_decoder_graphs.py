@@ -135,7 +135,7 @@ def test_buckets_hold_the_live_rows_and_grow_by_powers_of_two() -> None:
     for live in range(1, 41):
         for positions in (1, 15, 16, 17, 100):
             sentences, beam, room = graphs._key(live, 4, positions)
-            assert live <= sentences <= 40 and (sentences == 40 or sentences < 4 * live + 4)
+            assert live <= sentences <= 40 and (sentences == 40 or sentences < 8 * live + 8)
             assert beam == 4 and room >= max(positions, 16) and room & (room - 1) == 0
             assert room < 2 * max(positions, 16)
 

@@ -107,7 +107,7 @@ class _Search:
         self.count = torch.zeros(1, dtype=torch.long, device=device)  # alive sentences
         self.arange = torch.arange(n, device=device)
         graphs.cache.tokens.fill_(bos_id)
-        self.recorded: dict[int, torch.cuda.CUDAGraph | None] = {}  # by the kv buffer read
+        self.graph: torch.cuda.CUDAGraph | None = None  # the current key's
         self.key: tuple | None = None
 
     def run(self, nbest: int) -> list[list[Hypothesis]]:
@@ -131,19 +131,15 @@ class _Search:
             if key[:3] != g.key:
                 g.length = t - 1
                 self._refit(key[:3])
-            if key != self.key:  # a graph for each of the two buffers the cache alternates
-                self.key, self.recorded = key, {}
-                g.cache.with_spare()
-            parity = id(g.cache.kv)
-            if parity not in self.recorded and g.can_record():
-                self.recorded[parity] = g._recorded(lambda f=key[3]: self._commit(*self._step(f)))
-            graph = self.recorded.get(parity)
-            if graph is not None:
-                graph.replay()
+            if key != self.key:
+                self.key, self.graph = key, None
+                if g.can_record():
+                    self.graph = g._recorded(lambda f=key[3]: self._commit(*self._step(f)))
+            if self.graph is not None:
+                self.graph.replay()
                 g.replays += 1
             else:
                 self._commit(*self._step(key[3]))
-            g.cache.swap()  # the reorder's rows: the next step's cache
             self.steps_run, self.rows_run = self.steps_run + 1, self.rows_run + len(g.cache.tokens)
             counts[t % 2].copy_(self.count, non_blocking=cuda)
             if cuda:
@@ -210,10 +206,14 @@ class _Search:
     def _commit(self, source_row: torch.Tensor, tokens: torch.Tensor, beam_scores: torch.Tensor,
                 history: torch.Tensor, alive: torch.Tensor) -> None:  # fmt: skip
         """The step's results into the state, in place (a graph's inputs are its outputs); the
-        decoder's cache follows the surviving beams into its spare (every position: the step
-        is on the device), which the caller swaps in."""
-        cache = self.graphs.cache  # kv (L, 2, m·k, H, P, K)
-        torch.index_select(cache.kv, 2, source_row, out=cache.spare)
+        decoder's cache follows the surviving beams (every position: the step is on the device).
+
+        Gathered, then copied back: two copies of the cache a step where gathering into a spare
+        and swapping it in takes one, but then each key needs a graph for each of the two
+        buffers, and a recording costs about an eager step of the host's time: with ~6 keys in
+        a batch of ~33 steps (Multi30k), more than the copy saves on a GPU."""
+        kv = self.graphs.cache.kv  # (L, 2, m·k, H, P, K)
+        kv.copy_(kv.index_select(2, source_row))
         self.graphs.cache.tokens.copy_(tokens)
         self.beam_scores.copy_(beam_scores)
         self.history.copy_(history)

@@ -9,8 +9,8 @@ buffers of a fixed shape, a *key* (sentences, rows a sentence, positions):
 - positions: the self-attention cache holds a power of two of them (at least 16); this step's
   key and value are written at its position (index_copy_ at a position held on the device), and
   the positions not yet decoded are masked out (DecoderCache.past_mask);
-- sentences: the buffers hold a bucket of them: the batch's count, then a quarter of it, a
-  sixteenth..., the smallest that holds the live ones; live rows come first, the rows after
+- sentences: the buffers hold a bucket of them: the batch's count, then an eighth of it, a
+  64th..., the smallest that holds the live ones; live rows come first, the rows after
   them are computed and never read;
 - rows a sentence: 1 at the first step of a beam search, k after it.
 
@@ -18,8 +18,9 @@ A key holds for a run of steps: positions only grow and sentences only leave, so
 left never comes back. Each key's step is recorded once (at its first step; the search's very
 first step runs eagerly) and replayed until the key changes; the buffers are then made anew at
 the new key's shape, the live part copied over. Estimated from the lengths of the GPU bench's
-10,000 Multi30k lines (beam 5, 32,768-token batches): a batch of ~33 steps has ~7 keys, and it
-computes 1.14x the live rows.
+10,000 Multi30k lines (beam 5, 32,768-token batches): a batch of ~33 steps has ~6 keys, and it
+computes 1.18x the live rows (buckets of a quarter: ~7 keys, 1.14x; a recording costs about an
+eager step of the host's time, a replay's rows a little kernel time).
 
 The step is the model's own layers (DecoderLayer.forward with this cache); the embedding's
 position is read from the device, and the output projection writes its logits into a buffer
@@ -48,7 +49,7 @@ from transformer_mt.network.model import Transformer
 
 logger = logging.getLogger(__name__)
 
-SENTENCE_BUCKET_RATIO = 4  # each bucket of sentences a quarter of the one before
+SENTENCE_BUCKET_RATIO = 8  # each bucket of sentences an eighth of the one before
 MIN_POSITIONS = 16
 
 
@@ -74,27 +75,10 @@ class FixedCache:
         self.position = torch.zeros(1, dtype=torch.long, device=like.device)
         self.slots = torch.arange(positions, device=like.device)
         self.past_mask: torch.Tensor | None = None  # set by each step, inside its recording
-        self.spare: torch.Tensor | None = None  # where a reorder writes the kv (beam_graphs.py)
-        self._views()
-        self.cross_k = [k.mT for k in self.cross_kt]  # (sentences, H, S, K), Kᵀ contiguous
-        self.cross_v = list(self.cross_values)
-
-    def _views(self) -> None:
         self.self_k = [kv[0] for kv in self.kv]  # per layer (rows, H, positions, K)
         self.self_v = [kv[1] for kv in self.kv]
-
-    def with_spare(self) -> torch.Tensor:
-        """A buffer like kv, made once (before any recording reads it), that a reorder fills
-        with the surviving rows: one copy a step, where gathering into kv itself takes two."""
-        if self.spare is None:
-            self.spare = torch.zeros_like(self.kv)
-        return self.spare
-
-    def swap(self) -> None:
-        """The spare, filled by a reorder, becomes the cache; the cache the spare."""
-        assert self.spare is not None
-        self.kv, self.spare = self.spare, self.kv
-        self._views()
+        self.cross_k = [k.mT for k in self.cross_kt]  # (sentences, H, S, K), Kᵀ contiguous
+        self.cross_v = list(self.cross_values)
 
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
