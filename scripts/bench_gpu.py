@@ -472,6 +472,12 @@ def decode(args: argparse.Namespace) -> dict:
             "lines_unlike_generate": {
                 name: unlike_generate(name) for name in outputs if name.startswith("tmt")
             },
+            # tmt's own variants against its default run (CUDA graphs: the same search)
+            "lines_unlike_tmt": {
+                name: sum(a != b for a, b in zip(outputs[name], outputs["tmt"], strict=True))
+                for name in outputs
+                if name.startswith("tmt_")
+            },
             "lines": len(sources),
             "beam": decode_cfg.beam_size,
             "max_tokens": batch_tokens(translator),
@@ -496,8 +502,14 @@ def decode(args: argparse.Namespace) -> dict:
     variants.append(("tmt_power_current", [*power, "decode.early_stopping=current"]))
     variants += [(f"tmt_{n}", [f"decode.max_tokens={n}"]) for n in args.sizes or []]
     for name, settings in variants:
-        variant = translate.load_translator(args.model, [f"decode.device={args.device}", *settings])
-        timed(name, lambda lines, t=variant: translate.translate_text(t, lines))
+        try:  # a variant that fails (a recording the card refuses) is a row of its own
+            variant = translate.load_translator(
+                args.model, [f"decode.device={args.device}", *settings]
+            )
+            timed(name, lambda lines, t=variant: translate.translate_text(t, lines))
+        except Exception as err:
+            rows[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+            print(name, rows[name], flush=True)
     try:
         ct2 = translate.load_translator(
             args.model, [f"decode.device={args.device}", "decode.engine=ctranslate2"]
@@ -774,7 +786,7 @@ def _summary(name: str, found: dict) -> str:
         )
     if name.startswith("e2e"):
         return ", ".join(f"{k} {v}" for k, v in found.items())
-    if name == "decode_profile":
+    if name.startswith("decode_profile"):
         profiled = found.get("profile", {})
         kinds = ", ".join(f"{k} {v}" for k, v in list(profiled.get("kinds_ms", {}).items())[:5])
         busy = (
@@ -787,6 +799,7 @@ def _summary(name: str, found: dict) -> str:
             f"{found.get('lines')} lines in {found.get('wall_s')} s, {found.get('steps')} steps"
             f" of {found.get('rows_per_step')} rows, {found.get('ms_per_step')} ms a step"
             f" ({found.get('model_step_share', 0):.0%} of it in the model's step){busy}"
+            + (f"; graphs {found['graphs']}" if "graphs" in found else "")
         )
     if name == "decode":
         rows = "; ".join(
@@ -800,6 +813,8 @@ def _summary(name: str, found: dict) -> str:
             f" {found['tmt_over_generate']}x (length penalty {found.get('length_penalty_form')});"
             " lines unlike generate's: "
             + ", ".join(f"{k} {v}" for k, v in found.get("lines_unlike_generate", {}).items())
+            + "; unlike tmt's: "
+            + ", ".join(f"{k} {v}" for k, v in found.get("lines_unlike_tmt", {}).items())
         )
     return ", ".join(f"{k} {v}" for k, v in found.items())
 

@@ -387,7 +387,7 @@ def test_the_decoding_profile_counts_the_steps_of_the_decoder_s_graphs(
     replays. A CPU records none: the steps run eagerly here, chosen as a GPU would choose
     them."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
-    from bench_gpu import decode_profile
+    from bench_gpu import _summary, decode_profile
 
     from transformer_mt.network.decoder_graphs import DecoderGraphs
     from transformer_mt.translation import decoding
@@ -405,6 +405,27 @@ def test_the_decoding_profile_counts_the_steps_of_the_decoder_s_graphs(
     assert found["steps"] == plain["steps"] + 1 and found["rows_per_step"] >= plain["rows_per_step"]
     assert found["graphs"] == {"batches": 1, "recorded": 0, "replays": 0}
     assert 0 < found["model_step_share"] < 1 and "graphs" not in plain
+    row = _summary("decode_profile_graphs", found)  # the part's label in bench_gpu.sh
+    assert row.endswith("; no GPU figures; graphs {'batches': 1, 'recorded': 0, 'replays': 0}")
+
+
+def test_the_decoding_row_names_a_failed_variant_and_the_lines_unlike_tmt_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bench_gpu.py decode's line in the table: a variant that failed (a recording the card
+    refused) is its error, not the end of the part; the graphs' lines against tmt's own."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_gpu import _summary
+
+    found = {
+        "lines": 10, "beam": 5, "tmt_over_generate": 4.5, "length_penalty_form": "power",
+        "rows": {"tmt": {"sentences_per_s": 3000.0, "bleu": 72.9},
+                 "tmt_graphs": {"error": "RuntimeError: operation not permitted"}},
+        "lines_unlike_generate": {"tmt": 3}, "lines_unlike_tmt": {"tmt_bf16": 40},
+    }  # fmt: skip
+    row = _summary("decode", found)
+    assert "tmt 3,000 sent/s BLEU 72.90; tmt_graphs: RuntimeError: operation not permitted" in row
+    assert row.endswith("lines unlike generate's: tmt 3; unlike tmt's: tmt_bf16 40")
 
 
 def test_the_gpu_benchmark_s_resume_part_names_what_its_runs_refused(
