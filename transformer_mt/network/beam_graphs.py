@@ -192,14 +192,14 @@ class _Search:
         at = (t - 1).clamp(max=self.prefix.size(1) - 1)
         prefix = self.prefix.index_select(1, at)[:, 0][self.live]  # (m,); -1 past it
         forced = torch.where(prefix >= 0, prefix, torch.where(limits <= t, self.eos_id, -1))
-        forced = forced.repeat_interleave(width)  # (m·w,)
+        forced = forced[:, None].expand(-1, width).reshape(-1)  # (m·w,): no look at its size
         choice = forced.clamp(min=0)[:, None]
         only = torch.full_like(log_probs, -math.inf).scatter_(
             1, choice, log_probs.gather(1, choice)
         )
         log_probs = torch.where((forced >= 0)[:, None], only, log_probs)
         if self.forced_eos == "zero":  # the EOS forced at the maximum length scores 0
-            ended = (limits <= t).repeat_interleave(width)
+            ended = (limits <= t)[:, None].expand(-1, width).reshape(-1)
             log_probs[:, self.eos_id] = log_probs[:, self.eos_id].masked_fill(ended, 0.0)
         return log_probs
 
