@@ -231,3 +231,30 @@ def test_graphed_beam_search_with_prefixes_and_a_vocabulary_past_whole_blocks(vo
                                       prefixes=prefixes)  # fmt: skip
     assert graphed == plain
     assert [hyps[0].tokens[: row % 4] for row, hyps in enumerate(graphed)] == prefixes
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_graphed_beam_search_equals_beam_search_on_random_batches(seed: int) -> None:
+    """Small random cases: one sentence or many, beams wider than a tiny vocabulary's best,
+    maximum lengths of 1 up, prefixes as long as them, every option at random."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def pick(*choices):
+        return choices[int(torch.randint(len(choices), (1,), generator=rng))]
+
+    vocab, sentences = pick(8, 40, 70), pick(1, 2, 5, 9)
+    torch.manual_seed(seed)
+    model = Transformer(TINY, vocab, PAD).eval()
+    with torch.no_grad():
+        model.embedding.weight[EOS] *= pick(1.0, 3.0)
+    src = batch(sentences, seed=seed)
+    src[src >= vocab] = vocab - 1
+    lengths = [int(x) for x in torch.randint(1, 20, (sentences,), generator=rng)]
+    prefixes = [[int(x) for x in torch.randint(3, vocab, (pick(0, 1, 3),), generator=rng)]
+                for _ in range(sentences)]  # fmt: skip
+    options = {"beam_size": pick(2, 3, 6), "nbest": pick(1, 2), "banned": pick((PAD,), (PAD, BOS)),
+               "early_stopping": pick("bound", "current", "k_finished"),
+               "form": pick("gnmt", "power"), "alpha": pick(0.0, 0.6, 1.0),
+               "forced_eos": pick("log_prob", "zero"), "prefixes": pick([], prefixes)}  # fmt: skip
+    plain, graphed, _ = searched_both(model, src, lengths, **options)
+    same(plain, graphed)

@@ -18,8 +18,9 @@ shapes, as the decoder's step does:
 - steps where a token may be forced (a prefix, a sentence at its maximum length) are another
   key: the forcing is recorded only where it can apply.
 
-The outputs are search.beam_search's (the same hypotheses, scores and order): candidates that
-differ are -inf ones, which neither search keeps or finishes (search._best_continuations).
+The outputs are search.beam_search's (the same hypotheses, scores and order; over other rows a
+matrix product may round otherwise): candidates that differ are -inf ones, which neither search
+keeps or finishes (search._best_continuations).
 Without recording (the CPU) the same steps run eagerly: tests/test_decoder_graphs.py compares
 them with beam_search; tests/test_gpu.py replays them.
 """
