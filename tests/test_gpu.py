@@ -339,6 +339,47 @@ def test_a_beam_search_of_replayed_steps_is_the_eager_one(precision: str) -> Non
     assert graphs.recorded >= 5 and graphs.replays > 2 * graphs.recorded
 
 
+def test_a_beam_search_of_replayed_steps_waits_for_the_gpu_less_than_once_a_step() -> None:
+    """The eager search waits for the GPU two or three times a step (has a hypothesis ended,
+    which sentences are done; a vocabulary of no whole blocks of 64); the graphed one where it
+    moves something (the first step's widening, a gather into a smaller bucket), to read its
+    inputs and results, and at most once a step for the count of live sentences, a step late
+    (an event's wait, if torch counts it): counted by torch's sync debug mode."""
+    import warnings
+
+    from test_decoder_graphs import searched_both
+
+    from transformer_mt.network import beam_graphs
+
+    model, src = model_of().cuda(), batch(23).cuda()
+    options = {"beam_size": 3, "banned": (PAD, BOS)}
+    searched_both(model, src, limits(23), **options)  # warm-up: kernels, cuBLAS
+    waits, steps = {}, {}
+    for name in ("eager", "graphed"):
+        step, state = fixed(model, src, record=name == "graphed")
+        calls = [0]
+
+        def counted(tokens, s, step=step, calls=calls):
+            calls[0] += 1
+            return step(tokens, s)
+
+        torch.cuda.synchronize()
+        with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                if name == "eager":
+                    search.beam_search(counted, state, limits(23), BOS, EOS, **options)
+                else:
+                    beam_graphs.graphed_beam_search(state, limits(23), BOS, EOS, **options)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        waits[name] = sum("synchroniz" in str(w.message) for w in caught)
+        steps[name] = calls[0] if name == "eager" else state.replays + 1
+    assert steps["eager"] > 20 and waits["eager"] >= 2 * steps["eager"], (waits, steps)
+    assert waits["graphed"] <= steps["graphed"] + 20, (waits, steps)
+
+
 def test_translation_with_decode_cuda_graphs_is_the_same(trained_run: Path) -> None:
     from transformer_mt.translation import decoding, translate
 
