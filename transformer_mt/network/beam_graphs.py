@@ -41,6 +41,7 @@ from transformer_mt.network.search import (
     _done,
     _Finished,
     _Forcing,
+    _mask,
     length_penalty,
 )
 
@@ -129,9 +130,9 @@ class _Search:
             if sentences < len(self.live):
                 self._gather_alive(t)
             key = (*g._key(len(self.live), self.k, t), self.forcing.any_at(t))
-            if key[:3] != g.key:
+            if key[:3] != g.key:  # more positions
                 g.length = t - 1
-                self._refit(key[:3])
+                g._refit(key[:3], len(g.cache.tokens))
             if key != self.key:
                 self.key, self.graph = key, None
                 if g.can_record():
@@ -160,9 +161,7 @@ class _Search:
         width, live = g.width, self.live
         g.cache.position.copy_(t - 1)
         g._forward()
-        log_probs = F.log_softmax(g.logits.float(), dim=-1)  # (m·w, V)
-        if len(self.banned):
-            log_probs.index_fill_(1, self.banned, -math.inf)
+        log_probs = _mask(F.log_softmax(g.logits.float(), dim=-1), self.banned, None)  # (m·w, V)
         if forcing:
             log_probs = self._forced(log_probs, t, width)
         m, vocab = len(live), log_probs.size(-1)
@@ -229,17 +228,11 @@ class _Search:
         g = self.graphs
         g.length, g.width = 1, self.k
         g._refit(g._key(self.n, self.k, 2), len(source_row), source_row)
-        g.cache.tokens[: len(tokens)].copy_(tokens)
+        g.cache.tokens[: len(tokens)].copy_(tokens)  # the step's own, not the rows' before it
         self.beam_scores, self.history, self.alive = beam_scores, history, alive
         self.t += 1
 
     # --- shapes ------------------------------------------------------------------------------
-
-    def _refit(self, key: tuple[int, int, int]) -> None:
-        """The decoder's buffers at a new key of positions (the slots unchanged)."""
-        tokens = self.graphs.cache.tokens.clone()
-        self.graphs._refit(key, len(tokens))
-        self.graphs.cache.tokens.copy_(tokens)
 
     def _gather_alive(self, t: int) -> None:
         """The live sentences gathered into the front slots of a smaller bucket (the one look at
@@ -248,11 +241,9 @@ class _Search:
         g, k = self.graphs, self.k
         kept = self.alive.nonzero().squeeze(1)  # (m',)
         rows = (kept[:, None] * k + torch.arange(k, device=kept.device)).view(-1)
-        tokens = g.cache.tokens.index_select(0, rows)
         g.length = t - 1
         key = g._key(len(kept), k, t)
         g._refit(key, len(rows), rows, kept)
-        g.cache.tokens[: len(rows)].copy_(tokens)
         slots, taken = key[0], len(kept)
         self.live = self._padded(self.live[kept], slots, self.n)
         self.alive = self._padded(self.alive[kept], slots, False)

@@ -175,7 +175,8 @@ class DecoderGraphs:
         sentences: torch.Tensor | None = None,
     ) -> None:
         """The buffers at `key`, holding the live part: the first `rows` rows (rows `index` of
-        the old ones where given) and their sentences (`sentences` of the old ones)."""
+        the old ones where given), their tokens where the buffers are new, and their sentences
+        (`sentences` of the old ones)."""
         old, t = self.cache, self.length
         self.live = live = rows // self.width
         past = old.kv[:, :, :, :, :t]  # (L, 2, rows, H, t, K)
@@ -190,6 +191,8 @@ class DecoderGraphs:
             return
         new = FixedCache(self.model, key, self.source, old.kv)
         new.kv[:, :, :rows, :, :t].copy_(past)
+        tokens = old.tokens.index_select(0, index) if index is not None else old.tokens[:rows]
+        new.tokens[:rows].copy_(tokens)  # the next step's, where a search keeps them here
         pairs = ((new.cross_kt, old.cross_kt), (new.cross_values, old.cross_values),
                  (new.src_mask[None], old.src_mask[None]))  # fmt: skip
         for into, source in pairs:

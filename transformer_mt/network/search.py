@@ -395,15 +395,13 @@ class _Forcing:
 
 
 def _mask(
-    log_probs: torch.Tensor, banned: Sequence[int] | torch.Tensor, forced: torch.Tensor | None
+    log_probs: torch.Tensor, banned: torch.Tensor, forced: torch.Tensor | None
 ) -> torch.Tensor:
-    """Never emit `banned` ids (pad, bos; a tensor of them on the device: a search makes it
-    once, not a copy to the device a step); a row with a forced token (>= 0) may emit it only
-    (`forced` None: no row has one)."""
+    """Never emit `banned` ids (pad, bos: a tensor on the device, made once a search, not copied
+    to it each step); a row with a forced token (>= 0) may emit it only (`forced` None: no row
+    has one)."""
     log_probs = log_probs.float()
     if len(banned):
-        if not isinstance(banned, torch.Tensor):
-            banned = torch.tensor(list(banned), dtype=torch.long, device=log_probs.device)
         log_probs.index_fill_(1, banned, -math.inf)
     if forced is None:
         return log_probs
