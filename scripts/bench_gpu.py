@@ -51,14 +51,18 @@ def write(out: Path, part: str, result: dict) -> None:
 
 def attention(args: argparse.Namespace) -> dict:
     """tmt's update over its first epoch of GPU batches (every shape new: plans and kernels are
-    made then), once per attention kernel, each on a fresh model in this process; cuDNN first,
-    before any shape is known to it."""
+    made then), then over the same batches again (every shape known: with --set
+    train.cuda_graphs=on, replays, where the kernels' time is the update's), once per attention
+    kernel, each on a fresh model in this process; cuDNN first, before any shape is known to
+    it."""
     sys.path.insert(0, str(REPO / "scripts"))
     import torch
     from bench_train import build_tmt, load_batches, tmt_step
 
     overrides = [*BASE_ON_MULTI30K, *(args.set or [])]
     cfg, tok, host = load_batches("base", overrides, args.steps, args.device)
+    tokens = sum(b.n_tokens for b in host)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     rows = {}
     for backend in ("cudnn", "flash", "efficient", "math", "auto"):
         torch.manual_seed(0)
@@ -72,22 +76,33 @@ def attention(args: argparse.Namespace) -> dict:
             cfg, model=dataclasses.replace(cfg.model, attention_backend=backend)
         )
         run = tmt_step(model, chosen, tok, step_args)
-        sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-        sync()
-        start = time.perf_counter()
-        for batch in host:
-            run(batch.to(args.device))
-        sync()
-        seconds = time.perf_counter() - start
-        tokens = sum(b.n_tokens for b in host)
-        rows[backend] = {"seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
-        print(backend, rows[backend], flush=True)
+        row = {}
+        for name in ("first", "warm"):
+            sync()
+            start = time.perf_counter()
+            try:
+                for batch in host:
+                    run(batch.to(args.device))
+                sync()
+            except RuntimeError as err:  # a kernel this card or recording refuses: its row says
+                row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                break
+            seconds = time.perf_counter() - start
+            prefix = "" if name == "first" else "warm_"
+            row |= {f"{prefix}seconds": round(seconds, 3),
+                    f"{prefix}tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+        rows[backend] = row
+        print(backend, row, flush=True)
         del model, run
         if args.device == "cuda":
             torch.cuda.empty_cache()
     shapes = {(b.src.shape[0], b.src.shape[1], b.tgt_out.shape[1]) for b in host}
-    fastest = min((k for k in rows if k != "auto"), key=lambda k: rows[k]["seconds"])
-    return {"updates": len(host), "batch_shapes": len(shapes), "rows": rows, "fastest": fastest}
+    result = {"updates": len(host), "batch_shapes": len(shapes), "rows": rows}
+    for key, fastest in (("seconds", "fastest"), ("warm_seconds", "fastest_warm")):
+        timed = [k for k in rows if k != "auto" and key in rows[k]]
+        if timed:
+            result[fastest] = min(timed, key=lambda k: rows[k][key])
+    return result
 
 
 def compiled(args: argparse.Namespace) -> dict:
@@ -567,10 +582,11 @@ def decode_profile(args: argparse.Namespace) -> dict:
             model_s[0] += time.perf_counter() - begin
 
     graphed_step = DecoderGraphs.step  # decode.cuda_graphs=on: the step, timed and counted
-    graphs = {"batches": 0, "recorded": 0, "replays": 0}  # the timed decode's, not the profiled
+    # the timed decode's, not the profiled; recording_s: the host's time in recordings
+    graphs = {"batches": 0, "recorded": 0, "replays": 0, "recording_s": 0.0}
 
     def timed_graphed_step(self, tokens):
-        before = self.recorded, self.replays
+        before = self.recorded, self.replays, self.recording_s
         graphs["batches"] += self.length == 0  # a batch's first step
         begin = time.perf_counter()
         try:
@@ -580,11 +596,12 @@ def decode_profile(args: argparse.Namespace) -> dict:
             steps[0], rows[0] = steps[0] + 1, rows[0] + len(tokens)
             graphs["recorded"] += self.recorded - before[0]
             graphs["replays"] += self.replays - before[1]
+            graphs["recording_s"] += self.recording_s - before[2]
 
     graphed_search = _Search.run  # decode.cuda_graphs=on, beam search: every step a graph
 
     def timed_graphed_search(self, nbest):
-        before = self.graphs.recorded, self.graphs.replays
+        before = self.graphs.recorded, self.graphs.replays, self.graphs.recording_s
         graphs["batches"] += 1
         begin = time.perf_counter()
         try:
@@ -594,6 +611,7 @@ def decode_profile(args: argparse.Namespace) -> dict:
             steps[0], rows[0] = steps[0] + self.steps_run, rows[0] + self.rows_run
             graphs["recorded"] += self.graphs.recorded - before[0]
             graphs["replays"] += self.graphs.replays - before[1]
+            graphs["recording_s"] += self.graphs.recording_s - before[2]
 
     translator.model.decode = timed_decode  # this instance only, until the timing ends
     DecoderGraphs.step, _Search.run = timed_graphed_step, timed_graphed_search
@@ -616,7 +634,7 @@ def decode_profile(args: argparse.Namespace) -> dict:
     if "gpu_busy_ms" in profiled:
         result["gpu_busy_share"] = round(profiled["gpu_busy_ms"] / 1e3 / wall, 3)
     if graphs["batches"]:
-        result["graphs"] = graphs
+        result["graphs"] = {**graphs, "recording_s": round(graphs["recording_s"], 3)}
     return result
 
 
@@ -730,6 +748,13 @@ def _busy(r: dict) -> str:
     )
 
 
+def _attention_cell(backend: str, row: dict) -> str:
+    if "seconds" not in row:
+        return f"{backend}: {row.get('error')}"
+    warm = f" (warm {row['warm_seconds']:.2f})" if "warm_seconds" in row else ""
+    return f"{backend} {row['seconds']:.1f} s{warm}"
+
+
 def _summary(name: str, found: dict) -> str:
     if not found:
         return "(no result: see its log)"
@@ -757,9 +782,13 @@ def _summary(name: str, found: dict) -> str:
             + (f"; {ratios}" if ratios else "")
             + (f"; bf16 peak {peak} TFLOP/s" if peak else "")
         )
-    if name == "attention":
-        rows = ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in found["rows"].items())
-        return f"first {found['updates']} updates ({found['batch_shapes']} shapes): {rows}"
+    if name.startswith("attention"):
+        rows = ", ".join(_attention_cell(k, v) for k, v in found["rows"].items())
+        return (
+            f"first {found['updates']} updates ({found['batch_shapes']} shapes), then the same"
+            f" again warm: {rows}; fastest {found.get('fastest')}, warm"
+            f" {found.get('fastest_warm')}"
+        )
     if name == "profile":
         first, warm = found.get("first", {}), found.get("warm_timed", {})
         expandable = found.get("first_expandable", {})

@@ -403,10 +403,12 @@ def test_the_decoding_profile_counts_the_steps_of_the_decoder_s_graphs(
     found = decode_profile(args)
     plain = decode_profile(SimpleNamespace(**{**vars(args), "set": None}))
     assert found["steps"] == plain["steps"] + 1 and found["rows_per_step"] >= plain["rows_per_step"]
-    assert found["graphs"] == {"batches": 1, "recorded": 0, "replays": 0}
+    assert found["graphs"] == {"batches": 1, "recorded": 0, "replays": 0, "recording_s": 0.0}
     assert 0 < found["model_step_share"] < 1 and "graphs" not in plain
     row = _summary("decode_profile_graphs", found)  # the part's label in bench_gpu.sh
-    assert row.endswith("; no GPU figures; graphs {'batches': 1, 'recorded': 0, 'replays': 0}")
+    assert row.endswith(
+        "; no GPU figures; graphs {'batches': 1, 'recorded': 0, 'replays': 0, 'recording_s': 0.0}"
+    )
 
 
 def test_the_decoding_row_names_a_failed_variant_and_the_lines_unlike_tmt_s(

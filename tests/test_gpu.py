@@ -312,6 +312,7 @@ def test_replayed_decoder_steps_search_as_eager_ones(precision: str) -> None:
         same(runs[0], runs[2])
     recorded = states[2]
     assert recorded.recorded >= 5 and recorded.replays > recorded.recorded
+    assert recorded.recording_s > 0 and states[1].recording_s == 0
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -118,6 +119,7 @@ class DecoderGraphs:
         self.logits = self._logits_buffer()  # (rows, V), outside any graph's memory
         self.graph: torch.cuda.CUDAGraph | None = None
         self.recorded = 0  # graphs recorded (one a key)
+        self.recording_s = 0.0  # the host's time in recordings (what reusing them would save)
         self.replays = 0
         self.stream: torch.cuda.Stream | None = None  # where recordings are made, at the first
         self.pool = None  # the graphs' shared memory pool
@@ -230,7 +232,7 @@ class DecoderGraphs:
         or None where recording failed (logged once a process; decoding goes on eagerly). Its
         intermediates live in the graphs' shared pool (one graph alive at a time), its inputs
         and outputs outside it."""
-        device = self.logits.device
+        device, begin = self.logits.device, time.perf_counter()
         try:
             if self.stream is None:
                 self.stream = torch.cuda.Stream(device)
@@ -261,6 +263,7 @@ class DecoderGraphs:
             )  # fmt: skip
             return None
         self.recorded += 1
+        self.recording_s += time.perf_counter() - begin
         return graph
 
 
