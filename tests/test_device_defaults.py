@@ -430,6 +430,44 @@ def test_the_decoding_row_names_a_failed_variant_and_the_lines_unlike_tmt_s(
     assert row.endswith("lines unlike generate's: tmt 3; unlike tmt's: tmt_bf16 40")
 
 
+def test_the_attention_part_times_each_kernel_first_and_warm_and_names_a_refusal(
+    tiny_cfg: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench_gpu.py attention: each kernel's updates over the batches, then over them again
+    (warm: with train.cuda_graphs=on, replays); a kernel the card refuses is its row's error,
+    and the fastest are chosen among the others."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_gpu
+    import bench_train
+
+    batches = [SimpleNamespace(n_tokens=10, src=torch.zeros(2, 3), tgt_out=torch.zeros(2, 4),
+                               to=lambda device: None)] * 3  # fmt: skip
+    monkeypatch.setattr(bench_train, "load_batches", lambda *a: (tiny_cfg, None, batches))
+    monkeypatch.setattr(bench_train, "build_tmt", lambda cfg, tok: torch.nn.Linear(1, 1))
+    updates: list[str] = []
+
+    def step(model, cfg, tok, args):
+        def run(batch) -> None:
+            if cfg.model.attention_backend == "cudnn":
+                raise RuntimeError("cuDNN refused\nmore")
+            updates.append(cfg.model.attention_backend)
+
+        return run
+
+    monkeypatch.setattr(bench_train, "tmt_step", step)
+    found = bench_gpu.attention(SimpleNamespace(device="cpu", steps=3, set=None))
+    assert updates == [b for b in ("flash", "efficient", "math", "auto") for _ in range(6)]
+    assert found["rows"]["cudnn"] == {"error": "cuDNN refused"}
+    for backend in ("flash", "efficient", "math", "auto"):
+        assert set(found["rows"][backend]) == {"seconds", "tokens_per_s", "warm_seconds",
+                                               "warm_tokens_per_s"}  # fmt: skip
+    assert found["fastest"] in ("flash", "efficient", "math")
+    assert found["updates"] == 3 and found["batch_shapes"] == 1
+    row = bench_gpu._summary("attention_graphs", found)
+    assert row.startswith("first 3 updates (1 shapes), then the same again warm: cudnn: cuDNN")
+    assert " s (warm " in row and f"fastest {found['fastest']}, warm " in row
+
+
 def test_the_gpu_benchmark_s_resume_part_names_what_its_runs_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
