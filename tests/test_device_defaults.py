@@ -268,7 +268,9 @@ def test_cuda_graphs_are_recorded_on_cuda_and_refused_what_they_cannot_record(
 ) -> None:
     """train.cuda_graphs=on records a micro-batch's step on CUDA only (a CPU trains as with off)
     and is refused on CUDA, before anything is written, with torch.compile, fp16's loss scaler
-    or several ranks. The graphs themselves are test_gpu.py's."""
+    or several ranks whose gradients DDP averages inside the backward (train.grad_sync
+    overlapped; auto averages them after it with graphs). The graphs themselves are
+    test_gpu.py's."""
     from transformer_mt.training.dry_run import _check_graphs, check_before_training
     from transformer_mt.training.loss import Objective
 
@@ -280,7 +282,7 @@ def test_cuda_graphs_are_recorded_on_cuda_and_refused_what_they_cannot_record(
     assert device_defaults.graphs(_Source(), Objective(0.1), tiny_cfg, CUDA) is None
     refused = [({"compile": "on"}, 1, "train.compile=on"),
                ({"precision": "fp16"}, 1, "train.precision=fp16"),
-               ({}, 2, "2 ranks")]  # fmt: skip
+               ({"grad_sync": "overlapped"}, 2, "2 ranks and train.grad_sync=overlapped")]  # fmt: skip
     for changes, ranks, named in refused:
         cfg = with_train(on, **changes)
         with pytest.raises(TmtError, match="train.cuda_graphs=on cannot record") as error:
@@ -289,6 +291,10 @@ def test_cuda_graphs_are_recorded_on_cuda_and_refused_what_they_cannot_record(
         check_before_training(cfg, CPU, world_size=ranks)
     for precision in ("fp32", "bf16"):  # what it records: accepted
         _check_graphs(with_train(on, precision=precision), CUDA, world_size=1)
+    for sync in ("auto", "after_backward"):  # several ranks, averaging after the replays
+        _check_graphs(with_train(on, grad_sync=sync), CUDA, world_size=2)
+    assert device_defaults.grad_sync(on) == "after_backward"
+    assert device_defaults.grad_sync(tiny_cfg) == "overlapped"  # without graphs: DDP's
     assert not (tmp_path / "run").exists()
 
 

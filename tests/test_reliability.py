@@ -394,9 +394,15 @@ def test_consecutive_nan_steps_stop_with_exit_3(train_cfg: Config, tmp_path: Pat
     assert all(torch.isfinite(t).all() for t in checkpoint.read(newest).state_dict.values())
 
 
-def test_nan_and_oom_on_one_of_two_ranks_skip_everywhere(train_cfg: Config, tmp_path: Path) -> None:
+@pytest.mark.parametrize("grad_sync", ["overlapped", "after_backward"])
+def test_nan_and_oom_on_one_of_two_ranks_skip_everywhere(
+    train_cfg: Config, tmp_path: Path, grad_sync: str
+) -> None:
+    """Also where the ranks average their gradients after the backward pass: the rank that ran
+    out of memory has none, and sends zeros (the update is skipped anyway), not nothing."""
     run_dir = tmp_path / "run"
-    out = run_tmt(cli_args(train_cfg, run_dir), ranks=2, fault="loss@3:nan@rank1,loss@5:oom@rank1")
+    cfg = with_train(train_cfg, grad_sync=grad_sync)
+    out = run_tmt(cli_args(cfg, run_dir), ranks=2, fault="loss@3:nan@rank1,loss@5:oom@rank1")
     assert out.returncode == 0, out.stderr
     assert [r["skipped"] for r in records(run_dir) if "skipped" in r] == ["non_finite", "oom"]
     assert max(r["step"] for r in records(run_dir) if "loss" in r) == 8

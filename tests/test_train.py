@@ -229,6 +229,24 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
     assert_same_model(a, b, cfg.model.d_model)
 
 
+def test_gradients_averaged_after_the_backward_are_ddp_s_to_the_bit(
+    train_cfg: Config, tmp_path: Path
+) -> None:
+    """train.grad_sync=after_backward (what CUDA graphs need with several ranks): two gloo ranks
+    train what DDP's overlapped all-reduces train, every loss and weight to the bit, through
+    accumulated micro-batches (no_sync in DDP) and clipped updates."""
+    cfg = dataclasses.replace(train_cfg, optim=dataclasses.replace(train_cfg.optim, clip_norm=1.6))
+    cfg = with_train(cfg, max_steps=6, valid_every=3, save_every=3, update_freq=2)
+    for sync in ("overlapped", "after_backward"):
+        done = run_tmt(cli_args(with_train(cfg, grad_sync=sync), tmp_path / sync), ranks=2)
+        assert done.returncode == 0, done.stderr
+        how = "inside" if sync == "overlapped" else "after"
+        assert f"2 ranks average their gradients {how} the backward pass" in done.stderr
+    assert numbers(tmp_path / "overlapped") == numbers(tmp_path / "after_backward")
+    a, b = (final_weights(tmp_path / sync, 6) for sync in ("overlapped", "after_backward"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def assert_same_model(a: dict, b: dict, d: int) -> None:
     """Two trainings' weights equal to float32's rounding, every parameter but the attention's
     key biases: those get an exactly-zero gradient (a key bias shifts every score of a query by

@@ -367,9 +367,16 @@ class TrainConfig:
     ] = "default"
     # CUDA graphs of a micro-batch's forward, loss and backward, recorded once per batch shape
     # and replayed (training/graphs.py): one launch for the ~800 kernels a host would launch one
-    # by one, where a GPU trains a small model host-bound. On CUDA, in one process, at bf16 or
-    # fp32, without train.compile; a CPU has none to record and trains as with "off".
+    # by one, where a GPU trains a small model host-bound. On CUDA, at bf16 or fp32, without
+    # train.compile (several ranks: train.grad_sync after_backward); a CPU has none to record
+    # and trains as with "off".
     cuda_graphs: Literal["off", "on"] = "off"
+    # How several ranks (torchrun) average their gradients: "overlapped", DDP's all-reduces of
+    # buckets of them while the backward pass runs; "after_backward", one all-reduce of them all
+    # after the update's last backward pass (fairseq's legacy_ddp), which CUDA graphs need (a
+    # recorded backward cannot run DDP's hooks). auto: after_backward with train.cuda_graphs=on,
+    # else overlapped. Each rank's gradients divided by the ranks, then summed, either way.
+    grad_sync: Literal["auto", "overlapped", "after_backward"] = "auto"
     # The label-smoothed loss in chunks of rows fused with the output projection (training/loss.py
     # chunked_label_smoothed_nll): no (tokens × vocabulary) logits or float32 log-probabilities
     # are kept for the backward pass. auto: on with CUDA, and on a CPU for a target vocabulary

@@ -151,12 +151,46 @@ def gather_to_main(value: Any, info: DistInfo) -> list[Any] | None:
     return gathered
 
 
-def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
-    """`model` for data-parallel training: DDP-wrapped when there are several ranks."""
+def wrap(model: torch.nn.Module, info: DistInfo, grad_sync: str = "overlapped") -> torch.nn.Module:
+    """`model` for data-parallel training: with several ranks, DDP-wrapped (train.grad_sync
+    overlapped), or itself with rank 0's weights (after_backward: average_gradients after the
+    backward passes)."""
     if not info.distributed:
+        return model
+    if grad_sync == "after_backward":
+        with torch.no_grad():  # as DDP starts: every rank from rank 0's weights and buffers
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=0)
         return model
     device_ids = [info.local_rank] if info.device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def syncs_in_backward(model: torch.nn.Module) -> bool:
+    """Whether `model`'s backward pass averages the ranks' gradients (DDP's hooks)."""
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def average_gradients(params: list[torch.nn.Parameter], info: DistInfo) -> None:
+    """Every rank's gradients replaced by their mean over the ranks, as DDP leaves them (each
+    divided by the number of ranks, then summed), in one all-reduce a dtype after the update's
+    backward passes (train.grad_sync=after_backward). A parameter without a gradient (a rank
+    that ran out of memory before its backward) takes part with zeros: every rank sends the
+    same sizes."""
+    if not info.distributed:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    with torch.no_grad():
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(info.world_size)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            for grad, mean in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                grad.copy_(mean.view_as(grad))
 
 
 def barrier(info: DistInfo) -> None:

@@ -63,7 +63,7 @@ MAY_CHANGE_ON_RESUME = (
     "train.patience", "train.nonfinite_patience", "train.device", "train.compile",
     "train.distributed_timeout_s", "train.resume", "data.num_proc", "data.cache_dir", "data.test",
     "train.keep_best", "train.curves", "train.tensorboard", "train.oom_patience",
-    "train.fused_loss", "train.cuda_graphs",
+    "train.fused_loss", "train.cuda_graphs", "train.grad_sync",
 )  # fmt: skip
 
 

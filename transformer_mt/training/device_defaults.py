@@ -89,6 +89,14 @@ def fused_loss(cfg: Config, device: torch.device, vocab_size: int) -> bool:
     return device.type == "cuda" or vocab_size >= FUSED_LOSS_CPU_VOCAB
 
 
+def grad_sync(cfg: Config) -> str:
+    """train.grad_sync: auto averages the ranks' gradients after the backward pass where CUDA
+    graphs record it (DDP's hooks cannot run inside a recording), else overlapped with it."""
+    if cfg.train.grad_sync != "auto":
+        return cfg.train.grad_sync
+    return "after_backward" if cfg.train.cuda_graphs == "on" else "overlapped"
+
+
 def graphs(
     model: torch.nn.Module, objective: Objective, cfg: Config, device: torch.device
 ) -> MicroBatchGraphs | None:

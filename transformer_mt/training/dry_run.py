@@ -78,7 +78,8 @@ def _check_graphs(cfg: Config, device: torch.device, world_size: int) -> None:
     why = (
         "train.compile=on (its own graphs or code: one or the other)" if train.compile == "on"
         else "train.precision=fp16 (its loss scaler)" if train.precision == "fp16"
-        else f"{world_size} ranks (DDP all-reduces inside the backward)" if world_size > 1
+        else f"{world_size} ranks and train.grad_sync=overlapped (DDP all-reduces inside the"
+             " backward)" if world_size > 1 and device_defaults.grad_sync(cfg) == "overlapped"
         else None
     )  # fmt: skip
     if why:

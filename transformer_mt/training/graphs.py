@@ -22,8 +22,10 @@ data.bucketing keeps to a few dozen an epoch on Multi30k.
 - Dropout's random numbers come from the CUDA generator, which each replay advances as eager
   kernels would.
 
-Not with several ranks (DDP all-reduces inside the backward), fp16's loss scaler or
-torch.compile (train.compile=on): dry_run.check_before_training refuses them.
+Several ranks average their gradients after the update's replays, outside any graph
+(train.grad_sync=after_backward, auto's choice here: DDP's all-reduces inside the backward cannot
+be recorded). Not with fp16's loss scaler or torch.compile (train.compile=on):
+dry_run.check_before_training refuses them, and overlapped gradients with several ranks.
 """
 
 from __future__ import annotations

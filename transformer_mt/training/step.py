@@ -5,6 +5,8 @@ agrees on its global token count and on any rank's request to stop or save, accu
 label-smoothed loss (divided by the global token count) through forward and backward passes, and
 ends with a second collective on its verdict: applied everywhere (unscale, clip, Adam, schedule) or,
 if any rank ran out of memory or saw a non-finite value, skipped everywhere with nothing changed.
+The ranks' gradients are averaged by DDP inside the last backward pass, or, with
+train.grad_sync=after_backward (CUDA graphs), by one more collective after it.
 
 The host waits for the device once an update, for that verdict (and the loss, read with it): token
 counts come from the host's batches, the losses add up on the device, and one process needs no
@@ -82,8 +84,9 @@ def train_step(
     `graphs` where given (train.cuda_graphs: `objective` is then theirs).
 
     The loss is summed over target tokens and divided by the global token count of the update, so
-    the gradient is the same however tokens are split over micro-batches and ranks (DDP averages
-    gradients over ranks, hence the factor world_size). An update whose gradients are not finite,
+    the gradient is the same however tokens are split over micro-batches and ranks (the ranks'
+    gradients are averaged, by DDP in the backward or after it: train.grad_sync; hence the factor
+    world_size). An update whose gradients are not finite,
     or in which a rank ran out of memory, is skipped on every rank: no parameter, optimizer state or
     schedule changes.
     """
@@ -100,6 +103,9 @@ def train_step(
         model, micro, opt.scaler, objective, info, global_tokens=global_tokens, attempt=attempt,
         precision=cfg.train.precision, graphs=graphs,
     )  # fmt: skip
+    if info.distributed and not distributed.syncs_in_backward(model):  # grad_sync=after_backward
+        params = [p for group in opt.optimizer.param_groups for p in group["params"]]
+        distributed.average_gradients(params, info)
     skipped, norm, loss_sum, nll_sum = _apply(
         opt, cfg, info, sums=sums, oom=oom, keep_grads=graphs is not None
     )
@@ -138,7 +144,8 @@ def _accumulate(
     precision: str,
     graphs: MicroBatchGraphs | None = None,
 ) -> tuple[torch.Tensor, bool]:
-    """Forward and backward of every micro-batch (DDP synchronises gradients in the last one);
+    """Forward and backward of every micro-batch (DDP averages the ranks' gradients in the last one;
+    with train.grad_sync=after_backward train_step does after them);
     returns this rank's loss and NLL sums (float64, on the device: not waited for) and whether it
     ran out of memory."""
     sums_of_rank = torch.zeros(2, dtype=torch.float64, device=info.device)
@@ -173,7 +180,8 @@ def _forward_backward(
     attempt at its first micro-batch (its fault point), else None. With `graphs`, the micro-
     batch's graph replayed (its shape's first one run and recorded)."""
     device = info.device.type
-    no_sync = model.no_sync() if info.distributed and not last else contextlib.nullcontext()
+    in_backward = distributed.syncs_in_backward(model)  # DDP: its last backward all-reduces
+    no_sync = model.no_sync() if in_backward and not last else contextlib.nullcontext()
     try:
         with no_sync:
             poison = fault_point("loss", attempt) if attempt is not None else None
@@ -200,7 +208,7 @@ def _forward_backward(
         )  # fmt: skip
         if info.device.type == "cuda":
             torch.cuda.empty_cache()
-        if last and info.distributed:  # the other ranks wait in this backward's all-reduce
+        if last and in_backward:  # the other ranks wait in this backward's all-reduce
             out = model(batch.src[:1, :1], batch.tgt_in[:1, :1])
             with torch.autocast(device, enabled=False):
                 scaler.scale(out.float().sum() * 0.0).backward()  # joins it; the update is skipped

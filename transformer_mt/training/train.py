@@ -166,7 +166,7 @@ class _Session:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         compiled = device_defaults.compiled(self.model, cfg, info.device)
-        self.trained = distributed.wrap(compiled, info)
+        self.trained = distributed.wrap(compiled, info, device_defaults.grad_sync(cfg))
         # The loss: from the logits, or fused with the output projection (train.fused_loss).
         fused = device_defaults.fused_loss(cfg, info.device, self.model.vocab_size)
         projection = self.model.output_projection if fused else None
@@ -486,6 +486,11 @@ def _announce(cfg: Config, model: Transformer, data: PreparedData, info: DistInf
     order = " > ".join(k.name.lower() for k in chosen) if chosen else "PyTorch's choice"
     logger.info("attention kernels: %s (model.attention_backend=%s)", order,
                 cfg.model.attention_backend)  # fmt: skip
+    if info.distributed:
+        sync = device_defaults.grad_sync(cfg)
+        how = "inside" if sync == "overlapped" else "after"
+        logger.info("%d ranks average their gradients %s the backward pass (train.grad_sync=%s)",
+                    info.world_size, how, sync)  # fmt: skip
 
 
 def _checkpoint_bytes(model: Transformer, data: PreparedData) -> int:
