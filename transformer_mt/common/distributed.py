@@ -179,11 +179,12 @@ def average_gradients(params: list[torch.nn.Parameter], info: DistInfo) -> None:
     same sizes."""
     if not info.distributed:
         return
-    for p in params:
+    trained = [p for p in params if p.requires_grad]
+    for p in trained:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
+    for p in trained:
         by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     with torch.no_grad():
         for grads in by_dtype.values():
