@@ -39,8 +39,9 @@
 #   decode_profile_graphs  the same with decode.cuda_graphs=on
 #   attention  tmt's first epoch of those batches with each of SDPA's kernels (model.attention_
 #              backend), then the same batches again warm: what auto should choose
-#   attention_graphs  the same with train.cuda_graphs=on: warm, the kernels' own time per
-#              attention kernel (attention was 11 of a warm graphed update's 53 ms on an H200)
+#   attention_graphs  the same over 20 updates with train.cuda_graphs=on: warm, the kernels'
+#              own time per attention kernel (attention was 11 of a warm graphed update's 53 ms
+#              on an H200)
 #   train_graphs  train with tmt's step recorded as a CUDA graph per batch shape and replayed
 #              (train.cuda_graphs=on), the recordings within its first updates; HF Marian as in
 #              train, for the ratio
@@ -138,7 +139,7 @@ wanted decode_profile_graphs && part decode_profile_graphs 60 $PY scripts/bench_
   --set decode.cuda_graphs=on
 wanted attention && part attention 60 $PY scripts/bench_gpu.py attention --out "$OUT" --steps 40
 wanted attention_graphs && part attention_graphs 90 $PY scripts/bench_gpu.py attention \
-  --out "$OUT" --steps 40 --label attention_graphs --set train.cuda_graphs=on
+  --out "$OUT" --steps 20 --label attention_graphs --set train.cuda_graphs=on
 wanted train_graphs && train_part train_graphs --systems tmt,hf_marian --set train.cuda_graphs=on
 wanted e2e_eager && part e2e_eager 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \
   --label e2e_eager --set train.cuda_graphs=off
