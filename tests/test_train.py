@@ -177,10 +177,14 @@ def test_exact_resume_after_kill_one_process(train_cfg: Config, tmp_path: Path) 
 # (one process) and ::test_two_gloo_ranks_equal_one_process_on_the_same_global_batches (DDP == one
 # process)
 @pytest.mark.slow
-def test_exact_resume_after_kill_two_gloo_ranks(train_cfg: Config, tmp_path: Path) -> None:
-    straight = run_tmt(cli_args(train_cfg, tmp_path / "straight"), ranks=2)
+@pytest.mark.parametrize("grad_sync", ["overlapped", "after_backward"])
+def test_exact_resume_after_kill_two_gloo_ranks(
+    train_cfg: Config, tmp_path: Path, grad_sync: str
+) -> None:
+    cfg = with_train(train_cfg, grad_sync=grad_sync)
+    straight = run_tmt(cli_args(cfg, tmp_path / "straight"), ranks=2)
     assert straight.returncode == 0, straight.stderr
-    args = cli_args(train_cfg, tmp_path / "resumed")
+    args = cli_args(cfg, tmp_path / "resumed")
     killed = run_tmt(args, ranks=2, fault="after_save@4:kill")
     assert killed.returncode != 0
     again = run_tmt(args, ranks=2)
