@@ -251,6 +251,41 @@ def test_gradients_averaged_after_the_backward_are_ddp_s_to_the_bit(
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_gradients_are_averaged_in_buckets_of_one_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """distributed.average_gradients: buckets of at most SYNC_BUCKET_NUMBERS numbers of one
+    dtype, in the parameters' order, each gradient back in its own tensor (CUDA graphs hold
+    them); a gradient missing (a rank out of memory) sent as zeros, a frozen parameter left
+    out. A gloo group of one process stands for two ranks: each gradient divided by 2, the sum
+    over one."""
+    import torch.distributed as dist
+
+    from transformer_mt.common import distributed
+
+    monkeypatch.setattr(distributed, "SYNC_BUCKET_NUMBERS", 6)
+    sent: list[tuple[int, torch.dtype]] = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op: sent.append((t.numel(), t.dtype))
+                        or real(t, op=op))  # fmt: skip
+    params = [torch.nn.Parameter(torch.ones(n, dtype=dtype)) for n, dtype in
+              [(3, torch.float32), (2, torch.float32), (4, torch.float32), (2, torch.bfloat16),
+               (5, torch.float32), (1, torch.float32)]]  # fmt: skip
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    for i, p in enumerate(params[:-1]):
+        p.grad = torch.full_like(p, float(i + 1))
+    held = [p.grad for p in params[:-1]]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        info = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+        distributed.average_gradients([*params, frozen], info)
+    finally:
+        dist.destroy_process_group()
+    assert sent == [(5, torch.float32), (4, torch.float32), (2, torch.bfloat16),
+                    (6, torch.float32)]  # fmt: skip
+    for i, p in enumerate(params[:-1]):
+        assert p.grad is held[i] and torch.equal(p.grad, torch.full_like(p, (i + 1) / 2))
+    assert torch.equal(params[-1].grad, torch.zeros(1)) and frozen.grad is None
+
+
 def assert_same_model(a: dict, b: dict, d: int) -> None:
     """Two trainings' weights equal to float32's rounding, every parameter but the attention's
     key biases: those get an exactly-zero gradient (a key bias shifts every score of a query by

@@ -171,23 +171,37 @@ def syncs_in_backward(model: torch.nn.Module) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
+# Gradients all-reduced at once by average_gradients: at most this many numbers (256 MB in
+# float32) copied into one buffer, so a large model's sync needs no second copy of all of them.
+SYNC_BUCKET_NUMBERS = 1 << 26
+
+
 def average_gradients(params: list[torch.nn.Parameter], info: DistInfo) -> None:
     """Every rank's gradients replaced by their mean over the ranks, as DDP leaves them (each
-    divided by the number of ranks, then summed), in one all-reduce a dtype after the update's
-    backward passes (train.grad_sync=after_backward). A parameter without a gradient (a rank
-    that ran out of memory before its backward) takes part with zeros: every rank sends the
-    same sizes."""
+    divided by the number of ranks, then summed), in a few all-reduces of flat buckets after the
+    update's backward passes (train.grad_sync=after_backward). A parameter without a gradient
+    (a rank that ran out of memory before its backward) takes part with zeros: every rank sends
+    the same sizes."""
     if not info.distributed:
         return
     trained = [p for p in params if p.requires_grad]
     for p in trained:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in trained:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    buckets: list[list[torch.Tensor]] = []
+    size = 0  # numbers in the last bucket
+    for grad in (p.grad for p in trained):  # in order; a bucket is of one dtype
+        if (
+            not buckets
+            or buckets[-1][0].dtype != grad.dtype
+            or size + grad.numel() > SYNC_BUCKET_NUMBERS
+        ):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += grad.numel()
     with torch.no_grad():
-        for grads in by_dtype.values():
+        for grads in buckets:
             flat = torch.cat([g.reshape(-1) for g in grads]).div_(info.world_size)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             for grad, mean in zip(grads, flat.split([g.numel() for g in grads]), strict=True):

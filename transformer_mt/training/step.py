@@ -86,9 +86,8 @@ def train_step(
     The loss is summed over target tokens and divided by the global token count of the update, so
     the gradient is the same however tokens are split over micro-batches and ranks (the ranks'
     gradients are averaged, by DDP in the backward or after it: train.grad_sync; hence the factor
-    world_size). An update whose gradients are not finite,
-    or in which a rank ran out of memory, is skipped on every rank: no parameter, optimizer state or
-    schedule changes.
+    world_size). An update whose gradients are not finite, or in which a rank ran out of memory,
+    is skipped on every rank: no parameter, optimizer state or schedule changes.
     """
     tokens = sum(b.n_tokens for b in micro)
     global_tokens, stop, save, plan = _agree(tokens, requests, info)
