@@ -394,7 +394,11 @@ def test_consecutive_nan_steps_stop_with_exit_3(train_cfg: Config, tmp_path: Pat
     assert all(torch.isfinite(t).all() for t in checkpoint.read(newest).state_dict.values())
 
 
-@pytest.mark.parametrize("grad_sync", ["overlapped", "after_backward"])
+# after_backward in the slow set: make test keeps under its 5 minutes (the bit-for-bit test of
+# test_train.py runs it there)
+@pytest.mark.parametrize(
+    "grad_sync", ["overlapped", pytest.param("after_backward", marks=pytest.mark.slow)]
+)
 def test_nan_and_oom_on_one_of_two_ranks_skip_everywhere(
     train_cfg: Config, tmp_path: Path, grad_sync: str
 ) -> None:
