@@ -174,7 +174,7 @@ def test_the_fused_loss_on_cuda_is_the_reference_within_bf16(bias: bool) -> None
         torch.testing.assert_close(a, b, rtol=0, atol=0.02 * b.abs().max().item())
 
 
-def _graph_twins(tiny_cfg: Config, passes: int):
+def _graph_twins(tiny_cfg: Config, passes: int, world_size: int = 1):
     """Two runs of the same updates, eager and with train.cuda_graphs (bf16, no dropout, two
     micro-batches an update, bounded shapes): epoch 0's batches `passes` times, so that every
     shape is recorded in the first pass and replayed in the later ones. Returns, per run, the
@@ -188,8 +188,9 @@ def _graph_twins(tiny_cfg: Config, passes: int):
     cfg = with_train(with_data(cfg, bucketing="on"), precision="bf16", update_freq=2)
     data = prepare_data(cfg)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
-    feeder = Feeder(cfg, data, None, info)
+    feeder = Feeder(cfg, data, None, info)  # one process's batches, whatever world_size says
     starts = range(0, len(feeder.epoch_batches(0)), 2)
+    stepped = dataclasses.replace(info, world_size=world_size)  # the ranks train_step counts
     runs = []
     for graphed in (False, True):
         torch.manual_seed(0)
@@ -202,7 +203,7 @@ def _graph_twins(tiny_cfg: Config, passes: int):
         for _ in range(passes):
             for i in starts:
                 micro = feeder.micro_batches(0, i, feeder.group(0, i))
-                stats = step.train_step(model, micro, opt, cfg, info, objective=objective,
+                stats = step.train_step(model, micro, opt, cfg, stepped, objective=objective,
                                         graphs=graphs)  # fmt: skip
                 assert stats.skipped is None
                 losses.append(stats.loss_sum)
@@ -226,6 +227,27 @@ def test_cuda_graphs_replay_the_eager_updates(tiny_cfg: Config) -> None:
     assert graphed == pytest.approx(eager, rel=1e-2)
     for a, b in zip(graphed_weights, eager_weights, strict=True):
         assert float((a - b).norm() / b.norm().clamp_min(1e-6)) < 1e-2
+
+
+def test_graphed_updates_average_their_gradients_after_the_replays(tiny_cfg: Config) -> None:
+    """train.grad_sync=after_backward, what several ranks with CUDA graphs run: the gradients
+    averaged after an update's replays (distributed.average_gradients, in place) are the ones
+    the graphs add into. A gloo group of one process stands for two ranks (each loss scaled by
+    2, the sum over the one rank divided by 2; the same batches): the updates of one process,
+    within bf16."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        two, _, _, _, _ = _graph_twins(tiny_cfg, passes=2, world_size=2)
+    finally:
+        dist.destroy_process_group()
+    one, _, _, _, _ = _graph_twins(tiny_cfg, passes=2)
+    (losses, weights, graphs), (want_losses, want_weights, _) = two[1], one[1]
+    assert graphs.replays > 0
+    assert losses == pytest.approx(want_losses, rel=1e-3)
+    for a, b in zip(weights, want_weights, strict=True):
+        assert float((a - b).norm() / b.norm().clamp_min(1e-6)) < 1e-3
 
 
 def test_a_replayed_update_waits_for_the_gpu_nowhere(tiny_cfg: Config) -> None:
