@@ -760,7 +760,7 @@ def _attention_cell(backend: str, row: dict) -> str:
 def _summary(name: str, found: dict) -> str:
     if not found:
         return "(no result: see its log)"
-    if name in ("train", "train_graphs", "train_traced"):
+    if name in ("train", "train_graphs", "train_traced", "train_bf16_weights"):
         res = found.get("results", {})
         cells = []
         for system, r in res.items():

@@ -45,6 +45,9 @@
 #   train_graphs  train with tmt's step recorded as a CUDA graph per batch shape and replayed
 #              (train.cuda_graphs=on), the recordings within its first updates; HF Marian as in
 #              train, for the ratio
+#   train_bf16_weights  train_graphs' tmt row with train.precision=bf16_weights (the model
+#              bf16 throughout, Adam's float32 masters; no casts, half layer norm's traffic)
+#   e2e_bf16_weights  e2e with train.precision=bf16_weights: its BLEU and wall time
 #   e2e_eager  e2e with train.cuda_graphs=off: what the recipe's CUDA graphs buy
 #   train_traced  train's tmt row with the model traced into CUDA graphs by torch.compile
 #              (compile_mode cudagraphs)
@@ -141,6 +144,10 @@ wanted attention && part attention 60 $PY scripts/bench_gpu.py attention --out "
 wanted attention_graphs && part attention_graphs 90 $PY scripts/bench_gpu.py attention \
   --out "$OUT" --steps 20 --label attention_graphs --set train.cuda_graphs=on
 wanted train_graphs && train_part train_graphs --systems tmt,hf_marian --set train.cuda_graphs=on
+wanted train_bf16_weights && train_part train_bf16_weights --systems tmt \
+  --set train.cuda_graphs=on --precision bf16_weights
+wanted e2e_bf16_weights && part e2e_bf16_weights 135 $PY scripts/bench_gpu.py e2e --out "$OUT" \
+  --label e2e_bf16_weights --set train.precision=bf16_weights
 wanted e2e_eager && part e2e_eager 150 $PY scripts/bench_gpu.py e2e --out "$OUT" \
   --label e2e_eager --set train.cuda_graphs=off
 wanted train_traced && train_part train_traced --systems tmt --compile=cudagraphs

@@ -319,16 +319,13 @@ def tmt_step(model, cfg, tok, args):
     from transformer_mt.network import kernels
     from transformer_mt.training import device_defaults, step
     from transformer_mt.training.loss import Objective
-    from transformer_mt.training.optim import build_optimizer
 
     device = torch.device(args.device)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     compiled = {"compile": "on", "compile_mode": args.compile} if args.compile else {}
     train = dataclasses.replace(cfg.train, precision=args.precision, **compiled)
     cfg = dataclasses.replace(cfg, train=train)
-    optimizer, scheduler = build_optimizer(model, cfg.model, cfg.optim, fused=device.type == "cuda")
-    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
-    opt = step.Optimization(optimizer, scheduler, scaler)
+    opt = step.Optimization.build(model, cfg, device)  # bf16_weights: the model made bf16
     fused = device_defaults.fused_loss(cfg, device, tok.vocab_size)
     objective = Objective(cfg.optim.label_smoothing, model.output_projection if fused else None)
     trained = device_defaults.compiled(model, cfg, device)  # as tmt train runs it
@@ -354,7 +351,10 @@ def peer_step(model, cfg, tok, args):
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=fused or None
     )
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    # HF's Trainer trains under autocast (--bf16); tmt's bf16_weights is compared with that
+    dtype = {"bf16": torch.bfloat16, "bf16_weights": torch.bfloat16, "fp16": torch.float16}.get(
+        args.precision
+    )
 
     def run(batch) -> None:
         with torch.autocast(args.device, dtype=dtype, enabled=dtype is not None):
@@ -422,7 +422,12 @@ def main() -> None:
     parser.add_argument("--config", default="multi30k")
     parser.add_argument("--set", action="append", help="config override, e.g. data.max_tokens=8192")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "bf16", "fp16", "bf16_weights"),
+        help="tmt's train.precision (the peer: autocast bf16 for bf16_weights)",
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -136,7 +136,7 @@ def model_parts(cfg: Config, spm: bytes, seed: int = 0) -> tuple[dict, dict]:
     tokenizer = Tokenizer(spm)
     torch.manual_seed(seed)
     model = Transformer(cfg.model, tokenizer.vocab_size, tokenizer.pad_id)
-    optimizer, scheduler = build_optimizer(model, cfg.model, cfg.optim)
+    optimizer, scheduler = build_optimizer(model.parameters(), cfg.model, cfg.optim)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     ranks = [{"rng": train_state.capture_rng(), "metrics": {}}]
     state = train_state.collect(optimizer, scheduler, scaler, ranks, {"step": 0})

@@ -30,7 +30,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "bf16_weights"])
 def test_mixed_precision_trains_on_cuda(tiny_cfg: Config, tmp_path: Path, precision: str) -> None:
     cfg = with_train(
         tiny_cfg,
@@ -94,7 +94,7 @@ def test_forward_and_backward_wait_for_the_gpu_nowhere(tiny_cfg: Config) -> None
     from transformer_mt.training.optim import build_optimizer
 
     cfg, info, feeder, model, groups = _model_and_batches(tiny_cfg)
-    optimizer, scheduler = build_optimizer(model, cfg.model, cfg.optim, fused=True)
+    optimizer, scheduler = build_optimizer(model.parameters(), cfg.model, cfg.optim, fused=True)
     opt = step.Optimization(optimizer, scheduler, torch.amp.GradScaler("cuda", enabled=False))
     objective = Objective(cfg.optim.label_smoothing, model.output_projection)
     cfg = with_train(cfg, precision="bf16")
@@ -174,18 +174,19 @@ def test_the_fused_loss_on_cuda_is_the_reference_within_bf16(bias: bool) -> None
         torch.testing.assert_close(a, b, rtol=0, atol=0.02 * b.abs().max().item())
 
 
-def _graph_twins(tiny_cfg: Config, passes: int, world_size: int = 1):
-    """Two runs of the same updates, eager and with train.cuda_graphs (bf16, no dropout, two
-    micro-batches an update, bounded shapes): epoch 0's batches `passes` times, so that every
-    shape is recorded in the first pass and replayed in the later ones. Returns, per run, the
-    loss sums of the updates, the final weights and the graphs (None: eager)."""
+def _graph_twins(tiny_cfg: Config, passes: int, world_size: int = 1, precision: str = "bf16"):
+    """Two runs of the same updates, eager and with train.cuda_graphs (bf16 or bf16_weights, no
+    dropout, two micro-batches an update, bounded shapes): epoch 0's batches `passes` times, so
+    that every shape is recorded in the first pass and replayed in the later ones. Returns, per
+    run, the loss sums of the updates, the final weights and the graphs (None: eager)."""
     from transformer_mt.training import step
     from transformer_mt.training.feeder import Feeder
     from transformer_mt.training.graphs import MicroBatchGraphs
+    from transformer_mt.training.master_weights import MasterWeights
     from transformer_mt.training.optim import build_optimizer
 
     cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, dropout=0.0))
-    cfg = with_train(with_data(cfg, bucketing="on"), precision="bf16", update_freq=2)
+    cfg = with_train(with_data(cfg, bucketing="on"), precision=precision, update_freq=2)
     data = prepare_data(cfg)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
     feeder = Feeder(cfg, data, None, info)  # one process's batches, whatever world_size says
@@ -195,10 +196,13 @@ def _graph_twins(tiny_cfg: Config, passes: int, world_size: int = 1):
     for graphed in (False, True):
         torch.manual_seed(0)
         model = Transformer(cfg.model, data.tokenizer.vocab_size, data.tokenizer.pad_id).cuda()
-        optimizer, scheduler = build_optimizer(model, cfg.model, cfg.optim, fused=True)
-        opt = step.Optimization(optimizer, scheduler, torch.amp.GradScaler("cuda", enabled=False))
+        master = MasterWeights(model) if precision == "bf16_weights" else None
+        params = master.params if master else model.parameters()
+        optimizer, scheduler = build_optimizer(params, cfg.model, cfg.optim, fused=True)
+        scaler = torch.amp.GradScaler("cuda", enabled=False)
+        opt = step.Optimization(optimizer, scheduler, scaler, master)
         objective = Objective(cfg.optim.label_smoothing, model.output_projection)
-        graphs = MicroBatchGraphs(model, objective, "bf16", info.device) if graphed else None
+        graphs = MicroBatchGraphs(model, objective, precision, info.device) if graphed else None
         losses = []
         for _ in range(passes):
             for i in starts:
@@ -214,11 +218,13 @@ def _graph_twins(tiny_cfg: Config, passes: int, world_size: int = 1):
     return runs, shapes, cfg, info, feeder
 
 
-def test_cuda_graphs_replay_the_eager_updates(tiny_cfg: Config) -> None:
+@pytest.mark.parametrize("precision", ["bf16", "bf16_weights"])
+def test_cuda_graphs_replay_the_eager_updates(tiny_cfg: Config, precision: str) -> None:
     """train.cuda_graphs: a shape's first micro-batch runs eagerly and is recorded, its later
     ones replay the graph, the micro-batches of an update adding into the same gradients: the
-    losses and weights of eager updates within bf16, one graph per shape."""
-    runs, shapes, _, _, feeder = _graph_twins(tiny_cfg, passes=3)
+    losses and weights of eager updates within bf16, one graph per shape; also with the model in
+    bf16 and Adam's float32 masters (train.precision=bf16_weights)."""
+    runs, shapes, _, _, feeder = _graph_twins(tiny_cfg, passes=3, precision=precision)
     (eager, eager_weights, _), (graphed, graphed_weights, graphs) = runs
     assert len(graphs) == len(shapes) > 1  # each replayed in the second and third passes
     assert graphs.replays == 3 * len(feeder.epoch_batches(0)) - len(shapes)

@@ -57,7 +57,7 @@ def test_increasing_before_warmup_decreasing_after(step: int, warmup: int) -> No
 def test_update_k_uses_noam_k_and_adam_hyperparameters() -> None:
     model = torch.nn.Linear(3, 3)
     optimizer, scheduler = build_optimizer(
-        model, ModelConfig(d_model=64), OptimConfig(warmup_steps=10)
+        model.parameters(), ModelConfig(d_model=64), OptimConfig(warmup_steps=10)
     )
     group = optimizer.param_groups[0]
     assert group["betas"] == (0.9, 0.98) and group["eps"] == 1e-9
@@ -198,12 +198,12 @@ def test_a_timed_plan_is_made_again_when_a_resume_changes_the_time_budget() -> N
 def test_the_plan_travels_in_the_schedulers_state() -> None:
     model = torch.nn.Linear(3, 3)
     cfg = OptimConfig(schedule="budget", warmup_steps=10)
-    scheduler = build_optimizer(model, ModelConfig(d_model=64), cfg)[1]
+    scheduler = build_optimizer(model.parameters(), ModelConfig(d_model=64), cfg)[1]
     schedule = scheduler.lr_lambdas[0]
     schedule.plan(50, after=3)
     schedule.timed, schedule.steps_budget = True, 80
     state = scheduler.state_dict()
-    restored = build_optimizer(model, ModelConfig(d_model=64), cfg)[1]
+    restored = build_optimizer(model.parameters(), ModelConfig(d_model=64), cfg)[1]
     restored.load_state_dict(state)
     plan = restored.lr_lambdas[0]
     assert vars(plan) == vars(schedule) and plan.lr(20) == schedule.lr(20)

@@ -296,7 +296,7 @@ def step_fixture(tiny_cfg: Config, precision: str = "fp32", init_scale: float = 
     data = prepare_data(tiny_cfg)
     torch.manual_seed(0)
     model = Transformer(tiny_cfg.model, data.tokenizer.vocab_size, data.tokenizer.pad_id)
-    optimizer, scheduler = build_optimizer(model, tiny_cfg.model, tiny_cfg.optim)
+    optimizer, scheduler = build_optimizer(model.parameters(), tiny_cfg.model, tiny_cfg.optim)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=precision == "fp16")
     batch = data.train.batch(data.train.sampler(1024, 1).epoch_batches(0)[0], data.tokenizer)
     info = DistInfo(0, 1, 0, torch.device("cpu"))

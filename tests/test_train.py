@@ -233,14 +233,19 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
     assert_same_model(a, b, cfg.model.d_model)
 
 
+# bf16_weights (bf16 gradients averaged, float32 masters) in the slow set: make test's time
+@pytest.mark.parametrize(
+    "precision", ["fp32", pytest.param("bf16_weights", marks=pytest.mark.slow)]
+)
 def test_gradients_averaged_after_the_backward_are_ddp_s_to_the_bit(
-    train_cfg: Config, tmp_path: Path
+    train_cfg: Config, tmp_path: Path, precision: str
 ) -> None:
     """train.grad_sync=after_backward (what CUDA graphs need with several ranks): two gloo ranks
     train what DDP's overlapped all-reduces train, every loss and weight to the bit, through
     accumulated micro-batches (no_sync in DDP) and clipped updates."""
     cfg = dataclasses.replace(train_cfg, optim=dataclasses.replace(train_cfg.optim, clip_norm=1.6))
-    cfg = with_train(cfg, max_steps=6, valid_every=3, save_every=3, update_freq=2)
+    cfg = with_train(cfg, max_steps=6, valid_every=3, save_every=3, update_freq=2,
+                     precision=precision)  # fmt: skip
     for sync in ("overlapped", "after_backward"):
         done = run_tmt(cli_args(with_train(cfg, grad_sync=sync), tmp_path / sync), ranks=2)
         assert done.returncode == 0, done.stderr

@@ -354,7 +354,12 @@ class TrainConfig:
     max_epochs: Number = 0  # 0 = no epoch budget
     max_minutes: Amount = 0.0  # wall-clock budget; 0 = none
     update_freq: Count = 1  # micro-batches accumulated per optimizer step
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # autocast; fp16 with a loss scaler
+    # What a step computes in: fp32; bf16 or fp16 under autocast (float32 weights, cast where a
+    # product reads them; fp16 with a loss scaler); bf16_weights, the model's weights,
+    # activations and gradients bf16 throughout and Adam updating a float32 master copy, which
+    # checkpoints hold (fairseq's --bf16; training/master_weights.py): no casts, half the bytes
+    # of layer norm's and the elementwise kernels' traffic.
+    precision: Literal["fp32", "bf16", "fp16", "bf16_weights"] = "fp32"
     # torch.compile the model: "auto" leaves it off until it is measured to pay on the device
     # (scripts/bench_gpu.sh); "on" compiles it (a few seconds per batch shape: data.bucketing).
     compile: Literal["auto", "on", "off"] = "auto"
@@ -367,9 +372,9 @@ class TrainConfig:
     ] = "default"
     # CUDA graphs of a micro-batch's forward, loss and backward, recorded once per batch shape
     # and replayed (training/graphs.py): one launch for the ~800 kernels a host would launch one
-    # by one, where a GPU trains a small model host-bound. On CUDA, at bf16 or fp32, without
-    # train.compile (several ranks: train.grad_sync after_backward); a CPU has none to record
-    # and trains as with "off".
+    # by one, where a GPU trains a small model host-bound. On CUDA, at fp32, bf16 or
+    # bf16_weights, without train.compile (several ranks: train.grad_sync after_backward); a CPU
+    # has none to record and trains as with "off".
     cuda_graphs: Literal["off", "on"] = "off"
     # How several ranks (torchrun) average their gradients: "overlapped", DDP's all-reduces of
     # buckets of them while the backward pass runs; "after_backward", one all-reduce of them all

@@ -29,9 +29,12 @@ from transformer_mt.training import device_defaults
 
 def training_bytes(cfg: Config, vocab_size: int, source_vocab_size: int | None = None) -> int:
     """What training keeps in memory besides its batches: the weights, their gradients and Adam's
-    two moments (four fp32 copies, whatever train.precision), and the sinusoid table."""
+    two moments (four fp32 copies, whatever autocast's train.precision; bf16_weights: bf16
+    weights and gradients beside float32 masters, their gradients and the moments), and the
+    sinusoid table."""
     positions = cfg.model.max_positions * cfg.model.d_model
-    return 4 * (4 * parameter_count(cfg.model, vocab_size, source_vocab_size) + positions)
+    copies = 5 if cfg.train.precision == "bf16_weights" else 4  # 2 + 2 + 4 · 4 bytes: 20 = 4 · 5
+    return 4 * (copies * parameter_count(cfg.model, vocab_size, source_vocab_size) + positions)
 
 
 def check_before_training(

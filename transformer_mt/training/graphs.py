@@ -63,7 +63,9 @@ class MicroBatchGraphs:
         self, model: torch.nn.Module, objective: Objective, precision: str, device: torch.device
     ) -> None:
         self.model, self.objective, self.device = model, objective, device
-        self.dtype = {"bf16": torch.bfloat16}.get(precision)  # fp16: refused (its loss scaler)
+        # bf16: autocast's; bf16_weights: none (the model is bf16 itself); fp16: refused (its
+        # loss scaler)
+        self.dtype = {"bf16": torch.bfloat16}.get(precision)
         self.scale = torch.zeros((), device=device)  # world_size / the update's global tokens
         self.stream = torch.cuda.Stream(device)
         self.pool: tuple | None = None  # the graphs' shared memory pool, once one is recorded

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterable
 
 import torch
 
@@ -210,15 +211,19 @@ def rebudget_resumed(
 
 
 def build_optimizer(
-    model: torch.nn.Module, model_cfg: ModelConfig, cfg: OptimConfig, fused: bool = False
+    params: Iterable[torch.nn.Parameter],
+    model_cfg: ModelConfig,
+    cfg: OptimConfig,
+    fused: bool = False,
 ) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
-    """Adam(β1, β2, ε) and a LambdaLR whose factor is the absolute learning rate (base lr 1).
+    """Adam(β1, β2, ε) over `params` (a model's, or its float32 masters: train.precision=
+    bf16_weights) and a LambdaLR whose factor is the absolute learning rate (base lr 1).
 
     LambdaLR evaluates its function at 0 before the first update, so update k (1-based) uses
     noam_lr(k) through `epoch + 1`.
     """
     optimizer = torch.optim.Adam(
-        model.parameters(), lr=1.0, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
+        params, lr=1.0, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
     )
     if cfg.schedule == "budget":
         schedule = BudgetSchedule(model_cfg, cfg)

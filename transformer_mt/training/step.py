@@ -31,23 +31,45 @@ from transformer_mt.data.batches import Batch
 from transformer_mt.network.model import Transformer
 from transformer_mt.training.graphs import MicroBatchGraphs
 from transformer_mt.training.loss import Objective, label_smoothed_nll
+from transformer_mt.training.master_weights import MasterWeights
+from transformer_mt.training.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Optimization:
-    """§5.3 Adam, its learning-rate schedule, and the fp16 loss scaler (disabled otherwise)."""
+    """§5.3 Adam, its learning-rate schedule, the fp16 loss scaler (disabled otherwise), and
+    with train.precision=bf16_weights the float32 master weights Adam updates."""
 
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
+    master: MasterWeights | None = None
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, cfg: Config, device: torch.device) -> Optimization:
+        """What tmt train updates `model` with (float32 on `device`): Adam (fused on CUDA) over
+        its parameters, or with bf16_weights over float32 masters of them, the model made bf16."""
+        master = MasterWeights(model) if cfg.train.precision == "bf16_weights" else None
+        optimizer, scheduler = build_optimizer(
+            master.params if master else model.parameters(), cfg.model, cfg.optim,
+            fused=device.type == "cuda",
+        )  # fmt: skip
+        scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+        return cls(optimizer, scheduler, scaler, master)
 
     @functools.cached_property
     def params(self) -> list[torch.nn.Parameter]:
-        """Adam's own list of the model's parameters, made once (walking the modules again cost
-        ~0.15 ms a time): its groups never change, and loading a state keeps their tensors."""
+        """Adam's own list of parameters, made once (walking the modules again cost ~0.15 ms a
+        time): its groups never change, and loading a state keeps their tensors."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @property
+    def model_params(self) -> list[torch.nn.Parameter]:
+        """The parameters backward writes gradients into, which the ranks average: Adam's own,
+        or the bf16 ones its masters stand for."""
+        return self.master.model_params if self.master is not None else self.params
 
 
 @dataclass(frozen=True)
@@ -110,7 +132,7 @@ def train_step(
         precision=cfg.train.precision, graphs=graphs,
     )  # fmt: skip
     if info.distributed and not distributed.syncs_in_backward(model):  # grad_sync=after_backward
-        distributed.average_gradients(opt.params, info)
+        distributed.average_gradients(opt.model_params, info)
     skipped, norm, loss_sum, nll_sum = _apply(
         opt, cfg, info, sums=sums, oom=oom, keep_grads=graphs is not None
     )
@@ -232,9 +254,13 @@ def _apply(
 ) -> tuple[str | None, float, float, float]:
     """The update's second collective, so that every rank reaches the same verdict; then the
     update (unscale, clip, Adam, schedule) or, if any rank saw a problem, its skip everywhere.
+    With master weights, their gradients are the model's in float32, and an applied update is
+    rounded into the model's weights.
     `keep_grads`: the gradients are zeroed in place, not freed (CUDA graphs add into them).
     Returns (why it was skipped or None, the gradient norm, this rank's loss and NLL sums): the
     update's one wait for the device, since the verdict is needed before Adam."""
+    if opt.master is not None:
+        opt.master.gather_grads()
     opt.scaler.unscale_(opt.optimizer)
     params = opt.params
     grads = [p.grad for p in params if p.grad is not None]
@@ -256,8 +282,12 @@ def _apply(
             torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.clip_norm, norm)
         opt.scaler.step(opt.optimizer)
         opt.scheduler.step()
+        if opt.master is not None:
+            opt.master.scatter_weights()
     opt.scaler.update()  # lowers the fp16 loss scale after an overflow
     opt.optimizer.zero_grad(set_to_none=not keep_grads)
+    if opt.master is not None:
+        opt.master.zero_model_grads(set_to_none=not keep_grads)
     return skipped, norm_value, loss_sum, nll_sum
 
 

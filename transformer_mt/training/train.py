@@ -36,7 +36,7 @@ from transformer_mt.runs.checkpoint import Checkpoint
 from transformer_mt.training import device_defaults, dry_run, optim
 from transformer_mt.training.feeder import Feeder, valid_batches
 from transformer_mt.training.loss import Objective
-from transformer_mt.training.optim import build_optimizer, peak_lr
+from transformer_mt.training.optim import peak_lr
 from transformer_mt.training.progress import (
     Progress,
     budget_spent,
@@ -98,22 +98,18 @@ def _build(
         else:
             model = Transformer(cfg.model, vocab[0], tokenizer.pad_id, vocab[1],
                                 tokenizer.source_pad_id).to(info.device)  # fmt: skip
-    optimizer, scheduler = build_optimizer(
-        model, cfg.model, cfg.optim, fused=info.device.type == "cuda"
-    )
-    scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16")
-    opt = Optimization(optimizer, scheduler, scaler)
+    if parent is not None and saved is None:  # its own dropout may differ: built from cfg
+        model.load_state_dict(parent.state_dict)
+        logger.info("fine-tuning %s (step %d) from step 0", parent.path, parent.step)
+    opt = Optimization.build(model, cfg, info.device)  # bf16_weights: the model made bf16
     # Dropout and any other randomness: a stream per rank, reproducible from the seed.
     torch.manual_seed(cfg.train.seed + info.rank)
     random.seed(cfg.train.seed + info.rank)
     np.random.seed(cfg.train.seed + info.rank)
     if saved is None:
-        if parent is not None:  # its own dropout may differ: built from cfg, its weights loaded
-            model.load_state_dict(parent.state_dict)
-            logger.info("fine-tuning %s (step %d) from step 0", parent.path, parent.step)
         return model, opt, Progress(), None
     state, window = train_state.restore(
-        saved.train_state or {}, optimizer, scheduler, scaler, rank=info.rank,
+        saved.train_state or {}, opt.optimizer, opt.scheduler, opt.scaler, rank=info.rank,
         world_size=info.world_size, where=saved.path / checkpoint.STATE_FILE,
     )  # fmt: skip
     try:
@@ -364,8 +360,9 @@ class _Session:
                 opt.optimizer, opt.scheduler, opt.scaler, ranks, progress.__dict__.copy()
             )
             scored_step, scores = self.scores
+            weights = opt.master.state_dict() if opt.master else self.model.state_dict()
             run.save(
-                self.run_dir, self.cfg, self.model.state_dict(), self.data.tokenizer.model_bytes,
+                self.run_dir, self.cfg, weights, self.data.tokenizer.model_bytes,
                 state, step=self.step, epoch=progress.epoch, is_best=is_best,
                 scores=scores if scored_step == self.step else None,
                 protect=[self.resumed_from] if self.resumed_from else [],
@@ -494,6 +491,6 @@ def _announce(cfg: Config, model: Transformer, data: PreparedData, info: DistInf
 
 
 def _checkpoint_bytes(model: Transformer, data: PreparedData) -> int:
-    """About how large a checkpoint is: weights and Adam's two moments, plus the tokenizer."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    """About how large a checkpoint is: float32 weights and Adam's two moments, the tokenizer."""
+    weights = sum(p.numel() * 4 for p in model.parameters())
     return 3 * weights + len(data.tokenizer.model_bytes)
