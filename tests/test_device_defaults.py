@@ -486,9 +486,19 @@ def test_the_gpu_benchmark_s_resume_part_names_what_its_runs_refused(
     found = resume(args)
     assert found["exit_codes"] == [2]  # the straight run refused: the others not run
     assert "unknown key train.nope" in found["error"][0]
-    # Runs that end before the checkpoint the kill waits for (as when another run in the same
-    # --out had it): no kill, no resume, so no verdict on one (it said "bit_exact": true).
-    found = resume(SimpleNamespace(**{**vars(args), "set": ["train.max_steps=2"]}))
+
+
+@pytest.mark.slow  # three runs of tmt train (13 s): a benchmark's verdict, not the product's
+def test_the_gpu_benchmark_s_resume_part_gives_no_verdict_without_a_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs that end before the checkpoint the kill waits for (as when another run in the same
+    --out had it): no kill, no resume, so no verdict on one (it said "bit_exact": true)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_gpu import resume
+
+    args = SimpleNamespace(device="cpu", out=tmp_path, label=None, set=["train.max_steps=2"])
+    found = resume(args)
     assert found["exit_codes"] == [0, 0, 0] and "bit_exact" not in found
     assert "ended with exit 0" in found["error"][0]
 
