@@ -246,6 +246,40 @@ def test_the_traced_model_trains_as_the_eager_one(
     assert frames["ok"] == 1, dict(frames)  # one trace, whatever the batch shapes
 
 
+@pytest.mark.parametrize("precision", ["bf16", "bf16_weights"])
+def test_bf16_on_a_gpu_without_it_is_refused_or_warned_of(
+    tiny_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, precision: str,
+) -> None:  # fmt: skip
+    """A card before Ampere (a T4, a V100): bf16 refused in one line naming fp16 where PyTorch
+    cannot emulate it, before training writes anything; a warning where it emulates it; nothing
+    on a card with bf16, on a CPU, or at fp16."""
+    from transformer_mt.training import dry_run
+
+    native, emulated = [False], [False]
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native[0] or
+                        (including_emulation and emulated[0]))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    cfg = with_train(tiny_cfg, out_dir=str(tmp_path / "run"), precision=precision)
+    with pytest.raises(TmtError, match=f"train.precision={precision}: Tesla T4 has no bf16") as e:
+        dry_run.check_before_training(cfg, CUDA)
+    assert "train.precision=fp16" in str(e.value) and not (tmp_path / "run").exists()
+    dry_run._check_bf16("fp16", CUDA)
+    dry_run._check_bf16(precision, CPU)
+    emulated[0] = True
+    with caplog.at_level("WARNING"):
+        dry_run._check_bf16(precision, CUDA)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"train.precision={precision}: Tesla T4 emulates bf16, slowly; train.precision=fp16"
+        " (a loss scaler) runs on its tensor cores"
+    ]
+    native[0] = True
+    caplog.clear()
+    dry_run._check_bf16(precision, CUDA)
+    assert not caplog.records
+
+
 def test_cuda_graphs_are_refused_gradients_to_accumulate(tiny_cfg: Config, tmp_path: Path) -> None:
     """On an H200 the second micro-batch's backward read graph outputs the replay had overwritten
     (PyTorch issue 169545): refused before training writes anything, on CUDA, where the graphs
