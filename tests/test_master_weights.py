@@ -48,6 +48,14 @@ def test_masters_stand_for_the_model_s_weights_tied_ones_once(tiny_cfg: Config) 
     first.grad.fill_(0.25)
     master.gather_grads()
     assert master.params[0].grad is held and bool((held == 0.25).all())  # its buffer, kept
+    for param in master.model_params:
+        param.grad = torch.ones_like(param)
+    master.gather_grads()  # makes the buffers still missing
+    held_all = [m.grad for m in master.params]
+    for param in master.model_params:
+        param.grad.fill_(2.0)
+    master.gather_grads()  # every buffer held: one copy of them all
+    assert all(m.grad is h and bool((h == 2.0).all()) for m, h in zip(master.params, held_all))
 
     with torch.no_grad():
         master.params[1].add_(1e-3)  # an update smaller than bf16 can show on most weights

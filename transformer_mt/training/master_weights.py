@@ -47,6 +47,11 @@ class MasterWeights:
         """Each master's gradient: the model's bf16 one in float32 (kept in the master's own
         buffer once made); None where the model's is None, which Adam then skips, as it would
         the model's own parameter."""
+        grads = [p.grad for p in self.model_params]
+        held = [m.grad for m in self.params]
+        if all(g is not None for g in grads) and all(g is not None for g in held):
+            torch._foreach_copy_(held, grads)  # every update but the first: one call
+            return
         for param, master in zip(self.model_params, self.params, strict=True):
             if param.grad is None:
                 master.grad = None

@@ -285,9 +285,10 @@ def _apply(
         if opt.master is not None:
             opt.master.scatter_weights()
     opt.scaler.update()  # lowers the fp16 loss scale after an overflow
-    opt.optimizer.zero_grad(set_to_none=not keep_grads)
-    if opt.master is not None:
+    if opt.master is not None:  # the masters' gradients: kept, the next update overwrites them
         opt.master.zero_model_grads(set_to_none=not keep_grads)
+    else:
+        opt.optimizer.zero_grad(set_to_none=not keep_grads)
     return skipped, norm_value, loss_sum, nll_sum
 
 
