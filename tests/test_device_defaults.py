@@ -248,13 +248,15 @@ def test_the_traced_model_trains_as_the_eager_one(
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16_weights"])
 def test_bf16_on_a_gpu_without_it_is_refused_or_warned_of(
-    tiny_cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tiny_cfg: Config, trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture, precision: str,
 ) -> None:  # fmt: skip
     """A card before Ampere (a T4, a V100): bf16 refused in one line naming fp16 where PyTorch
-    cannot emulate it, before training writes anything; a warning where it emulates it; nothing
-    on a card with bf16, on a CPU, or at fp16."""
+    cannot emulate it, before training writes anything or decoding loads a model; a warning
+    where it emulates it; nothing on a card with bf16, on a CPU, or at fp16."""
+    from transformer_mt.common import distributed
     from transformer_mt.training import dry_run
+    from transformer_mt.translation import translate
 
     native, emulated = [False], [False]
     monkeypatch.setattr(torch.cuda, "is_bf16_supported",
@@ -265,18 +267,22 @@ def test_bf16_on_a_gpu_without_it_is_refused_or_warned_of(
     with pytest.raises(TmtError, match=f"train.precision={precision}: Tesla T4 has no bf16") as e:
         dry_run.check_before_training(cfg, CUDA)
     assert "train.precision=fp16" in str(e.value) and not (tmp_path / "run").exists()
-    dry_run._check_bf16("fp16", CUDA)
-    dry_run._check_bf16(precision, CPU)
+    if precision == "bf16":  # decoding's: refused before the model is put on the card
+        monkeypatch.setattr(distributed, "resolve_device", lambda *a, **k: CUDA)
+        with pytest.raises(TmtError, match="decode.precision=bf16: Tesla T4 has no bf16"):
+            translate.load_translator(trained_run, ["decode.precision=bf16"])
+    kernels.check_bf16("train.precision", "fp16", CUDA)
+    kernels.check_bf16("train.precision", precision, CPU)
     emulated[0] = True
     with caplog.at_level("WARNING"):
-        dry_run._check_bf16(precision, CUDA)
+        kernels.check_bf16("train.precision", precision, CUDA)
     assert [r.getMessage() for r in caplog.records] == [
-        f"train.precision={precision}: Tesla T4 emulates bf16, slowly; train.precision=fp16"
-        " (a loss scaler) runs on its tensor cores"
+        f"train.precision={precision}: Tesla T4 emulates bf16, slowly; train.precision=fp16 runs"
+        " on its tensor cores"
     ]
     native[0] = True
     caplog.clear()
-    dry_run._check_bf16(precision, CUDA)
+    kernels.check_bf16("train.precision", precision, CUDA)
     assert not caplog.records
 
 

@@ -26,6 +26,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from transformer_mt.common.exits import TmtError
 
+logger = logging.getLogger(__name__)
+
 # model.attention_backend's kernels, and each one's place in auto's order on CUDA.
 ATTENTION_KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -60,6 +62,22 @@ def attention(choice: str, device: torch.device | str) -> Iterator[None]:
         return
     with sdpa_kernel(kernels, set_priority=True):
         yield
+
+
+def check_bf16(key: str, precision: str, device: torch.device) -> None:
+    """`key`=bf16 (or bf16_weights) on a GPU without bf16 arithmetic (before Ampere: a T4, a
+    V100): refused in one line where PyTorch cannot even emulate it, a warning where it emulates
+    it, slowly; both name fp16, which such a card's tensor cores run."""
+    if device.type != "cuda" or precision not in ("bf16", "bf16_weights"):
+        return
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        return
+    card = torch.cuda.get_device_name(device)
+    if not torch.cuda.is_bf16_supported(including_emulation=True):
+        raise TmtError(f"{key}={precision}: {card} has no bf16 arithmetic; set {key}=fp16 or"
+                       " fp32")  # fmt: skip
+    logger.warning("%s=%s: %s emulates bf16, slowly; %s=fp16 runs on its tensor cores", key,
+                   precision, card, key)  # fmt: skip
 
 
 def in_precision(model: nn.Module, precision: str, device: torch.device) -> nn.Module:

@@ -11,7 +11,6 @@ epoch and their padding efficiency: dry_run returns them, format_report writes t
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +22,10 @@ from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config, to_yaml
 from transformer_mt.data.batches import PreparedData, SubwordSampling, prepare_data
 from transformer_mt.data.sampler import TokenBucketSampler, padding_efficiency
+from transformer_mt.network import kernels
 from transformer_mt.network.model import parameter_count
 from transformer_mt.runs import run
 from transformer_mt.training import device_defaults
-
-logger = logging.getLogger(__name__)
 
 
 def training_bytes(cfg: Config, vocab_size: int, source_vocab_size: int | None = None) -> int:
@@ -57,25 +55,10 @@ def check_before_training(
             f" {optim.decay_fraction:g} > 1: the warmup and the decay are shares of one budget"
         )
     _check_graphs(cfg, device, world_size)
-    _check_bf16(cfg.train.precision, device)
+    kernels.check_bf16("train.precision", cfg.train.precision, device)
     vocab = vocab_size or cfg.tokenizer.vocab_size
     what = f"training a model of {parameter_count(cfg.model, vocab):,} parameters (model.*)"
     distributed.check_room(training_bytes(cfg, vocab), device, what)
-
-
-def _check_bf16(precision: str, device: torch.device) -> None:
-    """bf16 on a GPU without bf16 arithmetic (before Ampere: a T4, a V100): refused where PyTorch
-    cannot even emulate it, and a warning naming fp16 where it emulates it, slowly."""
-    if device.type != "cuda" or precision not in ("bf16", "bf16_weights"):
-        return
-    if torch.cuda.is_bf16_supported(including_emulation=False):
-        return
-    card = torch.cuda.get_device_name(device)
-    if not torch.cuda.is_bf16_supported(including_emulation=True):
-        raise TmtError(f"train.precision={precision}: {card} has no bf16 arithmetic; set"
-                       " train.precision=fp16 (a loss scaler) or fp32")  # fmt: skip
-    logger.warning("train.precision=%s: %s emulates bf16, slowly; train.precision=fp16 (a loss"
-                   " scaler) runs on its tensor cores", precision, card)  # fmt: skip
 
 
 def _check_graphs(cfg: Config, device: torch.device, world_size: int) -> None:

@@ -214,6 +214,8 @@ def load_translator(
         raise TmtError(f"{', '.join(fixed)}: fixed by the checkpoint ({saved.path})")
     target = distributed.resolve_device(cfg.decode.device, key="decode.device")
     check_engine(cfg, target)
+    if cfg.decode.engine == "torch":
+        kernels.check_bf16("decode.precision", cfg.decode.precision, target)
     if cfg.decode.alignment != "none":  # before a job starts on it
         check_layer(saved.model, cfg.decode.alignment_layer)
     nbytes = sum(t.numel() * 4 for t in saved.state_dict.values())
