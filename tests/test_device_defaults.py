@@ -562,3 +562,26 @@ def test_the_gpu_benchmark_refuses_a_machine_without_cuda_in_one_line(tmp_path: 
     lines = [line for line in done.stderr.splitlines() if line.startswith("bench_gpu.sh:")]
     assert len(lines) == 1 and "no CUDA device" in lines[0] and torch.__version__ in lines[0]
     assert not (tmp_path / "bench" / "parts.jsonl").read_text()  # no part ran
+
+
+def test_every_part_of_the_gpu_benchmark_is_described_and_summarised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each part bench_gpu.sh runs (`wanted NAME`) is described in its header, and its row in
+    the table is a train or e2e row where it is one of those (bf16_weights' parts, new)."""
+    import re
+
+    repo = Path(__file__).resolve().parents[1]
+    script = (repo / "scripts" / "bench_gpu.sh").read_text()
+    parts = re.findall(r"^wanted (\w+)", script, flags=re.M)
+    header = script.split("NO_ARGS=1", 1)[0]
+    assert len(parts) >= 15 and "train_bf16_weights" in parts and "e2e_bf16_weights" in parts
+    assert [p for p in parts if not re.search(rf"^#\s+{p}\s", header, flags=re.M)] == []
+    monkeypatch.syspath_prepend(str(repo / "scripts"))
+    from bench_gpu import _summary
+
+    row = {"tokens_per_s": 1.0, "mfu": 0.1, "steps": 200, "batch_shapes": 26}
+    trained = {"results": {"tmt": row}, "ratios": {}}
+    assert _summary("train_bf16_weights", trained) == _summary("train_graphs", trained)
+    ran = {"train_rc": 0, "wall_s": 50.0, "updates": 2000, "test2016_bleu": 41.0}
+    assert _summary("e2e_bf16_weights", ran) == _summary("e2e", ran)
