@@ -114,3 +114,83 @@ def test_a_job_resumes_with_the_other_kernels(
     result = CliRunner().invoke(app, translate_args(trained_run, big_input, out))
     assert result.exit_code == 0, result.output
     assert "translated before" in result.stderr and "(0 translated before)" not in result.stderr
+
+
+def test_a_packed_bf16_model_is_the_same_bf16_model() -> None:
+    if not kernels.available(torch.bfloat16):
+        pytest.skip("oneDNN packs no bf16 on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
+    torch.manual_seed(0)
+    plain = Transformer(TINY, V, PAD).eval().to(torch.bfloat16)
+    packed = Transformer(TINY, V, PAD).eval().to(torch.bfloat16)
+    packed.load_state_dict(plain.state_dict())
+    assert kernels.pack_linears(packed)
+    linears = [n for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert packed_modules(packed) == linears
+    assert all(m.packed.dtype == torch.bfloat16 for m in packed.modules()
+               if isinstance(m, kernels.PackedLinear))  # fmt: skip
+    src, tgt = tokens(3, 7), tokens(3, 5, seed=2)
+    mask = make_src_mask(src, PAD)
+    with torch.inference_mode():
+        expected = plain.decode(tgt, plain.encode(src, mask), mask).float()
+        found = packed.decode(tgt, packed.encode(src, mask), mask).float()
+    torch.testing.assert_close(found, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_decoding_on_the_cpu_translates_as_float32_does(trained_run: Path) -> None:
+    fp32 = translate.load_translator(trained_run, ["decode.device=cpu"])
+    bf16 = translate.load_translator(trained_run, ["decode.device=cpu", "decode.precision=bf16"])
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    assert bool(packed_modules(bf16.model)) == kernels.available(torch.bfloat16)
+    for settings in (["decode.beam_size=1"], ["decode.beam_size=3", "decode.nbest=3"]):
+        found = translate.translate_lines(default_with(bf16, settings), SOURCES)
+        expected = translate.translate_lines(default_with(fp32, settings), SOURCES)
+        same = 0
+        for hyps_a, hyps_b in zip(found, expected, strict=True):
+            assert len(hyps_a) == len(hyps_b) == int(settings[-1][-1])
+            best_a, best_b = hyps_a[0], hyps_b[0]
+            if best_a.tokens == best_b.tokens:  # the same output, scored within bf16's rounding
+                same += 1
+                assert best_a.score == pytest.approx(best_b.score, rel=1e-2, abs=0.05)
+        # The tiny model is barely trained (close calls everywhere): 22 and 18 of its 24 best
+        # outputs were fp32's on the AVX512_BF16 machine of docs/benchmarks.md.
+        assert same >= len(SOURCES) // 2
+
+
+@pytest.mark.parametrize(("has_bf16", "precision", "warned"), [
+    (False, "bf16", True), (True, "bf16", False), (None, "bf16", False), (False, "fp32", False),
+])  # fmt: skip
+def test_bf16_decoding_on_a_cpu_without_bf16_arithmetic_is_warned_of(
+    trained_run: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    has_bf16: bool | None,
+    precision: str,
+    warned: bool,
+) -> None:
+    monkeypatch.setattr(kernels, "cpu_has_bf16", lambda: has_bf16)
+    with caplog.at_level("WARNING", logger="transformer_mt.network.kernels"):
+        translate.load_translator(
+            trained_run, ["decode.device=cpu", f"decode.precision={precision}"]
+        )
+    said = [r.getMessage() for r in caplog.records if "bf16 arithmetic" in r.getMessage()]
+    assert said == (["decode.precision=bf16: this CPU has no bf16 arithmetic (AVX512_BF16 or AMX);"
+                     " it is emulated, slower than fp32 here"] if warned else [])  # fmt: skip
+
+
+def test_the_cpus_bf16_is_known_on_x86_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert kernels.cpu_has_bf16() is None
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert kernels.cpu_has_bf16() is False
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # AMX: bf16 tiles
+    assert kernels.cpu_has_bf16() is True
+
+
+def test_float16_is_not_packed() -> None:
+    layer = torch.nn.Linear(8, 5).to(torch.float16)
+    assert not kernels.available(torch.float16)
+    assert not kernels.pack_linears(layer) and not isinstance(layer, kernels.PackedLinear)

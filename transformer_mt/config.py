@@ -444,9 +444,11 @@ class DecodeConfig:
     # length_penalty_form and early_stopping do not apply; sampling is refused (translate.py).
     engine: Literal["torch", "ctranslate2"] = "torch"
     # Weights and activations while decoding (scores are always summed in fp32): fp32; bf16 or
-    # fp16 halve memory traffic on a GPU (fp16 needs one); int8 on a CPU: torch, the linear
-    # layers dynamically quantized (torchao); ctranslate2, an int8 export. Speed and BLEU cost
-    # per machine: docs/benchmarks.md.
+    # fp16 halve memory traffic on a GPU (fp16 needs one); bf16 on a CPU with bf16 arithmetic
+    # (AVX512_BF16 or AMX; the linear layers packed for oneDNN in bf16) is faster than fp32 and
+    # emulated, slower, on one without (a warning); int8 on a CPU: torch, the linear layers
+    # dynamically quantized (torchao); ctranslate2, an int8 export. Speed and BLEU cost per
+    # machine: docs/benchmarks.md.
     precision: Literal["fp32", "bf16", "fp16", "int8"] = "fp32"
     # float32 linear layers on a CPU, set at load: oneDNN with packed weights (1.4x faster beam
     # search on AVX-512, kernels.py), or "torch", PyTorch's own kernels (MKL on x86).

@@ -1,6 +1,6 @@
 """How a model computes: scaled_dot_product_attention's kernels (model.attention_backend, in
 training and decoding); while it decodes, its precision on its device, torchao's dynamic int8,
-and on a CPU its float32 linear layers through oneDNN with their weights packed once.
+and on a CPU its float32 and bf16 linear layers through oneDNN with their weights packed once.
 
 PyTorch computes a float32 linear layer on x86 with MKL's sgemm, which on AMD CPUs does not
 use AVX-512 (MKL picks its kernels by vendor); oneDNN, also inside every PyTorch wheel, does.
@@ -10,12 +10,18 @@ same ones: bit for bit for 128-wide inputs there, wider ones summed in another o
 relative difference of 3e-7 at 512). On the demo model's 1,000 test sentences every output was
 the same. decode.cpu_linear=torch keeps torch's own kernels. A packed layer has no gradient, so
 with autograd on it computes as before.
+
+A CPU with bf16 arithmetic (x86: AVX512_BF16, or AMX) multiplies packed bf16 weights 1.4-2x
+faster than packed float32 ones at a decoding step's shapes (half the bytes read, twice the
+products an instruction), so decode.precision=bf16 is the fast CPU decoding there; one
+without it emulates bf16 (oneDNN converts to float32), slower than float32: a warning says so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import platform
 import warnings
 from collections.abc import Iterator
 
@@ -129,30 +135,57 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def available() -> bool:
-    """Whether this PyTorch has oneDNN's packed linear product for float32 on the CPU, and it
-    agrees with F.linear on a probe."""
-    if not torch.backends.mkldnn.is_available():
+PACKED_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's packed product takes
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this PyTorch has oneDNN's packed linear product for `dtype` (float32 or bf16) on
+    the CPU, and it agrees with F.linear on a probe (bf16: within bf16's rounding). oneDNN packs
+    bf16 only from AVX-512 (or AVX-NE-CONVERT) up: elsewhere a bf16 model keeps torch's
+    kernels."""
+    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return False
     try:
-        weight, x = torch.randn(24, 40), torch.randn(3, 40)
+        weight, x = torch.randn(24, 40).to(dtype), torch.randn(3, 40).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         with torch.inference_mode():
             y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    except (AttributeError, RuntimeError):  # an op missing or refused in this build
+    except (AttributeError, RuntimeError):  # an op missing or refused in this build or CPU
         return False
-    return torch.allclose(y, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    return torch.allclose(y.float(), F.linear(x, weight).float(), rtol=tolerance, atol=tolerance)
 
 
 def pack_linears(model: nn.Module) -> bool:
-    """Make every float32 CPU nn.Linear of `model` a PackedLinear, in place; False (and the model
-    untouched) where oneDNN cannot (see available)."""
+    """Make every float32 or bf16 CPU nn.Linear of `model` a PackedLinear, in place; False (and
+    the model untouched) where oneDNN cannot (see available)."""
     on_cpu = [m for m in model.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"]
-    linears = [m for m in on_cpu if m.weight.dtype == torch.float32]
-    if not linears or not available():
+    dtypes = {m.weight.dtype for m in on_cpu}
+    packable = {dtype for dtype in PACKED_DTYPES if dtype in dtypes and available(dtype)}
+    linears = [m for m in on_cpu if m.weight.dtype in packable]
+    if not linears:
         return False
     for module in linears:
         # A plain attribute, not a buffer: state_dict (and the weights' fingerprint) unchanged.
         module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
         module.__class__ = PackedLinear
     return True
+
+
+def cpu_has_bf16() -> bool | None:
+    """Whether this CPU multiplies bf16 in hardware: x86 with AVX512_BF16 or AMX; None where
+    PyTorch cannot say (not x86)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return None
+    probes = (getattr(torch.cpu, name, None) for name in
+              ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))  # fmt: skip
+    return any(bool(probe()) for probe in probes if probe is not None)
+
+
+def check_cpu_bf16(precision: str, device: torch.device) -> None:
+    """decode.precision=bf16 on a CPU without bf16 arithmetic: a warning that it is emulated,
+    slower than float32 (2.4x slower on the AVX-512 machine of docs/benchmarks.md with oneDNN
+    held to AVX-512 without its bf16 instructions)."""
+    if device.type == "cpu" and precision == "bf16" and cpu_has_bf16() is False:
+        logger.warning("decode.precision=bf16: this CPU has no bf16 arithmetic (AVX512_BF16 or"
+                       " AMX); it is emulated, slower than fp32 here")  # fmt: skip
