@@ -3,7 +3,9 @@
 Also tmt's own decoding through CTranslate2 (`tmt translate --engine ctranslate2`: tmt's
 batching, length rule and outputs around the same CTranslate2 model, to show what tmt adds on top
 of raw CTranslate2) and int8: tmt's `--precision int8` (torchao dynamic int8) and CTranslate2's
-int8 model, raw and through tmt.
+int8 model, raw and through tmt; and tmt's `--precision bf16` (its linear layers packed for
+oneDNN in bf16: fast where the CPU has bf16 arithmetic, AVX512_BF16 or AMX, which the first line
+printed says; CTranslate2 has no bf16 on a CPU).
 
 The peers get tmt's weights through `tmt export`'s own converters
 (transformer_mt/exchange/export.py): a post-norm model becomes a MarianMTModel, a pre-norm one (the
@@ -146,7 +148,7 @@ def compare_models(models: dict[str, str], split: str, lines: int,
                    settings: dict[str, list[str]] | None = None,
                    beams: tuple[int, ...] = (1, 4),
                    only: tuple[str, ...] = ()) -> dict:  # fmt: skip
-    """Each model greedy and beam 4, tmt's engine (fp32, int8) and CTranslate2's (fp32, int8);
+    """Each model greedy and beam 4, tmt's engine (fp32, bf16, int8) and CTranslate2's (fp32, int8);
     `settings`: a model's own decode overrides (--model-set); one with a shortlist decodes in
     tmt's engine only (CTranslate2's vmap is --shortlist's measurement)."""
     settings = settings or {}
@@ -159,8 +161,9 @@ def compare_models(models: dict[str, str], split: str, lines: int,
     sources, references = corpus.read_split(first.config.data, key)
     sources, references = sources[:lines], references[:lines]
     # Every PyTorch row before the first CTranslate2 one (two OpenMP runtimes: see main()).
-    rows = [(engine, precision) for engine in ("torch", "ctranslate2") for precision in
-            ("fp32", "int8") if not only or f"{engine}_{precision}" in only]  # fmt: skip
+    rows = [(engine, precision) for engine, precisions in
+            (("torch", ("fp32", "bf16", "int8")), ("ctranslate2", ("fp32", "int8")))
+            for precision in precisions if not only or f"{engine}_{precision}" in only]  # fmt: skip
     results: dict[str, dict] = {name: {} for name in models}
     for engine, precision in rows:
         for name, path in models.items():
@@ -449,7 +452,7 @@ def main() -> None:
         "--rows",
         default="",
         help="--model: only these, e.g."
-        " torch_fp32,ctranslate2_fp32 (default: fp32 and int8 of both engines)",
+        " torch_fp32,ctranslate2_fp32 (default: fp32, int8 of both engines, torch_bf16)",
     )
     parser.add_argument("--breakdown", action="store_true", help="profile --checkpoint instead")
     parser.add_argument(
@@ -458,7 +461,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     isa = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...: what decides the winner
-    print(f"CPU capability: {isa}, {args.threads} threads", flush=True)
+    from transformer_mt.network import kernels
+
+    native_bf16 = kernels.cpu_has_bf16()  # AVX512_BF16 or AMX: whether bf16 decoding pays
+    print(f"CPU capability: {isa}, bf16 arithmetic: {native_bf16}, {args.threads} threads",
+          flush=True)  # fmt: skip
     if args.shortlist:
         summary = shortlist_ab(args.checkpoint, args.shortlist, args.split, args.lines)
         print(json.dumps({"isa": isa, "threads": args.threads, **summary}))
@@ -493,6 +500,9 @@ def main() -> None:
     # tmt's --precision int8: torchao's dynamic int8 of the feed-forward and attention output
     # projections (the fused Q/K/V and the tied output projection stay fp32).
     int8 = translate.load_translator(args.checkpoint, [*overrides, "decode.precision=int8"])
+    # tmt's --precision bf16: the model in bf16, its linear layers packed for oneDNN in bf16 (fast
+    # where the CPU has bf16 arithmetic: AVX512_BF16 or AMX; emulated, slower, elsewhere).
+    bf16 = translate.load_translator(args.checkpoint, [*overrides, "decode.precision=bf16"])
     # tmt's own engine with PyTorch's linear kernels (MKL on x86) instead of oneDNN's.
     torch_linear = translate.load_translator(
         args.checkpoint, [*overrides, "decode.cpu_linear=torch"]
@@ -530,6 +540,8 @@ def main() -> None:
             "tmt_beam4_k_finished": lambda: run_tmt(translator, sources, 4, "k_finished"),
             "tmt_torch_linear_beam4_current": lambda: run_tmt(torch_linear, sources, 4, "current"),
             "tmt_int8_beam4_current": lambda: run_tmt(int8, sources, 4, "current"),
+            "tmt_bf16_greedy": lambda: run_tmt(bf16, sources, 1),
+            "tmt_bf16_beam4_current": lambda: run_tmt(bf16, sources, 4, "current"),
             "hf_greedy": lambda: run_hf(hf_model, translator, sources, 1),
             "hf_beam4_never": lambda: run_hf(hf_model, translator, sources, 4, "never"),
             "hf_beam4": lambda: run_hf(hf_model, translator, sources, 4),
@@ -570,6 +582,7 @@ def main() -> None:
     summary = {
         "checkpoint": args.checkpoint,
         "isa": isa,
+        "bf16_arithmetic": native_bf16,
         "hf_architecture": architecture,
         "sentences": len(sources),
         "threads": torch.get_num_threads(),
@@ -593,6 +606,12 @@ def main() -> None:
             "onednn_over_torch_linear_beam4": ratio(
                 "tmt_beam4_current", "tmt_torch_linear_beam4_current"
             ),
+            # bf16 over fp32 (tmt's engine: CTranslate2 has no bf16 on a CPU), and against
+            # CTranslate2's fastest CPU rows
+            "tmt_bf16_over_tmt_fp32_beam4": ratio("tmt_bf16_beam4_current", "tmt_beam4_current"),
+            "tmt_bf16_over_tmt_fp32_greedy": ratio("tmt_bf16_greedy", "tmt_greedy"),
+            "tmt_bf16_over_ct2_beam4": ratio("tmt_bf16_beam4_current", "ct2_beam4"),
+            "tmt_bf16_over_ct2_int8_beam4": ratio("tmt_bf16_beam4_current", "ct2_int8_beam4"),
             # int8 over fp32, each engine, beam 4
             "tmt_int8_over_tmt_fp32_beam4": ratio("tmt_int8_beam4_current", "tmt_beam4_current"),
             "ct2_int8_over_ct2_fp32_beam4": ratio("ct2_int8_beam4", "ct2_beam4"),
@@ -602,6 +621,12 @@ def main() -> None:
                 results["tmt_int8_beam4_current"]["bleu"] - results["tmt_beam4_current"]["bleu"], 2
             ),
             "ct2": round(results["ct2_int8_beam4"]["bleu"] - results["ct2_beam4"]["bleu"], 2),
+        },
+        "bleu_bf16_minus_fp32": {
+            "greedy": round(results["tmt_bf16_greedy"]["bleu"] - results["tmt_greedy"]["bleu"], 2),
+            "beam4": round(
+                results["tmt_bf16_beam4_current"]["bleu"] - results["tmt_beam4_current"]["bleu"], 2
+            ),
         },
         "identical_outputs": {
             "tmt_greedy_vs_hf": agree("tmt_greedy", "hf_greedy"),
@@ -615,6 +640,8 @@ def main() -> None:
             ),
             "tmt_beam4_vs_tmt_beam4_current": agree("tmt_beam4", "tmt_beam4_current"),
             "tmt_int8_vs_tmt": agree("tmt_int8_beam4_current", "tmt_beam4_current"),
+            "tmt_bf16_vs_tmt_greedy": agree("tmt_bf16_greedy", "tmt_greedy"),
+            "tmt_bf16_vs_tmt_beam4": agree("tmt_bf16_beam4_current", "tmt_beam4_current"),
             "ct2_int8_vs_ct2": agree("ct2_int8_beam4", "ct2_beam4"),
             "tmt_ct2_vs_ct2_greedy": agree("tmt_ct2_greedy", "ct2_greedy"),
             "tmt_ct2_vs_ct2_beam4": agree("tmt_ct2_beam4", "ct2_beam4"),

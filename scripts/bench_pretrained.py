@@ -17,7 +17,9 @@ random weights and output bias), written by transformers' save_pretrained, then:
    weights rarely choose to stop, so each system decodes each batch to about that limit: the work
    of real translations of those lengths, the same for all three. tmt runs with the import's
    settings (generate's stopping rule, against generate) and with CTranslate2's rule (k
-   finished, against CTranslate2).
+   finished, against CTranslate2); with that rule also in bf16 (`--precision bf16`: fast where
+   the CPU has bf16 arithmetic, AVX512_BF16 or AMX) against CTranslate2's int8 (it has no bf16
+   on a CPU).
 
     python scripts/bench_pretrained.py [--workdir runs/bench_pretrained] [--lines 1000]
     python scripts/bench_pretrained.py --only decode --shortlist   # issue 49's rows alone
@@ -62,7 +64,9 @@ def lines_of(lang: str, split: str) -> list[str]:
 
 def isa() -> str:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
+    base = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
+    bf16 = [name for name in ("avx512_bf16", "amx_bf16") if name in flags]
+    return f"{base} ({', '.join(bf16)})" if bf16 else base
 
 
 # --- the model ---------------------------------------------------------------------------------
@@ -256,6 +260,10 @@ def decode_all(hf_dir: Path, imported: Path, workdir: Path, count: int,
 
     tmt_current = timed("tmt_beam4", run_tmt("current"))
     tmt_k = timed("tmt_beam4_k_finished", run_tmt("k_finished"))
+    # --precision bf16: the model and its packed linear layers in bf16 (fast on a CPU with bf16
+    # arithmetic: AVX512_BF16 or AMX; CTranslate2 has no bf16 on a CPU, its int8 is below).
+    tmt_bf16 = timed("tmt_bf16_beam4_k_finished",
+                     run_tmt("k_finished", more=("decode.precision=bf16",)))  # fmt: skip
     model = transformers.MarianMTModel.from_pretrained(str(hf_dir)).eval()
 
     @torch.inference_mode()
@@ -277,10 +285,12 @@ def decode_all(hf_dir: Path, imported: Path, workdir: Path, count: int,
     ct2_dir = workdir / "ctranslate2"
     if not ct2_dir.exists():
         ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir))
-    engine = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32",
-                                    intra_threads=torch.get_num_threads())  # fmt: skip
+    engines = {compute: ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=compute,
+                                               intra_threads=torch.get_num_threads())
+               for compute in ("float32", "int8")}  # fmt: skip
 
-    def run_ct2() -> list[list[int]]:
+    def run_ct2(compute: str = "float32") -> list[list[int]]:
+        engine = engines[compute]
         outputs: list[list[int]] = [[] for _ in sources]
         for batch, limit in zip(batches, limits, strict=True):
             # transformers' models get no implicit </s> from CTranslate2: it is the tokenizer's
@@ -298,9 +308,12 @@ def decode_all(hf_dir: Path, imported: Path, workdir: Path, count: int,
         return outputs
 
     ct2 = timed("ctranslate2_beam4", run_ct2)
+    ct2_int8 = timed("ctranslate2_int8_beam4", lambda: run_ct2("int8"))
     same = lambda a, b: sum(map(list.__eq__, a, b))  # noqa: E731
     results["identical_lines"] = {"tmt_vs_generate": same(tmt_current, hf),
-                                  "tmt_k_finished_vs_ctranslate2": same(tmt_k, ct2)}  # fmt: skip
+                                  "tmt_k_finished_vs_ctranslate2": same(tmt_k, ct2),
+                                  "tmt_bf16_vs_tmt": same(tmt_bf16, tmt_k),
+                                  "ctranslate2_int8_vs_float32": same(ct2_int8, ct2)}  # fmt: skip
     if shortlist is not None:
         from transformer_mt.exchange import export
 
@@ -355,6 +368,13 @@ def main() -> None:
                                        / d["hf_generate_beam4"]["sentences_per_s"], 2),
         "tmt_vs_ctranslate2_beam4": round(d["tmt_beam4_k_finished"]["sentences_per_s"]
                                           / d["ctranslate2_beam4"]["sentences_per_s"], 2),
+        "tmt_bf16_vs_tmt_beam4": round(d["tmt_bf16_beam4_k_finished"]["sentences_per_s"]
+                                       / d["tmt_beam4_k_finished"]["sentences_per_s"], 2),
+        "tmt_bf16_vs_ctranslate2_int8_beam4": round(
+            d["tmt_bf16_beam4_k_finished"]["sentences_per_s"]
+            / d["ctranslate2_int8_beam4"]["sentences_per_s"], 2),
+        "ctranslate2_int8_vs_float32_beam4": round(d["ctranslate2_int8_beam4"]["sentences_per_s"]
+                                                   / d["ctranslate2_beam4"]["sentences_per_s"], 2),
     }  # fmt: skip
     if table is not None:
         report["ratios"] |= {
