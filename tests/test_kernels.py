@@ -1,5 +1,6 @@
-"""kernels.py: oneDNN's packed linear layers for CPU decoding (the same model, outputs and
-fingerprint; torch's kernels when asked or where oneDNN is missing), int8 left unpacked."""
+"""kernels.py: oneDNN's packed linear layers for CPU decoding, float32 and bf16 (the same model,
+outputs and fingerprint; torch's kernels when asked or where oneDNN is missing), int8 and fp16
+left unpacked; bf16 on a CPU without bf16 arithmetic warned of, decoding and training."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 
 from transformer_mt.cli import app
 from transformer_mt.common import faults
+from transformer_mt.config import Config
 from transformer_mt.network import kernels
 from transformer_mt.network.model import Transformer, make_src_mask
 from transformer_mt.translation import translate
@@ -194,3 +196,26 @@ def test_float16_is_not_packed() -> None:
     layer = torch.nn.Linear(8, 5).to(torch.float16)
     assert not kernels.available(torch.float16)
     assert not kernels.pack_linears(layer) and not isinstance(layer, kernels.PackedLinear)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16_weights"])
+def test_bf16_training_on_a_cpu_without_bf16_arithmetic_is_warned_of(
+    tiny_cfg: Config,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    precision: str,
+) -> None:
+    from transformer_mt.training import dry_run
+
+    train = dataclasses.replace(tiny_cfg.train, out_dir=str(tmp_path / "run"), precision=precision)
+    cfg = dataclasses.replace(tiny_cfg, train=train)
+    for has_bf16, warned in ((False, True), (True, False), (None, False)):
+        caplog.clear()
+        monkeypatch.setattr(kernels, "cpu_has_bf16", lambda has=has_bf16: has)
+        with caplog.at_level("WARNING", logger="transformer_mt.network.kernels"):
+            dry_run.check_before_training(cfg, torch.device("cpu"))
+        said = [r.getMessage() for r in caplog.records if "bf16 arithmetic" in r.getMessage()]
+        assert said == ([f"train.precision={precision}: this CPU has no bf16 arithmetic"
+                         " (AVX512_BF16 or AMX); it is emulated, slower than fp32 here"]
+                        if warned else [])  # fmt: skip

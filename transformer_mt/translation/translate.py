@@ -216,7 +216,7 @@ def load_translator(
     check_engine(cfg, target)
     if cfg.decode.engine == "torch":
         kernels.check_bf16("decode.precision", cfg.decode.precision, target)
-        kernels.check_cpu_bf16(cfg.decode.precision, target)
+        kernels.check_cpu_bf16("decode.precision", cfg.decode.precision, target)
     if cfg.decode.alignment != "none":  # before a job starts on it
         check_layer(saved.model, cfg.decode.alignment_layer)
     nbytes = sum(t.numel() * 4 for t in saved.state_dict.values())
