@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import shared_fixtures
+import torch
 from conftest import multi30k_sentences, reverse_pairs
 from typer.testing import CliRunner, Result
 
@@ -276,3 +277,19 @@ def test_the_ctranslate2_export_carries_it_as_its_vmap(
         translate.load_translator(plain, ["decode.engine=ctranslate2", "decode.shortlist=auto"])
     with pytest.raises(TmtError, match="not for huggingface"):
         export.export(multi30k_run, "huggingface", tmp_path / "hf", shortlist="auto")
+
+
+def test_a_model_decoding_in_bf16_keeps_its_shortlist_and_fingerprint(
+    multi30k_run: Path, made: Path
+) -> None:
+    # The shortlist names the model by its float32 weights' fingerprint: rounding them to bf16
+    # for decoding must not make it "made for another model".
+    fp32 = translate.load_translator(multi30k_run, ["decode.device=cpu"])
+    bf16 = _translator(multi30k_run, made, "decode.device=cpu", "decode.precision=bf16")
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    assert bf16.fingerprint == translate.fingerprint(fp32)
+    assert bf16.shortlist is not None
+    for line, hyps in zip(LINES, translate.translate_lines(bf16, LINES), strict=True):
+        source = bf16.tokenizer.encode([line])[0]
+        allowed = set(bf16.shortlist.candidates(source).tolist()) | {bf16.tokenizer.eos_id}
+        assert hyps[0].tokens and set(hyps[0].tokens) <= allowed
