@@ -219,3 +219,49 @@ def test_bf16_training_on_a_cpu_without_bf16_arithmetic_is_warned_of(
         assert said == ([f"train.precision={precision}: this CPU has no bf16 arithmetic"
                          " (AVX512_BF16 or AMX); it is emulated, slower than fp32 here"]
                         if warned else [])  # fmt: skip
+
+
+def test_a_bf16_job_of_an_earlier_tmt_resumes_and_is_found_done(
+    trained_run: Path,
+    big_input: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Until 2026-11-29 a model decoding in bf16 was named by its rounded weights (now by its
+    # float32 ones): a job such a tmt started or finished is still this job.
+    import json
+
+    from transformer_mt.common import files, finished
+
+    out = tmp_path / "out.txt"
+    args = [*translate_args(trained_run, big_input, out), "--precision", "bf16"]
+    bf16 = translate.load_translator(trained_run, ["decode.precision=bf16"])
+    earlier = translate.rounded_fingerprint(bf16)
+    assert earlier != bf16.fingerprint  # what changed
+
+    def named_earlier(path: Path, key: str | None) -> None:
+        record = json.loads(path.read_text())
+        (record[key] if key else record)["model_sha256"] = earlier
+        path.write_text(json.dumps(record))
+
+    job = out.with_name(out.name + files.JOB_SUFFIX)
+    monkeypatch.setenv("TMT_FAULT", "chunk@1:raise")
+    assert isinstance(CliRunner().invoke(app, args).exception, faults.FaultInjected)
+    monkeypatch.delenv("TMT_FAULT")
+    named_earlier(job / "job.json", None)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "translated before" in result.stderr and "(0 translated before)" not in result.stderr
+    named_earlier(job / finished.DONE_FILE, "identity")
+    written, stamp = out.read_bytes(), out.stat().st_mtime_ns
+    result = CliRunner().invoke(app, args)  # found done: nothing translated, nothing written
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == written and out.stat().st_mtime_ns == stamp
+    # Another model's job is still another job.
+    other = translate.load_translator(trained_run, ["decode.precision=bf16"])
+    other.model.embedding.weight.data[0, 0] += 1.0
+    record = json.loads((job / finished.DONE_FILE).read_text())
+    record["identity"]["model_sha256"] = translate.rounded_fingerprint(other)
+    (job / finished.DONE_FILE).write_text(json.dumps(record))
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "another model" in result.output

@@ -170,8 +170,12 @@ def _plan(
     if report_path is not None:  # a job writing a report is another job: its chunks hold one
         identity["glossary_report"] = True
     previous = job_identity.read_job(job_dir)
-    if previous is None and not overwrite and _finished_before(job_dir, identity, output_path,
-                                                               report_path):  # fmt: skip
+    identity = job_identity.as_named_before(identity, previous, translator)
+    if (
+        previous is None
+        and not overwrite
+        and _finished_before(job_dir, identity, output_path, report_path, translator)
+    ):
         lock.acquire()  # the same command after it finished: nothing to do
         return Plan(str(job_dir), offsets, lines, [], prefix_path, [], report_path, identity,
                     done=True)  # fmt: skip
@@ -226,13 +230,21 @@ def _take(
 
 
 def _finished_before(
-    job_dir: Path, identity: dict[str, Any], output_path: str, report_path: str | None
+    job_dir: Path,
+    identity: dict[str, Any],
+    output_path: str,
+    report_path: str | None,
+    translator: Translator,
 ) -> bool:
     """Whether this very job finished before (common/finished.py: its record, its outputs as it
     wrote them), said in the log; another job's finished output is refused, naming what
     differs."""
     outputs = [Path(output_path), *([Path(report_path)] if report_path else [])]
     kind, recorded = finished.state(job_dir, identity, outputs)
+    if kind == "other":  # an earlier tmt's name for this model (job_identity.as_named_before)?
+        named = job_identity.as_named_before(identity, recorded, translator)
+        if named is not identity:
+            kind, recorded = finished.state(job_dir, named, outputs)
     if kind == "other":
         raise TmtError(
             f"{output_path}: the output of a finished job with"

@@ -435,6 +435,13 @@ def fingerprint(translator: Translator) -> str:
                            translator.weights)  # fmt: skip
 
 
+def rounded_fingerprint(translator: Translator) -> str:
+    """The fingerprint an earlier tmt gave a model decoding in bf16 or fp16: of its weights as
+    rounded (job_identity.as_named_before)."""
+    return _weights_digest(translator.tokenizer, (translator.model, *translator.ensemble),
+                           translator.weights)  # fmt: skip
+
+
 def _weights_digest(
     tokenizer: Tokenizer, models: Sequence[Transformer], weights: Sequence[float]
 ) -> str:
