@@ -265,3 +265,16 @@ def test_a_bf16_job_of_an_earlier_tmt_resumes_and_is_found_done(
     (job / finished.DONE_FILE).write_text(json.dumps(record))
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "another model" in result.output
+
+
+def test_only_a_rounded_models_earlier_name_is_its_own(trained_run: Path) -> None:
+    # translate.named_before: what file jobs and distillations accept as an earlier tmt's name
+    # for a model decoding in bf16 (its rounded weights' fingerprint), and nothing else.
+    fp32 = translate.load_translator(trained_run, ["decode.device=cpu"])
+    bf16 = translate.load_translator(trained_run, ["decode.device=cpu", "decode.precision=bf16"])
+    earlier = translate.rounded_fingerprint(bf16)
+    assert translate.fingerprint(bf16) == translate.fingerprint(fp32) != earlier
+    assert translate.named_before(bf16, earlier)
+    assert not translate.named_before(bf16, translate.fingerprint(fp32))  # its name now
+    assert not translate.named_before(bf16, None) and not translate.named_before(bf16, "0" * 64)
+    assert not translate.named_before(fp32, translate.rounded_fingerprint(fp32))  # fp32: one name

@@ -154,13 +154,14 @@ class _Distillation:
                         f"decode.chunk_lines={self.cfg.decode.chunk_lines}"]  # fmt: skip
             self.teacher = translate.load_ensemble(self.teachers, settings, self.weights)
             self._check_languages(self.teacher)
-            # What changes the teacher's output, as the file job's identity has it (not where, in
-            # what batches or chunks it runs)
+            # What changes the teacher's output: a file job's decode keys, not chunk_lines
             decode = {k: v for k, v in to_dict(self.teacher.config)["decode"].items()
                       if k not in (*bulk.NOT_IN_IDENTITY, "chunk_lines")}  # fmt: skip
             identity = {"models": self.teachers, "fingerprint": translate.fingerprint(self.teacher),
                         "origin": self.teacher.origin, "decode": decode}  # fmt: skip
             known = self.manifest.get("teacher")
+            if known and translate.named_before(self.teacher, known["fingerprint"]):
+                identity["fingerprint"] = known["fingerprint"]  # an earlier tmt's name for it
             if known and known["fingerprint"] != identity["fingerprint"]:
                 raise TmtError(f"{self.out}: distilled from another teacher ({known['origin']});"
                                " distill into another {output}", mentions=["output"])  # fmt: skip

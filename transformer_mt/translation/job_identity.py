@@ -50,12 +50,10 @@ def as_named_before(
     recorded identity) did so: until 2026-11-29 a model decoding in bf16 or fp16 was named by
     its rounded weights, now by its float32 ones (translate.load_translator). Such a job is the
     same job: it resumes, or is found done, as before."""
-    decode = translator.config.decode
-    if (before is None or decode.engine != "torch" or decode.precision not in ("bf16", "fp16")
-            or before.get("model_sha256") in (None, identity["model_sha256"])):  # fmt: skip
+    name = before.get("model_sha256") if before is not None else None
+    if name == identity["model_sha256"] or not translate.named_before(translator, name):
         return identity
-    rounded = translate.rounded_fingerprint(translator)
-    return {**identity, "model_sha256": rounded} if before["model_sha256"] == rounded else identity
+    return {**identity, "model_sha256": name}
 
 
 def read_job(job_dir: Path) -> dict[str, Any] | None:

@@ -437,9 +437,16 @@ def fingerprint(translator: Translator) -> str:
 
 def rounded_fingerprint(translator: Translator) -> str:
     """The fingerprint an earlier tmt gave a model decoding in bf16 or fp16: of its weights as
-    rounded (job_identity.as_named_before)."""
-    return _weights_digest(translator.tokenizer, (translator.model, *translator.ensemble),
-                           translator.weights)  # fmt: skip
+    rounded (before 2026-11-29; now of its float32 ones, as load_translator hashes them)."""
+    return fingerprint(dataclasses.replace(translator, fingerprint=""))
+
+
+def named_before(translator: Translator, name: str | None) -> bool:
+    """Whether `name`, recorded by a file job or a distillation, is what an earlier tmt named
+    this model, decoding in bf16 or fp16: the same model, named by its rounded weights."""
+    decode = translator.config.decode
+    return (name is not None and decode.engine == "torch" and decode.precision in ("bf16", "fp16")
+            and name == rounded_fingerprint(translator))  # fmt: skip
 
 
 def _weights_digest(
