@@ -272,6 +272,7 @@ def test_bf16_on_a_gpu_without_it_is_refused_or_warned_of(
         with pytest.raises(TmtError, match="decode.precision=bf16: Tesla T4 has no bf16"):
             translate.load_translator(trained_run, ["decode.precision=bf16"])
     kernels.check_bf16("train.precision", "fp16", CUDA)
+    monkeypatch.setattr(kernels, "cpu_has_bf16", lambda: True)  # a CPU's: test_kernels.py
     kernels.check_bf16("train.precision", precision, CPU)
     emulated[0] = True
     with caplog.at_level("WARNING"):

@@ -15,7 +15,7 @@ A CPU with bf16 arithmetic (x86: AVX512_BF16, or AMX) multiplies packed bf16 wei
 faster than packed float32 ones at a decoding step's shapes (half the bytes read, twice the
 products an instruction): decode.precision=bf16 decodes an OPUS-MT-sized model 1.76x faster
 there (the 128-wide demo model 1.1x at beam 4, slower greedy). A CPU without it emulates bf16,
-slower than float32, in decoding and training alike: check_cpu_bf16 warns.
+slower than float32, in decoding and training alike: check_bf16 warns.
 """
 
 from __future__ import annotations
@@ -72,10 +72,19 @@ def attention(choice: str, device: torch.device | str) -> Iterator[None]:
 
 
 def check_bf16(key: str, precision: str, device: torch.device) -> None:
-    """`key`=bf16 (or bf16_weights) on a GPU without bf16 arithmetic (before Ampere: a T4, a
-    V100): refused in one line where PyTorch cannot even emulate it, a warning where it emulates
-    it, slowly; both name fp16, which such a card's tensor cores run."""
-    if device.type != "cuda" or precision not in ("bf16", "bf16_weights"):
+    """`key`=bf16 (or bf16_weights) on a device without bf16 arithmetic. A GPU before Ampere (a
+    T4, a V100): refused in one line where PyTorch cannot even emulate it, a warning where it
+    emulates it, slowly; both name fp16, which such a card's tensor cores run. A CPU without
+    AVX512_BF16 or AMX (cpu_has_bf16): a warning that it is emulated, slower than float32.
+    Decoding an OPUS-MT-shaped model there ran 2.4x slower than in float32 (docs/benchmarks.md:
+    oneDNN held to AVX-512 without its bf16 instructions), where a CPU with them decodes it 1.76x
+    faster and trains a base-sized model 1.48x faster."""
+    if precision not in ("bf16", "bf16_weights"):
+        return
+    if device.type == "cpu" and cpu_has_bf16() is False:
+        logger.warning("%s=%s: this CPU has no bf16 arithmetic (AVX512_BF16 or AMX); it is"
+                       " emulated, slower than fp32 here", key, precision)  # fmt: skip
+    if device.type != "cuda":
         return
     if torch.cuda.is_bf16_supported(including_emulation=False):
         return
@@ -181,15 +190,3 @@ def cpu_has_bf16() -> bool | None:
     probes = (getattr(torch.cpu, name, None) for name in
               ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))  # fmt: skip
     return any(bool(probe()) for probe in probes if probe is not None)
-
-
-def check_cpu_bf16(key: str, precision: str, device: torch.device) -> None:
-    """`key`=bf16 (or bf16_weights) on a CPU without bf16 arithmetic: a warning that it is
-    emulated, slower than float32. Decoding an OPUS-MT-shaped model there ran 2.4x slower than in
-    float32 (docs/benchmarks.md: oneDNN held to AVX-512 without its bf16 instructions), where a
-    CPU with them decodes it 1.76x faster and trains a base-sized model 1.48x faster."""
-    if device.type != "cpu" or precision not in ("bf16", "bf16_weights"):
-        return
-    if cpu_has_bf16() is False:
-        logger.warning("%s=%s: this CPU has no bf16 arithmetic (AVX512_BF16 or AMX); it is"
-                       " emulated, slower than fp32 here", key, precision)  # fmt: skip

@@ -56,7 +56,6 @@ def check_before_training(
         )
     _check_graphs(cfg, device, world_size)
     kernels.check_bf16("train.precision", cfg.train.precision, device)
-    kernels.check_cpu_bf16("train.precision", cfg.train.precision, device)
     vocab = vocab_size or cfg.tokenizer.vocab_size
     what = f"training a model of {parameter_count(cfg.model, vocab):,} parameters (model.*)"
     distributed.check_room(training_bytes(cfg, vocab), device, what)

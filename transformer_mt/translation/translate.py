@@ -256,7 +256,6 @@ def _checked(
     check_engine(cfg, target)
     if cfg.decode.engine == "torch":
         kernels.check_bf16("decode.precision", cfg.decode.precision, target)
-        kernels.check_cpu_bf16("decode.precision", cfg.decode.precision, target)
     if cfg.decode.alignment != "none":  # before a job starts on it
         check_layer(saved.model, cfg.decode.alignment_layer)
     return cfg, target
