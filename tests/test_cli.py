@@ -540,6 +540,36 @@ def test_an_error_ends_a_command_on_one_line_unless_it_is_a_bug(
     assert exits.user_error(named) is None
 
 
+def test_a_library_s_warning_is_printed_once() -> None:
+    """datasets and huggingface_hub print their warnings with a handler of their own and pass
+    them on to the root logger, where tmt's handler printed them a second time (each retry of an
+    unreachable hub twice); transformers does the same where CI is set. In a process of its own:
+    under pytest the root logger has pytest's handlers, and tmt's is not installed."""
+    code = (
+        "import logging, sys\n"
+        "from transformer_mt import cli\n"
+        "cli._log_to_stderr()\n"
+        "hub = logging.getLogger('huggingface_hub')\n"
+        "hub.addHandler(logging.StreamHandler(sys.stderr))\n"
+        "logging.getLogger('huggingface_hub.utils._http').warning('Retrying in 1s')\n"
+        "quiet = logging.getLogger('transformers')\n"
+        "quiet.addHandler(logging.StreamHandler(sys.stderr)); quiet.propagate = False\n"
+        "quiet.warning('said by transformers')\n"
+        "logging.getLogger('transformer_mt.x').warning('said by tmt')\n"
+        "cli._log_to_stderr()\n"  # a second command in the same process adds no handler
+        "logging.getLogger('transformer_mt.x').info('said again')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "Retrying in 1s",
+        "said by transformers",
+        "tmt: said by tmt",
+        "tmt: said again",
+    ]
+
+
 def test_every_shell_script_answers_help_without_running() -> None:
     """scripts/*.sh: -h and --help print the script's own comment and exit 0 before anything
     runs (`bash scripts/budget_matrix.sh --help` started hours of training); one that takes its

@@ -51,13 +51,40 @@ def _flag(param: str) -> str:
     return _FLAG_OF.get(param, "--" + param.replace("_", "-"))
 
 
+def _printed_on_the_way(record: logging.LogRecord) -> bool:
+    """Whether a handler below the root printed `record` already: datasets and huggingface_hub
+    (and transformers where CI is set) print their warnings through a handler of their own and
+    pass them on to the root as well, where tmt printed each again ("Retrying in 1s" then "tmt:
+    Retrying in 1s", for every retry of an unreachable hub)."""
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None and logger is not logging.root:
+        if logger.handlers:
+            return True
+        if not logger.propagate:
+            return False
+        logger = logger.parent
+    return False
+
+
+def _log_to_stderr() -> None:
+    """tmt's messages on stderr as "tmt: ...", each once; a process that has set up logging (a
+    program calling the CLI, pytest) keeps its own."""
+    if logging.root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("tmt: %(message)s"))
+    handler.addFilter(lambda record: not _printed_on_the_way(record))
+    logging.root.addHandler(handler)
+    logging.root.setLevel(logging.INFO)
+
+
 def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     """Bad input ends a command with one line on stderr and exit code 2, never a traceback; the
     parameters an error names are written as this command line's flags."""
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
-        logging.basicConfig(level=logging.INFO, format="tmt: %(message)s", stream=sys.stderr)
+        _log_to_stderr()
         try:
             return command(*args, **kwargs)
         except (TmtError, OSError) as err:  # an OSError the library did not name: still one line
