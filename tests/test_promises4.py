@@ -286,6 +286,47 @@ def test_the_hugging_face_cache_layout_is_read_and_unsafe_links_are_not(
     assert result.exit_code == 2 and "vocab.json" in one_line(result)
 
 
+def test_a_hugging_face_model_id_is_imported_from_the_cache(
+    marian_dirs, tmp_path, monkeypatch
+) -> None:
+    """`tmt import -m OWNER/NAME`, as from_pretrained takes it: the cache's snapshot (the tests
+    run with HF_HUB_OFFLINE=1; a machine online fetches what the import reads from the Hub)."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    repo, revision = cache / "models--tmt-tests--opus-mt-xx", "0123456789abcdef" * 2 + "01234567"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for path in marian_dirs["multi"].iterdir():
+        shutil.copy(path, repo / "blobs" / path.name)
+        (snapshot / path.name).symlink_to(os.path.relpath(repo / "blobs" / path.name, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    out = tmp_path / "imported"
+    result = runner.invoke(app, ["import", "-m", "tmt-tests/opus-mt-xx", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "import.json").read_text())["source"] == str(snapshot.resolve())
+    assert tmt(out, LINES[:4]) == generate(marian_dirs["multi"], LINES[:4], 4)
+    cases = {
+        "tmt-tests/absent": "-m tmt-tests/absent: no such directory, and no Hugging Face model"
+        " tmt-tests/absent in the cache or on the Hub (LocalEntryNotFoundError: ",
+        "no/such/dir": "-m no/such/dir: no such directory (a MarianMTModel directory, or a"
+        " Hugging Face model id OWNER/NAME)",
+        "a--b/c": "-m a--b/c: no such directory (a MarianMTModel",  # not an id the Hub takes
+    }
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    cases["tmt-tests/absent -o mine"] = "--output " + str(tmp_path / "mine") + ": exists and is"
+    for case, message in cases.items():
+        given, _, to = case.partition(" -o ")
+        refused = runner.invoke(app, ["import", "-m", given, "-o", str(tmp_path / (to or "o2"))])
+        assert refused.exit_code == 2, refused.output
+        assert one_line(refused).startswith("tmt: error: " + message)
+    assert not (tmp_path / "o2").exists()
+
+
 def derive_source_ids(separate: Path, out: Path) -> Path:
     """`separate` with </s> at another id in the source vocabulary only (the encoder's rows
     swapped with it): the same function, which transformers runs with the source ids."""

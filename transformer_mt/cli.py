@@ -302,7 +302,7 @@ def import_(
     overwrite: flags.Overwrite = False,
     as_json: flags.AsJson = False,
 ) -> None:
-    """Import a Hugging Face MarianMTModel directory (OPUS-MT) as a tmt model (-m HF_DIR)."""
+    """Import a Hugging Face MarianMTModel (OPUS-MT) as a tmt model: -m HF_DIR or -m OWNER/NAME."""
     from transformer_mt.exchange import pretrained
 
     report = pretrained.import_model(

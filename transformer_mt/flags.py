@@ -148,7 +148,11 @@ TargetLang = Annotated[
 ]
 HfModel = Annotated[
     Path | None,
-    typer.Option("--model", "-m", help="A Hugging Face MarianMTModel directory (OPUS-MT)."),
+    typer.Option(
+        "--model",
+        "-m",
+        help="A Hugging Face MarianMTModel directory (OPUS-MT), or a Hub id OWNER/NAME.",
+    ),
 ]
 Languages = Annotated[
     str | None, typer.Option(help="The model's language, if its tokenizer_config.json lacks it.")

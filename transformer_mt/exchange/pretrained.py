@@ -7,7 +7,8 @@
     HF_DIR/vocab.json                  ... the vocabulary of their pieces (+ target_vocab.json)
     HF_DIR/tokenizer_config.json       the languages, special tokens, separate_vocabs
 
-become a tmt model directory that every command takes with -m:
+(or OWNER/NAME: a Hugging Face model id, from the cache or fetched from the Hub, from_hub) become
+a tmt model directory that every command takes with -m:
 
     DIR/model.pt, DIR/manifest.json    a checkpoint (checkpoint.py): the weights, the config, the
                                        tokenizer (marian_tokenizer.py), verified when read
@@ -29,6 +30,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -60,10 +62,57 @@ def import_model(
     import with `overwrite`); the report of what was imported."""
     source, output = Path(source), Path(output)
     if not source.is_dir():
-        raise TmtError(f"{source}: no such directory (a MarianMTModel directory)", param="model")
+        name = hub_id(source)
+        textio.check_path(output)
+        _check_destination(source, output, overwrite)  # refused before anything is fetched
+        source = from_hub(name)
     textio.check_path(output)
     with textio.OutputLock(output):  # one writer: the checks below hold while it writes
         return _import(source, output, src_lang, tgt_lang, overwrite)
+
+
+# A Hugging Face model id, OWNER/NAME (huggingface_hub's rule for each part, one slash).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+# What an import reads, and no more of a model repository (OPUS-MT's hold TensorFlow, Flax and
+# Rust weights too): the weights as safetensors, or where a repository has none, as PyTorch's.
+_HUB_FILES = ["config.json", "generation_config.json", "tokenizer_config.json",
+              "special_tokens_map.json", *marian_tokenizer.FILES]  # fmt: skip
+_HUB_WEIGHTS = (
+    ["model.safetensors", "model.safetensors.index.json", "model-*.safetensors"],
+    ["pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*.bin"],
+)
+
+
+def hub_id(source: Path) -> str:
+    """`-m` that is no directory here as a Hugging Face model id, OWNER/NAME; else one line."""
+    name = str(source)
+    if source.exists() or not _HUB_ID.fullmatch(name) or ".." in name or "--" in name:
+        raise TmtError(f"{source}: no such directory (a MarianMTModel directory, or a Hugging"
+                       " Face model id OWNER/NAME)", param="model")  # fmt: skip
+    return name
+
+
+def from_hub(name: str) -> Path:
+    """The Hugging Face model `name` (OWNER/NAME) as transformers' from_pretrained finds it (its
+    cache, else the Hub; HF_HUB_OFFLINE=1: the cache alone), only the files an import reads: a
+    snapshot of the cache, read as any directory."""
+    import httpx
+    from huggingface_hub import snapshot_download
+
+    try:
+        for weights in _HUB_WEIGHTS:
+            snapshot = Path(snapshot_download(name, allow_patterns=_HUB_FILES + weights))
+            if any(path for pattern in weights for path in snapshot.glob(pattern)):
+                break
+    # No network and no copy, no such repository, a gated one, offline mode without a copy.
+    except (OSError, ValueError, httpx.HTTPError) as err:
+        raise TmtError(
+            f"{name}: no such directory, and no Hugging Face model {name} in the cache or on"
+            f" the Hub ({type(err).__name__}: {first_line(err)})",
+            param="model",
+        ) from None
+    logger.info("%s: the Hugging Face model, from %s", name, snapshot)
+    return snapshot
 
 
 def _import(
