@@ -6,6 +6,7 @@ import builtins
 import io
 import json
 import os
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -77,8 +78,31 @@ def test_load_model_takes_a_checkpoint_or_a_run(tmp_path: Path, save) -> None:
     (tmp_path / "elsewhere").mkdir()
     with pytest.raises(TmtError, match="not a checkpoint .* nor a run directory"):
         run.load_model(tmp_path / "elsewhere")
-    with pytest.raises(TmtError, match="nowhere: no such file or directory"):
+    with pytest.raises(TmtError, match="nowhere: no such file or directory$"):
         run.load_model(tmp_path / "nowhere")
+
+
+def test_a_model_named_as_transformers_names_one_is_sent_to_tmt_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """-m with a Hub id or a Hugging Face directory (what from_pretrained takes) says what makes
+    it a tmt model; a typo under a directory that is there stays a typo."""
+    monkeypatch.chdir(tmp_path)
+    hub = "; a Hugging Face model id? `tmt import -m Helsinki-NLP/opus-mt-de-en -o DIR` makes it"
+    with pytest.raises(TmtError, match=f"no such file or directory{re.escape(hub)}"):
+        run.load_model(Path("Helsinki-NLP/opus-mt-de-en"))
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(TmtError, match="^runs/x: no such file or directory$"):
+        run.load_model(Path("runs/x"))
+    hf = tmp_path / "opus-mt-de-en"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    with pytest.raises(TmtError, match="a Hugging Face model directory; `tmt import -m"):
+        run.load_model(hf)
+    (hf / "tmt_export.json").write_text("{}")  # tmt export --format huggingface's
+    with pytest.raises(TmtError, match="tmt's Hugging Face export; name its model"):
+        run.load_model(hf)
 
 
 # --- each checkpoint file is opened (read, hashed, verified) once per command -------------------

@@ -448,19 +448,31 @@ def latest_valid(run_dir: Path) -> Path | None:
 AVERAGE = "average"  # OUT_DIR/average: training's final average of its newest checkpoints
 
 
+def _import_hint(path: Path) -> str:
+    """What a Hugging Face directory, or a Hub id (OWNER/NAME, no OWNER here), needs first."""
+    command = f"`tmt import -m {path} -o DIR` makes it a tmt model"
+    weights = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
+    if (path / "config.json").is_file() and any((path / name).is_file() for name in weights):
+        if (path / "tmt_export.json").is_file():  # tmt export --format huggingface
+            return ": tmt's Hugging Face export; name its model"
+        return f": a Hugging Face model directory; {command}"
+    hub_id = not path.exists() and len(path.parts) == 2 and not Path(path.parts[0]).exists()
+    return f"; a Hugging Face model id? {command}" if hub_id else ""
+
+
 def load_model(path: Path) -> Checkpoint:
     """A checkpoint or averaged-model directory as given; for a run directory the model it
     finished with: its average (OUT_DIR/average), else its best checkpoint, else its newest that
     reads. Says which it took."""
     path = Path(path)
     if not path.is_dir():
-        raise TmtError(f"{path}: {checkpoint.not_a_directory(path)}")
+        raise TmtError(f"{path}: {checkpoint.not_a_directory(path)}{_import_hint(path)}")
     if (path / checkpoint.MANIFEST_FILE).is_file():
         return checkpoint.read(path)
     if not (path / CHECKPOINTS).is_dir():
         raise TmtError(
             f"{path}: not a checkpoint (no {checkpoint.MANIFEST_FILE})"
-            f" nor a run directory (no {CHECKPOINTS}/)"
+            f" nor a run directory (no {CHECKPOINTS}/){_import_hint(path)}"
         )
     newest = list_checkpoints(path, links=True)[-1:]
     for kind, candidate in (("average", path / AVERAGE), ("best checkpoint", best(path))):
