@@ -15,6 +15,7 @@ import argparse
 import ast
 import dataclasses
 import io
+import re
 import sys
 import tokenize
 import typing
@@ -47,7 +48,10 @@ def field_comments(source: str) -> dict[tuple[str, str], str]:
     comments: dict[int, str] = {}
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
-            comments[token.start[0]] = token.string.lstrip("#").strip()
+            text = token.string.lstrip("#")
+            # An indented "NAME  meaning" line is one entry of a list (data.source's values).
+            item = re.fullmatch(r"\s{2,}(\S+)\s{2,}(.*)", text)
+            comments[token.start[0]] = f"`{item[1]}`: {item[2]};" if item else text.strip()
     lines = source.splitlines()
     found = {}
     for node in ast.parse(source).body:
@@ -72,7 +76,7 @@ def field_comments(source: str) -> dict[tuple[str, str], str]:
             own = " ".join([*above, *beside])
             found[(node.name, item.target.id)] = own or group  # a field that says nothing itself
             previous_end = item.end_lineno
-    return {key: text.strip() for key, text in found.items()}
+    return {key: text.strip().removesuffix(";") for key, text in found.items()}
 
 
 def accepts(hint: object) -> str:
