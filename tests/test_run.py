@@ -91,6 +91,9 @@ def test_a_model_named_as_transformers_names_one_is_sent_to_tmt_import(
     hub = "; a Hugging Face model id? `tmt import -m Helsinki-NLP/opus-mt-de-en -o DIR` makes it"
     with pytest.raises(TmtError, match=f"no such file or directory{re.escape(hub)}"):
         run.load_model(Path("Helsinki-NLP/opus-mt-de-en"))
+    tuned = CliRunner().invoke(app, ["train", "--init-from", "Helsinki-NLP/opus-mt-de-en",
+                                     "--set", "train.out_dir=run", "--dry-run"])  # fmt: skip
+    assert tuned.exit_code == 2 and "no such checkpoint or run directory" + hub in tuned.stderr
     (tmp_path / "runs").mkdir()
     with pytest.raises(TmtError, match="^runs/x: no such file or directory$"):
         run.load_model(Path("runs/x"))

@@ -278,7 +278,8 @@ def init_model(cfg: Config) -> Checkpoint:
             " train.out_dir (a run resumes from its own checkpoints by itself)"
         )
     if not source.exists():
-        raise TmtError(f"train.init_from={source}: no such checkpoint or run directory")
+        raise TmtError(f"train.init_from={source}: no such checkpoint or run directory"
+                       + _import_hint(source))  # fmt: skip
     parent = load_model(source)
     old, new = to_dict(parent.config), to_dict(cfg)
     differ = [
