@@ -8,6 +8,7 @@ import pytest
 
 from transformer_mt.common import textio
 from transformer_mt.common.exits import TmtError
+from transformer_mt.config import apply_overrides, load_config
 from transformer_mt.data import corpus
 from transformer_mt.translation import evaluate, translate
 
@@ -49,6 +50,48 @@ def test_ter_and_chrf_plus_plus_golden_values() -> None:
     assert "TER = 8.33" in report and "chrF2++ = " in report
     # Training's validation leaves the slow ones out.
     assert "ter" not in evaluate.score(refs, refs, all_metrics=False)
+
+
+def test_bleu_takes_sacrebleus_tokenizer_for_the_target_language(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As sacreBLEU's command picks it from -l: 13a leaves a line of Chinese one token (BLEU 0
+    for all but an exact match), its zh tokenizer splits the characters; Japanese and Korean
+    want MeCab, and without it are scored by character, said once and in the signature."""
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.tokenizers import tokenizer_ja_mecab
+
+    refs = ["我们的狗在公园里跑来跑去。", "今天天气很好，他很高兴。"]
+    hyps = ["我们的狗在公园里跑。", "今天天气很好，她很高兴。"]
+    plain, chinese = evaluate.score(hyps, refs), evaluate.score(hyps, refs, language="zh")
+    assert plain["bleu"] == 0.0 and "tok:13a" in plain["signature"]
+    assert chinese["bleu"] == round(BLEU(tokenize="zh").corpus_score(hyps, [refs]).score, 2) > 30
+    assert "tok:zh" in chinese["signature"] and chinese["bleu_lc"] == chinese["bleu"]
+    assert evaluate.score(hyps, refs, language="de")["bleu"] == 0.0  # 13a: any other language
+    cfg = load_config("multi30k", ["data.tgt_lang=cmn"])
+    assert evaluate.target_language(cfg) == "zh"  # any ISO form of the language
+    assert evaluate.target_language(apply_overrides(cfg, ["decode.target_lang=jpn"])) == "ja"
+    assert evaluate.target_language(None) is None
+    monkeypatch.setattr(tokenizer_ja_mecab, "MeCab", None)  # as where sacrebleu[ja] is not
+    evaluate._said_once.cache_clear()
+    for _ in range(2):
+        japanese = evaluate.score(["犬が走る。"], ["犬が走った。"], language="ja")
+        assert "tok:char" in japanese["signature"] and japanese["bleu"] > 0
+    warned = [r.getMessage() for r in caplog.records if "MeCab" in r.getMessage()]
+    assert len(warned) == 1 and "pip install 'sacrebleu[ja]'" in warned[0]
+    ref, hyp = tmp_path / "ref.zh", tmp_path / "hyp.zh"
+    ref.write_text("\n".join(refs * 20) + "\n")
+    hyp.write_text("\n".join(hyps * 20) + "\n")
+    report = evaluate.compare([("a", hyps * 20), ("b", refs * 20)], refs * 20, cfg=cfg)
+    assert "tok:zh" in report["signatures"]["bleu"]
+    from typer.testing import CliRunner
+
+    from transformer_mt.cli import app
+
+    args = ["evaluate", "--hyp", str(hyp), "--ref", str(ref), "--json"]
+    for setting, tokenizer in (([], "tok:13a"), (["--set", "data.tgt_lang=zh"], "tok:zh")):
+        result = CliRunner().invoke(app, [*args, *setting])
+        assert result.exit_code == 0 and tokenizer in result.stdout, result.output
 
 
 def compare_files(tmp_path: Path) -> dict[str, Path]:

@@ -1,5 +1,6 @@
-"""Scores: sacreBLEU (cased, 13a), chrF and lowercased BLEU of detokenized text, with signatures;
-the validation BLEU of training; and `tmt evaluate`'s library function.
+"""Scores: sacreBLEU (cased; 13a, or its tokenizer for Chinese, Japanese and Korean targets),
+chrF and lowercased BLEU of detokenized text, with signatures; the validation BLEU of training;
+and `tmt evaluate`'s library function.
 
 Validation BLEU decodes through translate.py exactly as `tmt translate` and `tmt evaluate` do, so
 the BLEU seen during training is the BLEU `tmt evaluate` reports.
@@ -8,6 +9,7 @@ the BLEU seen during training is the BLEU `tmt evaluate` reports.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from transformer_mt.common import distributed, textio
+from transformer_mt.common import distributed, languages, textio
 from transformer_mt.common.distributed import DistInfo
 from transformer_mt.common.exits import TmtError
 from transformer_mt.config import Config
@@ -38,18 +40,48 @@ def streams(references: References) -> list[list[str]]:
     return [list(references)]
 
 
+def target_language(cfg: Config | None) -> str | None:
+    """The language of the hypotheses, as sacreBLEU names it: a multi-target model's
+    decode.target_lang, else data.tgt_lang (None: unknown)."""
+    return languages.canonical(cfg.decode.target_lang or cfg.data.tgt_lang) if cfg else None
+
+
+def bleu(language: str | None, lowercase: bool = False) -> Any:
+    """sacreBLEU's BLEU with the tokenizer its own command picks for the target language (`-l`):
+    zh for Chinese, MeCab for Japanese and Korean, 13a for the rest (13a leaves a line of Chinese
+    one token, so BLEU says nothing). Without MeCab (pip install 'sacrebleu[ja]' or [ko]),
+    Japanese and Korean are split into characters: said once, and the signature says tok:char."""
+    from sacrebleu.metrics import BLEU
+
+    try:
+        return BLEU(lowercase=lowercase, trg_lang=language or "")
+    except RuntimeError:  # sacreBLEU's MeCab tokenizers, without MeCab
+        _said_once(f"BLEU of {language} text: MeCab is not installed (pip install"
+                   f" 'sacrebleu[{language}]', sacreBLEU's tokenizer for it); scored with its"
+                   " 'char' tokenizer instead (tok:char in the signature)")  # fmt: skip
+        return BLEU(lowercase=lowercase, tokenize="char")
+
+
+@functools.cache
+def _said_once(message: str) -> None:
+    logging.getLogger(__name__).warning(message)
+
+
 def score(
-    hypotheses: Sequence[str], references: References, all_metrics: bool = True
+    hypotheses: Sequence[str],
+    references: References,
+    all_metrics: bool = True,
+    language: str | None = None,
 ) -> dict[str, Any]:
-    """sacreBLEU (cased, 13a tokenization), chrF and lowercased BLEU of detokenized text, against
-    one reference or several; with all_metrics also chrF++ (word bigrams too) and TER
-    (sacreBLEU's tercom: lowercased, lower is better; the slow one, so training's validation
-    leaves both out)."""
-    from sacrebleu.metrics import BLEU, CHRF, TER
+    """sacreBLEU (cased; the tokenizer of the target `language`, bleu()), chrF and lowercased
+    BLEU of detokenized text, against one reference or several; with all_metrics also chrF++
+    (word bigrams too) and TER (sacreBLEU's tercom: lowercased, lower is better; the slow one,
+    so training's validation leaves both out)."""
+    from sacrebleu.metrics import CHRF, TER
 
     refs = streams(references)
     _check_counts(hypotheses, refs)
-    metrics = {"bleu": BLEU(), "chrf": CHRF(), "bleu_lc": BLEU(lowercase=True)}
+    metrics = {"bleu": bleu(language), "chrf": CHRF(), "bleu_lc": bleu(language, lowercase=True)}
     if all_metrics:
         metrics |= {"chrfpp": CHRF(word_order=2), "ter": TER()}
     report: dict[str, Any] = {
@@ -117,7 +149,7 @@ def compare(
     the null hypothesis that the system and the baseline score the same (two-sided: the absolute
     difference). sacreBLEU's fixed seed (SACREBLEU_SEED, 12345) makes the figures repeatable.
     Against one reference or several; without `references`, those of the config's `split`."""
-    from sacrebleu.metrics import BLEU, CHRF, TER
+    from sacrebleu.metrics import CHRF, TER
     from sacrebleu.significance import PairedTest
 
     if len(systems) < 2:
@@ -133,7 +165,7 @@ def compare(
     logging.getLogger("sacrebleu").setLevel(logging.WARNING)  # its progress, line by line
     results: dict[str, Any] = {}
     for test in ("bs", "ar"):
-        metrics = {"BLEU": BLEU(), "chrF2": CHRF(), "TER": TER()}
+        metrics = {"BLEU": bleu(target_language(cfg)), "chrF2": CHRF(), "TER": TER()}
         # The bootstrap gives the confidence intervals; randomization adds only its p-values.
         signatures, scores = PairedTest(named, metrics, refs, test_type=test, n_ar_confidence=-1)()
         results[test] = (signatures, scores)
@@ -226,7 +258,7 @@ def validation_bleu(
         hypotheses = [
             shards[i % info.world_size][i // info.world_size] for i in range(len(sources))
         ]
-        result = score(hypotheses, references, all_metrics=False)
+        result = score(hypotheses, references, all_metrics=False, language=target_language(cfg))
         figures += torch.tensor(
             [result["bleu"], result["chrf"]], dtype=torch.float64, device=info.device
         )
@@ -367,7 +399,9 @@ def evaluate(
         if len(sources) != count:
             raise TmtError(f"{len(sources)} source lines but {count} references: counts must match")
         hypotheses = translate_text(translator, sources)
-    report = {**score(hypotheses, references), "model": translator.origin if translator else None}
+    language = target_language(translator.config if translator else cfg)
+    report = {**score(hypotheses, references, language=language),
+              "model": translator.origin if translator else None}  # fmt: skip
     if glossary is not None:
         if sources is None or len(sources) != len(hypotheses):
             raise TmtError("term use needs the sources the hypotheses translate: a split, or -i")
