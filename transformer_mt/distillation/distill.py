@@ -361,7 +361,7 @@ class _Distillation:
         report = {
             "split": split,
             "speed": speed,
-            "comparison": evaluate.compare(systems, references, split=split),
+            "comparison": evaluate.compare(systems, references, split=split, cfg=self.cfg),
         }
         self._record("evaluation", {"identity": identity, "report": report,
                                     "files": self._hashes(paths)})  # fmt: skip
