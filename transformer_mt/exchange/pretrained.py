@@ -61,12 +61,11 @@ def import_model(
     """Import the MarianMTModel directory `source` into `output` (a new directory, or an earlier
     import with `overwrite`); the report of what was imported."""
     source, output = Path(source), Path(output)
-    if not source.is_dir():
-        name = hub_id(source)
-        textio.check_path(output)
+    name = None if source.is_dir() else hub_id(source)
+    textio.check_path(output)
+    if name is not None:
         _check_destination(source, output, overwrite)  # refused before anything is fetched
         source = from_hub(name)
-    textio.check_path(output)
     with textio.OutputLock(output):  # one writer: the checks below hold while it writes
         return _import(source, output, src_lang, tgt_lang, overwrite)
 
