@@ -184,6 +184,36 @@ def test_matching_equals_a_plain_reference(entries, words) -> None:
     assert spans == naive_match(unique, words)
 
 
+def test_scripts_without_spaces_match_character_by_character() -> None:
+    """Chinese, Japanese and Thai put no space between words: each character is a word, so a
+    term matches inside a run of them (as one \\w run, 公园 matched in no sentence), as
+    sacreBLEU's zh tokenizer reads them; a Latin word among them stays whole."""
+    assert matched("公园\tpark\n", "我们的狗在公园里跑来跑去。") == ["公园"]
+    assert matched("公园\tpark\n公园里\tin the park\n", "狗在公园里，公园外") == ["公园里", "公园"]
+    assert matched("東京\tTokyo\n", "東京都に行く") == ["東京"]
+    assert matched("カメラ\tcamera\n", "新しいカメラを買った") == ["カメラ"]
+    assert matched("ภาษา\tlanguage\n", "ภาษาไทยง่าย") == ["ภาษา"]
+    assert matched("iPhone\tiPhone\n", "我的iPhone坏了") == ["iPhone"]
+    assert matched("Phone\tphone\n", "我的iPhone坏了") == []  # a Latin word stays whole
+    entry = glossaries.Entry("park", ("公园",), 1)
+    assert glossaries.used(entry, "我们在公园里。") == 0
+    assert glossaries.used(entry, "我们在公里。") is None
+    assert [w for w, _, _ in glossaries.words("T-Shirt 漢字")] == ["T-Shirt", "漢", "字"]
+
+
+def test_a_character_of_a_script_without_spaces_never_runs_a_term_on() -> None:
+    """Strict blocks, right after a term, the pieces that would make it part of a longer word
+    ("coffee" + "ing"); a piece of Chinese or Thai starts a word of its own, so it follows."""
+    from types import SimpleNamespace
+
+    from transformer_mt.network import constraints
+
+    pieces = ["\u2581a", "ing", "里", "公园", "-x", "\u2581公", "ภา", "<0xE5>", "ア"]
+    tok = SimpleNamespace(sha256="stub-cjk", pieces=lambda side: pieces)
+    flags = constraints.word_continuations(tok).tolist()
+    assert flags == [False, True, False, False, True, False, False, True, False]
+
+
 def test_an_output_uses_an_entry_as_whole_words() -> None:
     entry = glossaries.Entry("Hund", ("dog", "big hound"), 1)
     assert glossaries.used(entry, "Dog runs.") == 0  # a sentence's first word
@@ -202,7 +232,9 @@ def test_a_term_may_not_run_on_into_a_longer_word(model) -> None:
     for piece, flag in zip(pieces, continues, strict=True):
         if piece.startswith("\u2581") or piece.startswith("<0x"):
             continue
-        assert flag == (piece[:1].isalnum() or piece[:1] in "-\u2010\u2011"), piece
+        first = piece[:1]
+        joins = (first.isalnum() and not glossaries.unspaced(first)) or first in "-\u2010\u2011"
+        assert flag == joins, piece
     assert any(p.startswith("-") and continues[i] for i, p in enumerate(pieces))
     assert not any(continues[i] for i, p in enumerate(pieces) if p.startswith("\u2581"))
 

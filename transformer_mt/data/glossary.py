@@ -12,7 +12,8 @@ is not the model's. A source longer than glossary.max_source_words words (when s
 counted (Glossary.skipped), never a reason to refuse the file.
 
 Matching works on words: runs of letters, digits and marks, joined by inner hyphens (T-Shirt is
-one word, so `Shirt` does not fire inside it, nor `Mann` inside `Feuerwehrmann`); an apostrophe,
+one word, so `Shirt` does not fire inside it, nor `Mann` inside `Feuerwehrmann`), each character
+of a script written without spaces (UNSPACED: Chinese, kana, Thai, ...) a word; an apostrophe,
 and any other punctuation, is a word of its own (`Martin's` is Martin ' s, and `Martin` matches
 in it). Typographic apostrophes and hyphens count as the plain ones. Case is ignored unless
 glossary.case_sensitive. The entries sit in a trie of words, built once per glossary (and kept:
@@ -60,10 +61,19 @@ def _mark_ranges() -> str:
 
 
 _MARKS = _mark_ranges()
-_LETTER = rf"[\w{_MARKS}]"
-_WORDS = re.compile(rf"{_LETTER}+(?:[-\u2010\u2011]{_LETTER}+)*|[^\s\w]", re.UNICODE)
+# Scripts written without spaces between words (Thai, Lao, Myanmar, Khmer, kana, Han): each of
+# their characters is a word, so a term matches inside a run of them, as sacreBLEU's zh tokenizer
+# and the WMT23 terminology task's substring search read Chinese (as one \w run, 公园 matched
+# in no sentence).
+UNSPACED = ("\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf"
+            "\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003134f")  # fmt: skip
+_UNSPACED = re.compile(f"[{UNSPACED}]")
+_LETTER = rf"(?:[^\W{UNSPACED}]|[{_MARKS}])"
+_WORDS = re.compile(rf"{_LETTER}+(?:[-\u2010\u2011]{_LETTER}+)*|[{UNSPACED}]|[^\s\w]")
 # The same words where a text has no combining mark (most texts, after NFC): half the work.
-_PLAIN_WORDS = re.compile(r"\w+(?:[-\u2010\u2011]\w+)*|[^\s\w]", re.UNICODE)
+_PLAIN_WORDS = re.compile(
+    rf"[^\W{UNSPACED}]+(?:[-\u2010\u2011][^\W{UNSPACED}]+)*|[{UNSPACED}]|[^\s\w]"
+)
 _HAS_MARK = re.compile(f"[{_MARKS}]")
 _ABOVE_LATIN = re.compile("[\u0300-\U0010ffff]")
 _SAME = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'", "`": "'", "\u2010": "-",
@@ -184,7 +194,12 @@ def _words_of(text: str) -> re.Pattern[str]:
 def words(text: str) -> list[tuple[str, int, int]]:
     """The words of `text` with their character spans in it (as given: compare them by
     `plain`)."""
-    return [(m.group(), m.start(), m.end()) for m in _WORDS.finditer(text)]
+    return [(m.group(), m.start(), m.end()) for m in _words_of(text).finditer(text)]
+
+
+def unspaced(character: str) -> bool:
+    """Whether `character` is of a script written without spaces (a word of its own)."""
+    return _UNSPACED.match(character) is not None
 
 
 def plain(word: str) -> str:

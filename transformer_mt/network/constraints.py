@@ -324,12 +324,14 @@ _HYPHENS = "-\u2010\u2011"  # join two words into one (glossary.words)
 def word_continuations(tok: Tokenizer) -> torch.Tensor:
     """(V,) the target pieces that continue a word: no word-start mark, and a letter, digit,
     hyphen or byte first (what may not follow a glossary term: it would make it part of a longer
-    word, as glossary.words reads "coffee-like" as one word)."""
+    word, as glossary.words reads "coffee-like" as one word), but no character of a script
+    without spaces (glossary.UNSPACED: each is a word)."""
     if tok.sha256 not in _CONTINUES:
         flags = []
         for piece in tok.pieces("target"):
             byte = piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6
-            joined = piece[:1].isalnum() or piece[:1] in _HYPHENS
+            first = piece[:1]  # a character of Chinese or Thai is a word of its own
+            joined = (first.isalnum() and not glossaries.unspaced(first)) or first in _HYPHENS
             flags.append(byte or (not piece.startswith("\u2581") and joined))
         _CONTINUES[tok.sha256] = torch.tensor(flags, dtype=torch.bool)
     return _CONTINUES[tok.sha256]
