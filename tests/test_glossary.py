@@ -214,6 +214,31 @@ def test_a_character_of_a_script_without_spaces_never_runs_a_term_on() -> None:
     assert flags == [False, True, False, False, True, False, False, True, False]
 
 
+def test_a_chinese_term_may_run_on_from_the_word_before_it() -> None:
+    """A target in a script without spaces is also a constraint without the word-start mark, as
+    a Chinese sentence goes on into a word (written at a word start only, the term came out
+    after a space: "我们在 公园")."""
+    import dataclasses
+
+    from transformer_mt.config import load_config
+    from transformer_mt.data.tokenizer import train_tokenizer
+    from transformer_mt.network import constraints
+
+    zh = ["我们的狗在公园里跑来跑去。", "今天天气很好，他很高兴。", "公园里有很多人。",
+          "我们明天去公园。", "他在公园里看书。", "a dog runs in the park"] * 40  # fmt: skip
+    cfg = load_config("tiny", []).tokenizer
+    tok = train_tokenizer(zh, dataclasses.replace(cfg, vocab_size=80, byte_fallback=False))
+    glossary = glossaries.parse("park\t公园\ndog\tdog\n", "tsv", "g")
+    park, dog = constraints.compile_terms(tok, glossary.match("a park, a dog"))
+    written = [tok.id_to_piece(i) for i in park[0]]
+    assert written[0].startswith("\u2581") and len(park) == 2  # at a word start, and run on
+    assert not tok.id_to_piece(park[1][0]).startswith("\u2581")
+    before = tok.encode(["我们在"], side="target")[0]
+    assert tok.decode([before + park[1]]) == ["我们在公园"]
+    assert tok.decode([before + park[0]]) == ["我们在 公园"]
+    assert dog == [tok.encode(["dog"], side="target")[0]]  # at a word start only ("Dog": unknown)
+
+
 def test_an_output_uses_an_entry_as_whole_words() -> None:
     entry = glossaries.Entry("Hund", ("dog", "big hound"), 1)
     assert glossaries.used(entry, "Dog runs.") == 0  # a sentence's first word

@@ -296,8 +296,11 @@ _PIECES: dict[tuple[str, str], list[int]] = {}
 
 def compile_terms(tok: Tokenizer, matches: Sequence[glossaries.Match]) -> Terms:
     """Each entry's alternatives as the target tokenizer writes them at a word start, as they
-    stand and with a capital first letter (a sentence's first word); an alternative with a piece
-    the model cannot write (unknown) is left out, and an entry left with none becomes []."""
+    stand and with a capital first letter (a sentence's first word), and for a target in a
+    script written without spaces (Chinese, Japanese) also as a sentence goes on into it, with no
+    word-start mark (else the output would hold a space before the term: "我们在 公园里"); an
+    alternative with a piece the model cannot write (unknown) is left out, and an entry left
+    with none becomes []."""
     terms = []
     for match in matches:
         alternatives: list[list[int]] = []
@@ -309,10 +312,26 @@ def compile_terms(tok: Tokenizer, matches: Sequence[glossaries.Match]) -> Terms:
                         _PIECES.clear()
                     _PIECES[key] = tok.encode([text], side="target")[0]
                 pieces = _PIECES[key]
-                if pieces and tok.unk_id not in pieces and pieces not in alternatives:
-                    alternatives.append(pieces)
+                written = [pieces]
+                if pieces and glossaries.unspaced(text[:1]):
+                    written.append(_run_on(tok, pieces))
+                for way in written:
+                    if way and tok.unk_id not in way and way not in alternatives:
+                        alternatives.append(way)
         terms.append(alternatives)
     return terms
+
+
+def _run_on(tok: Tokenizer, pieces: list[int]) -> list[int]:
+    """`pieces` (a term as written at a word start) without the word-start mark of the first:
+    [] where the vocabulary has no such piece."""
+    first = tok.id_to_piece(pieces[0], "target")
+    if not first.startswith("\u2581"):
+        return pieces
+    if first == "\u2581":
+        return pieces[1:]
+    rest = tok.piece_to_id(first[1:], "target")
+    return [rest, *pieces[1:]] if rest != tok.unk_id else []
 
 
 _CONTINUES: dict[str, torch.Tensor] = {}
