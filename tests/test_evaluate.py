@@ -65,6 +65,8 @@ def test_bleu_takes_sacrebleus_tokenizer_for_the_target_language(
     hyps = ["我们的狗在公园里跑。", "今天天气很好，她很高兴。"]
     plain, chinese = evaluate.score(hyps, refs), evaluate.score(hyps, refs, language="zh")
     assert plain["bleu"] == 0.0 and "tok:13a" in plain["signature"]
+    assert plain["ter"] == 100.0 and "asian:no" in plain["ter_signature"]  # one word a sentence
+    assert 0 < chinese["ter"] < 50 and "asian:yes" in chinese["ter_signature"]
     assert chinese["bleu"] == round(BLEU(tokenize="zh").corpus_score(hyps, [refs]).score, 2) > 30
     assert "tok:zh" in chinese["signature"] and chinese["bleu_lc"] == chinese["bleu"]
     assert evaluate.score(hyps, refs, language="de")["bleu"] == 0.0  # 13a: any other language

@@ -62,6 +62,16 @@ def bleu(language: str | None, lowercase: bool = False) -> Any:
         return BLEU(lowercase=lowercase, tokenize="char")
 
 
+def ter(language: str | None) -> Any:
+    """sacreBLEU's TER; for Chinese and Japanese with its normalization and asian_support, which
+    make their characters words of their own (without, a sentence of them is one word and TER
+    says nothing; asian_support works only inside the normalization)."""
+    from sacrebleu.metrics import TER
+
+    asian = language in ("zh", "ja")
+    return TER(normalized=asian, asian_support=asian)
+
+
 @functools.cache
 def _said_once(message: str) -> None:
     logging.getLogger(__name__).warning(message)
@@ -77,13 +87,13 @@ def score(
     BLEU of detokenized text, against one reference or several; with all_metrics also chrF++
     (word bigrams too) and TER (sacreBLEU's tercom: lowercased, lower is better; the slow one,
     so training's validation leaves both out)."""
-    from sacrebleu.metrics import CHRF, TER
+    from sacrebleu.metrics import CHRF
 
     refs = streams(references)
     _check_counts(hypotheses, refs)
     metrics = {"bleu": bleu(language), "chrf": CHRF(), "bleu_lc": bleu(language, lowercase=True)}
     if all_metrics:
-        metrics |= {"chrfpp": CHRF(word_order=2), "ter": TER()}
+        metrics |= {"chrfpp": CHRF(word_order=2), "ter": ter(language)}
     report: dict[str, Any] = {
         name: round(metric.corpus_score(list(hypotheses), refs).score, 2)
         for name, metric in metrics.items()
@@ -149,7 +159,7 @@ def compare(
     the null hypothesis that the system and the baseline score the same (two-sided: the absolute
     difference). sacreBLEU's fixed seed (SACREBLEU_SEED, 12345) makes the figures repeatable.
     Against one reference or several; without `references`, those of the config's `split`."""
-    from sacrebleu.metrics import CHRF, TER
+    from sacrebleu.metrics import CHRF
     from sacrebleu.significance import PairedTest
 
     if len(systems) < 2:
@@ -165,7 +175,8 @@ def compare(
     logging.getLogger("sacrebleu").setLevel(logging.WARNING)  # its progress, line by line
     results: dict[str, Any] = {}
     for test in ("bs", "ar"):
-        metrics = {"BLEU": bleu(target_language(cfg)), "chrF2": CHRF(), "TER": TER()}
+        language = target_language(cfg)
+        metrics = {"BLEU": bleu(language), "chrF2": CHRF(), "TER": ter(language)}
         # The bootstrap gives the confidence intervals; randomization adds only its p-values.
         signatures, scores = PairedTest(named, metrics, refs, test_type=test, n_ar_confidence=-1)()
         results[test] = (signatures, scores)
