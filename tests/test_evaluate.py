@@ -91,9 +91,17 @@ def test_bleu_takes_sacrebleus_tokenizer_for_the_target_language(
     from transformer_mt.cli import app
 
     args = ["evaluate", "--hyp", str(hyp), "--ref", str(ref), "--json"]
+    evaluate._said_once.cache_clear()
+    caplog.clear()
     for setting, tokenizer in (([], "tok:13a"), (["--set", "data.tgt_lang=zh"], "tok:zh")):
         result = CliRunner().invoke(app, [*args, *setting])
         assert result.exit_code == 0 and tokenizer in result.stdout, result.output
+    # Chinese references scored as English (the default config's language): said, once.
+    said = [r.getMessage() for r in caplog.records if "without spaces" in r.getMessage()]
+    assert len(said) == 1 and "scored as en" in said[0] and "--set data.tgt_lang=zh" in said[0]
+    caplog.clear()
+    evaluate.score(["A dog runs.", "公园"], ["A dog runs.", "公园"])  # mostly Latin: nothing
+    assert not [r for r in caplog.records if "without spaces" in r.getMessage()]
 
 
 def compare_files(tmp_path: Path) -> dict[str, Path]:

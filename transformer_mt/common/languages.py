@@ -88,3 +88,24 @@ def same_language(a: str, b: str) -> bool:
 
 def is_known(code: str) -> bool:
     return canonical(code) is not None
+
+
+# Scripts written without spaces between words (Thai, Lao, Myanmar, Khmer, kana, Han), as
+# character ranges for a regex class: glossaries take each character for a word, and scores warn
+# where references in them would be read as a language with spaces.
+UNSPACED = ("\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf"
+            "\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003134f")  # fmt: skip
+_UNSPACED = re.compile(f"[{UNSPACED}]")
+# The languages written in them (tmt clean measures their lengths in characters, not words).
+NO_SPACES = frozenset(["zh", "ja", "th", "lo", "km", "my"])
+
+
+def unspaced(character: str) -> bool:
+    """Whether `character` is of a script written without spaces (a word of its own)."""
+    return _UNSPACED.match(character) is not None
+
+
+def unspaced_share(text: str) -> float:
+    """The share of `text`'s letters that are of scripts written without spaces (0 for none)."""
+    letters = sum(map(str.isalpha, text))
+    return len(_UNSPACED.findall(text)) / letters if letters else 0.0

@@ -68,7 +68,7 @@ _ISO_SCRIPTS = {"Latn": "LATIN", "Cyrl": "CYRILLIC", "Arab": "ARABIC", "Deva": "
                 "Thai": "THAI", "Hang": "HANGUL"}  # fmt: skip
 # Languages written without spaces between words: lengths in characters, ratios in UTF-8 bytes
 # (bicleaner's rule for CJK), no word counts.
-NO_SPACES = frozenset(["zh", "ja", "th", "lo", "km", "my"])
+NO_SPACES = languages.NO_SPACES
 # Mis-decoded UTF-8 read as Latin-1 or cp1252 (mojibake): a lead byte's character (Ã, Â, â, Å)
 # before a continuation byte's (U+0080-U+00BF, or what cp1252 makes of 0x80-0x9F: € „ ™ œ ž ...),
 # as in "CafÃ©", "â€žHalloâ€œ" (bicleaner's no_bad_encoding, sharpened so that Portuguese "SÃO"

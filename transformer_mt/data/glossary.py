@@ -13,7 +13,8 @@ counted (Glossary.skipped), never a reason to refuse the file.
 
 Matching works on words: runs of letters, digits and marks, joined by inner hyphens (T-Shirt is
 one word, so `Shirt` does not fire inside it, nor `Mann` inside `Feuerwehrmann`), each character
-of a script written without spaces (UNSPACED: Chinese, kana, Thai, ...) a word; an apostrophe,
+of a script written without spaces (languages.UNSPACED: Chinese, kana, Thai, ...) a word; an
+apostrophe,
 and any other punctuation, is a word of its own (`Martin's` is Martin ' s, and `Martin` matches
 in it). Typographic apostrophes and hyphens count as the plain ones. Case is ignored unless
 glossary.case_sensitive. The entries sit in a trie of words, built once per glossary (and kept:
@@ -61,13 +62,10 @@ def _mark_ranges() -> str:
 
 
 _MARKS = _mark_ranges()
-# Scripts written without spaces between words (Thai, Lao, Myanmar, Khmer, kana, Han): each of
-# their characters is a word, so a term matches inside a run of them, as sacreBLEU's zh tokenizer
-# and the WMT23 terminology task's substring search read Chinese (as one \w run, 公园 matched
-# in no sentence).
-UNSPACED = ("\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf"
-            "\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003134f")  # fmt: skip
-_UNSPACED = re.compile(f"[{UNSPACED}]")
+# Each character of a script written without spaces (languages.UNSPACED) is a word, so a term
+# matches inside a run of them, as sacreBLEU's zh tokenizer and the WMT23 terminology task's
+# substring search read Chinese (as one \w run, 公园 matched in no sentence).
+UNSPACED = languages.UNSPACED
 _LETTER = rf"(?:[^\W{UNSPACED}]|[{_MARKS}])"
 _WORDS = re.compile(rf"{_LETTER}+(?:[-\u2010\u2011]{_LETTER}+)*|[{UNSPACED}]|[^\s\w]")
 # The same words where a text has no combining mark (most texts, after NFC): half the work.
@@ -197,9 +195,7 @@ def words(text: str) -> list[tuple[str, int, int]]:
     return [(m.group(), m.start(), m.end()) for m in _words_of(text).finditer(text)]
 
 
-def unspaced(character: str) -> bool:
-    """Whether `character` is of a script written without spaces (a word of its own)."""
-    return _UNSPACED.match(character) is not None
+unspaced = languages.unspaced  # a character of a script written without spaces: a word
 
 
 def plain(word: str) -> str:

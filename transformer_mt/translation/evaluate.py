@@ -72,6 +72,20 @@ def ter(language: str | None) -> Any:
     return TER(normalized=asian, asian_support=asian)
 
 
+def check_language(refs: list[list[str]], language: str | None) -> None:
+    """A warning where the references are mostly of scripts written without spaces (Chinese,
+    Japanese, Thai ...) but are scored as another language: 13a reads such a line as about one
+    word, so BLEU is near 0 whatever the hypotheses."""
+    if language in languages.NO_SPACES:
+        return
+    sample = "".join(line for stream in refs for line in stream[:200])
+    if languages.unspaced_share(sample) > 0.5:
+        _said_once(f"the references are mostly written without spaces between words (Chinese,"
+                   f" Japanese, Thai ...), but are scored as {language or 'an unknown language'}"
+                   " (13a: a line is about one word); name their language, e.g. --set"
+                   " data.tgt_lang=zh")  # fmt: skip
+
+
 @functools.cache
 def _said_once(message: str) -> None:
     logging.getLogger(__name__).warning(message)
@@ -91,6 +105,7 @@ def score(
 
     refs = streams(references)
     _check_counts(hypotheses, refs)
+    check_language(refs, language)
     metrics = {"bleu": bleu(language), "chrf": CHRF(), "bleu_lc": bleu(language, lowercase=True)}
     if all_metrics:
         metrics |= {"chrfpp": CHRF(word_order=2), "ter": ter(language)}
@@ -173,9 +188,10 @@ def compare(
         _check_counts(hypotheses, refs, name)
     named = [(name, list(hypotheses)) for name, hypotheses in systems]
     logging.getLogger("sacrebleu").setLevel(logging.WARNING)  # its progress, line by line
+    language = target_language(cfg)
+    check_language(refs, language)
     results: dict[str, Any] = {}
     for test in ("bs", "ar"):
-        language = target_language(cfg)
         metrics = {"BLEU": bleu(language), "chrF2": CHRF(), "TER": ter(language)}
         # The bootstrap gives the confidence intervals; randomization adds only its p-values.
         signatures, scores = PairedTest(named, metrics, refs, test_type=test, n_ar_confidence=-1)()
