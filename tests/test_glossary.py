@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from transformer_mt.cli import app
+from transformer_mt.common import languages
 from transformer_mt.common.exits import TmtError
 from transformer_mt.data import glossary as glossaries
 from transformer_mt.translation import streams, translate
@@ -258,7 +259,7 @@ def test_a_term_may_not_run_on_into_a_longer_word(model) -> None:
         if piece.startswith("\u2581") or piece.startswith("<0x"):
             continue
         first = piece[:1]
-        joins = (first.isalnum() and not glossaries.unspaced(first)) or first in "-\u2010\u2011"
+        joins = (first.isalnum() and not languages.unspaced(first)) or first in "-\u2010\u2011"
         assert flag == joins, piece
     assert any(p.startswith("-") and continues[i] for i, p in enumerate(pieces))
     assert not any(continues[i] for i, p in enumerate(pieces) if p.startswith("\u2581"))

@@ -65,12 +65,12 @@ _MARKS = _mark_ranges()
 # Each character of a script written without spaces (languages.UNSPACED) is a word, so a term
 # matches inside a run of them, as sacreBLEU's zh tokenizer and the WMT23 terminology task's
 # substring search read Chinese (as one \w run, 公园 matched in no sentence).
-UNSPACED = languages.UNSPACED
-_LETTER = rf"(?:[^\W{UNSPACED}]|[{_MARKS}])"
-_WORDS = re.compile(rf"{_LETTER}+(?:[-\u2010\u2011]{_LETTER}+)*|[{UNSPACED}]|[^\s\w]")
+_UNSPACED = languages.UNSPACED
+_LETTER = rf"(?:[^\W{_UNSPACED}]|[{_MARKS}])"
+_WORDS = re.compile(rf"{_LETTER}+(?:[-\u2010\u2011]{_LETTER}+)*|[{_UNSPACED}]|[^\s\w]")
 # The same words where a text has no combining mark (most texts, after NFC): half the work.
 _PLAIN_WORDS = re.compile(
-    rf"[^\W{UNSPACED}]+(?:[-\u2010\u2011][^\W{UNSPACED}]+)*|[{UNSPACED}]|[^\s\w]"
+    rf"[^\W{_UNSPACED}]+(?:[-\u2010\u2011][^\W{_UNSPACED}]+)*|[{_UNSPACED}]|[^\s\w]"
 )
 _HAS_MARK = re.compile(f"[{_MARKS}]")
 _ABOVE_LATIN = re.compile("[\u0300-\U0010ffff]")
@@ -193,9 +193,6 @@ def words(text: str) -> list[tuple[str, int, int]]:
     """The words of `text` with their character spans in it (as given: compare them by
     `plain`)."""
     return [(m.group(), m.start(), m.end()) for m in _words_of(text).finditer(text)]
-
-
-unspaced = languages.unspaced  # a character of a script written without spaces: a word
 
 
 def plain(word: str) -> str:

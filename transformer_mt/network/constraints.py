@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from transformer_mt.common import languages
 from transformer_mt.data import glossary as glossaries
 from transformer_mt.data.tokenizer import Tokenizer
 from transformer_mt.network.automaton import Automata, Terms
@@ -313,7 +314,7 @@ def compile_terms(tok: Tokenizer, matches: Sequence[glossaries.Match]) -> Terms:
                     _PIECES[key] = tok.encode([text], side="target")[0]
                 pieces = _PIECES[key]
                 written = [pieces]
-                if pieces and glossaries.unspaced(text[:1]):
+                if pieces and languages.unspaced(text[:1]):
                     written.append(_run_on(tok, pieces))
                 for way in written:
                     if way and tok.unk_id not in way and way not in alternatives:
@@ -344,13 +345,13 @@ def word_continuations(tok: Tokenizer) -> torch.Tensor:
     """(V,) the target pieces that continue a word: no word-start mark, and a letter, digit,
     hyphen or byte first (what may not follow a glossary term: it would make it part of a longer
     word, as glossary.words reads "coffee-like" as one word), but no character of a script
-    without spaces (glossary.UNSPACED: each is a word)."""
+    without spaces (languages.UNSPACED: each is a word)."""
     if tok.sha256 not in _CONTINUES:
         flags = []
         for piece in tok.pieces("target"):
             byte = piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6
             first = piece[:1]  # a character of Chinese or Thai is a word of its own
-            joined = (first.isalnum() and not glossaries.unspaced(first)) or first in _HYPHENS
+            joined = (first.isalnum() and not languages.unspaced(first)) or first in _HYPHENS
             flags.append(byte or (not piece.startswith("\u2581") and joined))
         _CONTINUES[tok.sha256] = torch.tensor(flags, dtype=torch.bool)
     return _CONTINUES[tok.sha256]
