@@ -105,6 +105,11 @@ def unspaced(character: str) -> bool:
     return _UNSPACED.match(character) is not None
 
 
+def any_unspaced(text: str) -> bool:
+    """Whether `text` holds a character of a script written without spaces."""
+    return _UNSPACED.search(text) is not None
+
+
 def unspaced_share(text: str) -> float:
     """The share of `text`'s letters that are of scripts written without spaces (0 for none)."""
     letters = sum(map(str.isalpha, text))

@@ -62,17 +62,20 @@ def _mark_ranges() -> str:
 
 
 _MARKS = _mark_ranges()
+_LETTER = rf"[\w{_MARKS}]"
+_WORDS = re.compile(rf"{_LETTER}+(?:[-\u2010\u2011]{_LETTER}+)*|[^\s\w]")
+# The same words where a text has no combining mark (most texts, after NFC): half the work.
+_PLAIN_WORDS = re.compile(r"\w+(?:[-\u2010\u2011]\w+)*|[^\s\w]")
 # Each character of a script written without spaces (languages.UNSPACED) is a word, so a term
 # matches inside a run of them, as sacreBLEU's zh tokenizer and the WMT23 terminology task's
-# substring search read Chinese (as one \w run, 公园 matched in no sentence).
-_UNSPACED = languages.UNSPACED
-_LETTER = rf"(?:[^\W{_UNSPACED}]|[{_MARKS}])"
-_WORDS = re.compile(rf"{_LETTER}+(?:[-\u2010\u2011]{_LETTER}+)*|[{_UNSPACED}]|[^\s\w]")
-# The same words where a text has no combining mark (most texts, after NFC): half the work.
-_PLAIN_WORDS = re.compile(
-    rf"[^\W{_UNSPACED}]+(?:[-\u2010\u2011][^\W{_UNSPACED}]+)*|[{_UNSPACED}]|[^\s\w]"
-)
+# substring search read Chinese (as one \w run, 公园 matched in no sentence). Patterns of their
+# own, for texts that hold such a character: the others keep one character class a run.
+_U = languages.UNSPACED
+_LETTERS_U = rf"(?:[^\W{_U}]+|[{_MARKS}]+)+"  # runs of one class at a time (fewer switches)
+_WORDS_U = re.compile(rf"{_LETTERS_U}(?:[-\u2010\u2011]{_LETTERS_U})*|[{_U}]|[^\s\w]")
+_PLAIN_WORDS_U = re.compile(rf"[^\W{_U}]+(?:[-\u2010\u2011][^\W{_U}]+)*|[{_U}]|[^\s\w]")
 _HAS_MARK = re.compile(f"[{_MARKS}]")
+_HAS_WORD = re.compile(r"\S")  # where _WORDS finds a word: any character but white space
 _ABOVE_LATIN = re.compile("[\u0300-\U0010ffff]")
 _SAME = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'", "`": "'", "\u2010": "-",
                        "\u2011": "-"})  # fmt: skip
@@ -182,11 +185,15 @@ class Glossary:
 
 
 def _words_of(text: str) -> re.Pattern[str]:
-    """The word pattern for `text`: the plain one unless it holds a combining mark."""
+    """The word pattern for `text`: the plain one unless it holds a combining mark, each in its
+    own form for a text with a character of a script written without spaces."""
     # No mark lies below U+0300 (Latin scripts after NFC): a cheap scan decides most texts.
-    if not _ABOVE_LATIN.search(text) or not _HAS_MARK.search(text):
+    if not _ABOVE_LATIN.search(text):
         return _PLAIN_WORDS
-    return _WORDS
+    marks, unspaced = _HAS_MARK.search(text), languages.any_unspaced(text)
+    if unspaced:
+        return _WORDS_U if marks else _PLAIN_WORDS_U
+    return _WORDS if marks else _PLAIN_WORDS
 
 
 def words(text: str) -> list[tuple[str, int, int]]:
@@ -407,10 +414,10 @@ def _entry(
             raise TmtError(f"{name}:{line}: {what} in the {side}")
     if _BAR.search(target):
         parts = [t.strip() for t in _BAR.split(target)]
-        if not all(_WORDS.search(t) for t in parts):
+        if not all(_HAS_WORD.search(t) for t in parts):
             raise TmtError(f"{name}:{line}: an empty alternative in the target {target!r}")
         targets = tuple(dict.fromkeys(parts))
-    elif _WORDS.search(target):
+    elif _HAS_WORD.search(target):
         targets = (target,)
     else:
         raise TmtError(f"{name}:{line}: the target {target!r} has no word")
