@@ -458,6 +458,29 @@ def test_terms_with_eflomal_finds_the_lexicon(terms_cfg: Config, tmp_path: Path)
     assert not terms.build(other, out, overwrite=True)["done"]
 
 
+def test_terms_of_a_language_written_without_spaces() -> None:
+    """A phrase of Chinese is written as Chinese writes it (公园, not 公 园: as a target, strict
+    would force the space), and one character may be a term (狗, dog), where one letter is
+    none; before, no Chinese phrase passed for a term, and the dictionary was empty."""
+
+    class Everything:  # aligns every word with every word of the other side
+        def align(self, source: list[list[str]], target: list[list[str]]) -> list[set]:
+            return [{(i, j) for i in range(len(s)) for j in range(len(t))}
+                    for s, t in zip(source, target)]  # fmt: skip
+
+    assert glossaries.join(["公", "园", "park", "a", "東", "京"]) == "公园 park a 東京"
+    assert list(terms.phrases(["公", "园"], ["park"], {(0, 0), (1, 0)}, 3))[-1] == ("公园", "park")
+    cfg = apply_overrides(load_config("tiny"), ["data.terms.skip_common=0",
+                                                "data.terms.min_count=2"])  # fmt: skip
+    chunk = [("狗", "dog"), ("狗", "dog"), ("a", "x"), ("a", "x")]
+    counted = terms._count(chunk, Everything(), cfg)
+    totals = collections.Counter({(s, t): n for s, t, n in counted["pairs"]})
+    freq = [collections.Counter(side) for side in counted["words"]]
+    assert terms._dictionary(totals, freq, cfg) == [("狗", ["dog"], 2)]  # "a": one letter
+    back = terms._count([("dog", "公园"), ("dog", "公园")], Everything(), cfg)
+    assert back["pairs"] == [["dog", "公园", 2]]
+
+
 def test_a_pair_with_a_side_past_align_words_is_not_aligned_nor_read() -> None:
     """A side of more than ALIGN_WORDS words (a file without line breaks) leaves its pair out of
     the alignment, and its words out of the counts; past 64 characters a word it is not even

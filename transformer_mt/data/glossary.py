@@ -202,6 +202,16 @@ def words(text: str) -> list[tuple[str, int, int]]:
     return [(m.group(), m.start(), m.end()) for m in _words_of(text).finditer(text)]
 
 
+def join(words: Sequence[str]) -> str:
+    """Words as a text writes them: a space between two, none between two characters of a
+    script written without spaces (公 园 is 公园)."""
+    text = words[0] if words else ""
+    for before, word in itertools.pairwise(words):
+        unspaced = languages.unspaced(before[-1:]) and languages.unspaced(word[:1])
+        text += word if unspaced else " " + word
+    return text
+
+
 def plain(word: str) -> str:
     """A word as glossaries compare it: NFC, plain apostrophes and hyphens."""
     if not word.isascii():

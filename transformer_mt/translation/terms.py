@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformer_mt.common import files, finished, textio
+from transformer_mt.common import files, finished, languages, textio
 from transformer_mt.common.exits import TmtError
 from transformer_mt.common.faults import fault_point
 from transformer_mt.config import Config, to_dict
@@ -245,7 +245,7 @@ def phrases(
                 continue
             if any(j1 <= j <= j2 and not i1 <= i <= i2 for i, j in links):
                 continue
-            yield " ".join(source[i1 : i2 + 1]), " ".join(target[j1 : j2 + 1])
+            yield glossaries.join(source[i1 : i2 + 1]), glossaries.join(target[j1 : j2 + 1])
 
 
 # --- the record of committed chunks -------------------------------------------------------------
@@ -314,10 +314,12 @@ def _dictionary(
     common = [{w for w, _ in f.most_common(terms.skip_common)} for f in freq]
 
     def term_like(phrase: str, side: int) -> bool:
-        words = phrase.split()
+        words = [w for w, _, _ in glossaries.words(phrase)]
         edges = (words[0], words[-1])
-        return all(len(w) > 1 and any(c.isalpha() for c in w) and w.casefold() not in common[side]
-                   and w not in common[side] for w in edges)  # fmt: skip
+        # One letter is no term, but one character of Chinese or Thai may be (狗, dog).
+        return all((len(w) > 1 or languages.unspaced(w)) and any(c.isalpha() for c in w)
+                   and w.casefold() not in common[side] and w not in common[side]
+                   for w in edges)  # fmt: skip
 
     # Case set aside (a glossary matches so): each phrase's most frequent form stands for it.
     forms: dict[tuple[int, str], collections.Counter[str]] = collections.defaultdict(
