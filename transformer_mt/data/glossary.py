@@ -205,7 +205,9 @@ def words(text: str) -> list[tuple[str, int, int]]:
 def join(words: Sequence[str]) -> str:
     """Words as a text writes them: a space between two, none between two characters of a
     script written without spaces (公 园 is 公园)."""
-    text = words[0] if words else ""
+    if len(words) < 2 or not languages.any_unspaced("".join(words)):  # most text: one C scan
+        return " ".join(words)
+    text = words[0]
     for before, word in itertools.pairwise(words):
         unspaced = languages.unspaced(before[-1:]) and languages.unspaced(word[:1])
         text += word if unspaced else " " + word
